@@ -1,0 +1,19 @@
+"""defrag: ends fragmentation out-of-memory errors on NVIDIA GPUs.
+
+Tensors live in a `Pool` backed by CUDA virtual memory management; `compact()`
+moves live tensors so that the physical pages they strand become free, and the
+pool stitches free pages into one virtual range for a large request.
+"""
+
+from .compactor import CompactionError, CompactionReport, compact
+from .errors import CudaError, CudaOutOfMemoryError, OutOfMemoryError, PoolClosedError
+from .pool import LiveTensor, Pool, open_pools
+from .units import format_bytes, parse_size
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "Pool", "compact", "CompactionReport", "CompactionError", "LiveTensor", "open_pools",
+    "CudaError", "CudaOutOfMemoryError", "OutOfMemoryError", "PoolClosedError",
+    "parse_size", "format_bytes",
+]

@@ -1,0 +1,104 @@
+"""The `defrag` command: demo, doctor, bench, replay."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def _version(dist: str) -> str:
+    from importlib import metadata
+    try:
+        return metadata.version(dist)
+    except metadata.PackageNotFoundError:
+        return "not installed"
+
+
+def doctor(args) -> int:
+    """Say plainly what works here and what does not. Always exits 0."""
+    import torch
+
+    from . import tensors
+    from .driver import cuda_driver_usable, default_emulated_driver
+    from .units import format_bytes
+
+    ok, reason = cuda_driver_usable()
+    lines = [
+        f"defrag {_version('defrag')}  python {sys.version.split()[0]}",
+        f"torch {torch.__version__}: UntypedStorage._swap_data_ptr_ "
+        + ("present -> compaction can move every pool tensor" if tensors.HAS_SWAP_DATA_PTR
+           else "MISSING -> compaction and adopt need torch >= 2.12; tensors will be treated as pinned"),
+        f"numba {_version('numba')}, numba-cuda {_version('numba-cuda')}, cuda-python {_version('cuda-python')} "
+        f"(cuda-bindings {_version('cuda-bindings')})",
+    ]
+    if ok:
+        from .driver import open_driver
+        drv = open_driver("cuda:0")
+        free, total = drv.mem_info()
+        lines.append(f"GPU: {drv.name}, {format_bytes(total)} total, {format_bytes(free)} free, "
+                     f"VMM granularity {format_bytes(drv.granularity)}; torch.cuda.is_available()={torch.cuda.is_available()}")
+        lines.append("-> Pool(device=None) uses the GPU; copy kernels run with numba-cuda.")
+    else:
+        lines.append(f"GPU: none usable ({reason})")
+        lines.append("-> Pool(device=None) uses the emulated device (CPU tensors over emulated device memory); "
+                     "kernels can run under the numba simulator (NUMBA_ENABLE_CUDASIM=1) for tests.")
+    emu = default_emulated_driver()
+    lines.append(f"emulated device: '{emu.name}', capacity {format_bytes(emu.api.capacity)}, "
+                 f"granularity {format_bytes(emu.granularity)} (DEFRAG_EMULATED_CAPACITY / DEFRAG_EMULATED_GRANULARITY)")
+    print("\n".join(lines))
+    return 0
+
+
+def demo(args) -> int:
+    from .demo import run_demo
+    return run_demo(device=args.device, out=args.out, capacity=args.capacity)
+
+
+def bench(args) -> int:
+    from .benchmarks.runner import main as bench_main
+    return bench_main(args)
+
+
+def replay(args) -> int:
+    from .replay import main as replay_main
+    return replay_main(args)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="defrag", description="Move live GPU tensors to end fragmentation OOMs.")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("demo", help="build a fragmented pool, watch a big request fail, compact, watch it succeed")
+    p.add_argument("--device", default=None, help="'emulated', 'cuda:N' (default: the GPU if one works, else emulated)")
+    p.add_argument("--capacity", default="256MiB", help="pool capacity (default 256MiB)")
+    p.add_argument("--out", default=".", help="folder for the before/after picture (default: current directory)")
+    p.set_defaults(func=demo)
+
+    p = sub.add_parser("doctor", help="versions, GPU and emulated device, and what will and won't work")
+    p.set_defaults(func=doctor)
+
+    p = sub.add_parser("bench", help="microbenchmarks side by side with PyTorch's allocator")
+    p.add_argument("--smoke", action="store_true", help="tiny sizes: finishes in well under a minute on a CPU")
+    p.add_argument("--device", default=None, help="'emulated' or 'cuda:N' (default: GPU if one works)")
+    p.add_argument("--out", default="bench-out", help="folder for results.json, results.md and plots")
+    p.add_argument("--only", default=None, help="comma-separated benchmark names to run")
+    p.set_defaults(func=bench)
+
+    p = sub.add_parser("replay", help="replay an allocation trace or PyTorch memory snapshot")
+    p.add_argument("path", help="a defrag trace (.jsonl/.json) or a torch.cuda.memory._dump_snapshot pickle")
+    p.add_argument("--capacity", required=True, help="pool capacity, e.g. 80GiB")
+    p.add_argument("--dry", action="store_true", help="accounting only: no bytes are mapped or copied")
+    p.add_argument("--json", default=None, help="write the results as JSON to this path")
+    p.add_argument("--device", default=None, help="'emulated' or 'cuda:N'")
+    p.set_defaults(func=replay)
+    return parser
+
+
+def main(argv=None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    return int(args.func(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,87 @@
+"""Driver layer: one adapter (`Driver`) over two implementations of one API.
+
+- CUDA: cuda-python's `cuda.bindings.driver`, loaded only when a CUDA device is
+  asked for (or probed for by `device=None`).
+- Emulated: `EmulatedCuda`, the same calls on host memory (memfd pages mapped at
+  fixed addresses), which never loads libcuda.
+
+`open_driver(spec)` turns a device spec into a `Driver`:
+`"cuda"`/`"cuda:N"`/`torch.device("cuda", N)` need a working driver (clear error
+otherwise); `"emulated"` is this process's emulated device; `None` is the first
+GPU when one works, else the emulated device; a `Driver` is used as it is.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+
+from .cuda import Driver, cuda_driver_usable
+from .emulated import DEFAULT_CAPACITY, DEFAULT_GRANULARITY, EmulatedCuda
+from .faults import FaultInjector
+
+__all__ = ["Driver", "EmulatedCuda", "FaultInjector", "open_driver", "cuda_driver_usable",
+           "default_emulated_driver", "DeviceUnavailableError"]
+
+
+class DeviceUnavailableError(RuntimeError):
+    """A CUDA device was asked for but no working CUDA driver/device is present."""
+
+
+_lock = threading.Lock()
+_cuda_drivers: dict[int, Driver] = {}
+_emulated: Driver | None = None
+
+
+def _env_bytes(name: str, default: int) -> int:
+    raw = os.environ.get(name)
+    if not raw:
+        return default
+    from ..units import parse_size
+    return parse_size(raw, what=name)
+
+
+def default_emulated_driver() -> Driver:
+    """This process's emulated device (one per process, like a GPU).
+
+    Its capacity and granularity come from DEFRAG_EMULATED_CAPACITY (default
+    16GiB; memfd pages cost nothing until written) and
+    DEFRAG_EMULATED_GRANULARITY (default 2MiB, as on H100/H200).
+    """
+    global _emulated
+    with _lock:
+        if _emulated is None:
+            _emulated = Driver.emulated(
+                capacity=_env_bytes("DEFRAG_EMULATED_CAPACITY", DEFAULT_CAPACITY),
+                granularity=_env_bytes("DEFRAG_EMULATED_GRANULARITY", DEFAULT_GRANULARITY))
+        return _emulated
+
+
+def _cuda_driver(ordinal: int) -> Driver:
+    with _lock:
+        if ordinal not in _cuda_drivers:
+            usable, reason = cuda_driver_usable()
+            if not usable:
+                raise DeviceUnavailableError(
+                    f"device 'cuda:{ordinal}' needs a working CUDA driver and GPU, but {reason}. "
+                    "Use device='emulated' (or device=None) to run on the CPU emulation.")
+            _cuda_drivers[ordinal] = Driver.cuda(ordinal)
+        return _cuda_drivers[ordinal]
+
+
+def open_driver(spec=None) -> Driver:
+    """Resolve a device spec to a `Driver` (see the module docstring)."""
+    if isinstance(spec, Driver):
+        return spec
+    if spec is None:
+        usable, _ = cuda_driver_usable()
+        return _cuda_driver(0) if usable else default_emulated_driver()
+    text = str(spec)  # accepts torch.device too
+    if text == "emulated":
+        return default_emulated_driver()
+    if text == "cuda" or text.startswith("cuda:"):
+        index = text.partition(":")[2] if ":" in text else "0"
+        if not index.isdigit():
+            raise ValueError(f"bad CUDA device {text!r}: expected 'cuda' or 'cuda:N'")
+        return _cuda_driver(int(index))
+    raise ValueError(f"unknown device {spec!r}: expected None, 'emulated', 'cuda', 'cuda:N' or a defrag Driver")

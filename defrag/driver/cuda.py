@@ -1,0 +1,217 @@
+"""The one adapter between defrag and a CUDA driver API.
+
+`Driver` builds every call with cuda-python's own types and sends it to an API
+object: the real `cuda.bindings.driver` module on a GPU, or an `EmulatedCuda`
+on a machine without one. Both return `(CUresult, *outputs)` tuples, and every
+result goes through `_check`, which raises `defrag.CudaError` (or its subclass
+`CudaOutOfMemoryError`) naming the call and the CUDA error. Nothing above this
+module touches the driver API directly.
+
+The adapter does not pool, cache or retry anything: one method, one driver
+call (SetAccess is one call per contiguous range, however many pages it spans).
+"""
+
+from __future__ import annotations
+
+import threading
+
+from cuda.bindings import driver as cu
+
+from ..errors import CudaError, CudaOutOfMemoryError
+from .emulated import DEFAULT_CAPACITY, DEFAULT_GRANULARITY, EmulatedCuda
+from .faults import FaultInjector
+
+R = cu.CUresult
+
+
+def _check(call: str, result):
+    """Unpack a `(CUresult, *outputs)` tuple: return the outputs, raise on failure."""
+    err = result[0]
+    if err != R.CUDA_SUCCESS:
+        code = int(err)
+        try:
+            name = R(code).name
+        except ValueError:
+            name = f"CUDA_ERROR_{code}"
+        cls = CudaOutOfMemoryError if code == int(R.CUDA_ERROR_OUT_OF_MEMORY) else CudaError
+        raise cls(call, name, code)
+    if len(result) == 1:
+        return None
+    if len(result) == 2:
+        return result[1]
+    return result[1:]
+
+
+def cuda_driver_usable() -> tuple[bool, str]:
+    """Probe whether a real CUDA driver with at least one GPU can be used.
+
+    Returns (usable, reason). Only a missing/failed driver counts as "no": the
+    probe catches the RuntimeError cuda-python raises when libcuda is absent and
+    error results from cuInit/cuDeviceGetCount, nothing broader.
+    """
+    try:
+        err, = cu.cuInit(0)
+    except RuntimeError as exc:  # cuda-python raises a RuntimeError subclass when libcuda is missing
+        return False, f"no CUDA driver library ({exc.__class__.__name__}: {exc})".strip()
+    if err != R.CUDA_SUCCESS:
+        return False, f"cuInit failed: {R(int(err)).name}"
+    err, count = cu.cuDeviceGetCount()
+    if err != R.CUDA_SUCCESS:
+        return False, f"cuDeviceGetCount failed: {R(int(err)).name}"
+    if count < 1:
+        return False, "the CUDA driver reports no devices"
+    return True, f"{count} CUDA device(s)"
+
+
+class Driver:
+    """One device seen through one driver API (real CUDA or emulated).
+
+    Guarantees: every method makes exactly the driver calls its name says, with
+    cuda-python's argument types, and raises `CudaError` on any failure without
+    retrying. It does not track what it created: ownership and rollback belong
+    to `defrag.vmm`.
+    """
+
+    def __init__(self, api, ordinal: int = 0, *, kind: str):
+        if kind not in ("cuda", "emulated"):
+            raise ValueError(f"kind must be 'cuda' or 'emulated', got {kind!r}")
+        self.kind = kind
+        self.ordinal = int(ordinal)
+        self.faults = FaultInjector(api)
+        self._api = self.faults  # every call passes the fault plan first
+        self._current = threading.local()
+        self._closed = False
+        _check("cuInit", self._api.cuInit(0))
+        count = _check("cuDeviceGetCount", self._api.cuDeviceGetCount())
+        if not 0 <= self.ordinal < count:
+            raise ValueError(f"device ordinal {self.ordinal} out of range: {count} device(s) present")
+        self.device = _check("cuDeviceGet", self._api.cuDeviceGet(self.ordinal))
+        # The primary context is the one PyTorch uses, so pointers we map are
+        # valid in torch's kernels and ours alike.
+        self.context = _check("cuDevicePrimaryCtxRetain", self._api.cuDevicePrimaryCtxRetain(self.device))
+        self.make_current()
+        self._prop = self._allocation_prop()
+        self.granularity = int(_check(
+            "cuMemGetAllocationGranularity",
+            self._api.cuMemGetAllocationGranularity(
+                self._prop, cu.CUmemAllocationGranularity_flags.CU_MEM_ALLOC_GRANULARITY_MINIMUM)))
+        self._access_rw = self._access_desc(cu.CUmemAccess_flags.CU_MEM_ACCESS_FLAGS_PROT_READWRITE)
+        raw_name = _check("cuDeviceGetName", self._api.cuDeviceGetName(256, self.device))
+        self.name = bytes(raw_name).split(b"\0", 1)[0].decode(errors="replace")
+        self.total_memory = int(_check("cuDeviceTotalMem", self._api.cuDeviceTotalMem(self.device)))
+
+    # ------------------------------------------------------------ constructors
+    @classmethod
+    def cuda(cls, ordinal: int = 0) -> "Driver":
+        """The real driver (`cuda.bindings.driver`) for GPU `ordinal`."""
+        return cls(cu, ordinal, kind="cuda")
+
+    @classmethod
+    def emulated(cls, *, capacity: int = DEFAULT_CAPACITY, granularity: int = DEFAULT_GRANULARITY,
+                 api: EmulatedCuda | None = None) -> "Driver":
+        """A fresh emulated device on host memory (never loads libcuda)."""
+        return cls(api or EmulatedCuda(capacity=capacity, granularity=granularity), 0, kind="emulated")
+
+    @property
+    def api(self):
+        """The underlying driver API object (module or EmulatedCuda), without fault injection."""
+        return self.faults._api
+
+    # ------------------------------------------------------------ structs
+    def _location(self):
+        loc = cu.CUmemLocation()
+        loc.type = cu.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
+        loc.id = self.ordinal
+        return loc
+
+    def _allocation_prop(self):
+        prop = cu.CUmemAllocationProp()
+        prop.type = cu.CUmemAllocationType.CU_MEM_ALLOCATION_TYPE_PINNED
+        prop.location = self._location()
+        return prop
+
+    def _access_desc(self, flags):
+        desc = cu.CUmemAccessDesc()
+        desc.location = self._location()
+        desc.flags = flags
+        return desc
+
+    # ------------------------------------------------------------ context
+    def make_current(self) -> None:
+        """Make the primary context current on the calling thread (once per thread)."""
+        if getattr(self._current, "ok", False):
+            return
+        _check("cuCtxSetCurrent", self._api.cuCtxSetCurrent(self.context))
+        self._current.ok = True
+
+    def synchronize(self) -> None:
+        """Wait until the device has finished all queued work (cuCtxSynchronize)."""
+        self.make_current()
+        _check("cuCtxSynchronize", self._api.cuCtxSynchronize())
+
+    def is_capturing(self, stream: int = 0) -> bool:
+        """Whether `stream` is capturing a CUDA graph (mapping or moving then is unsafe)."""
+        status = _check("cuStreamIsCapturing", self._api.cuStreamIsCapturing(cu.CUstream(int(stream))))
+        return status != cu.CUstreamCaptureStatus.CU_STREAM_CAPTURE_STATUS_NONE
+
+    def mem_info(self) -> tuple[int, int]:
+        """(free, total) device memory in bytes, as cuMemGetInfo reports it."""
+        self.make_current()
+        free, total = _check("cuMemGetInfo", self._api.cuMemGetInfo())
+        return int(free), int(total)
+
+    # ------------------------------------------------------------ physical memory
+    def create(self, size: int) -> int:
+        """Create one physical allocation of `size` bytes; returns its handle."""
+        handle = _check("cuMemCreate", self._api.cuMemCreate(int(size), self._prop, 0))
+        return int(handle)
+
+    def release(self, handle: int) -> None:
+        """Release a physical handle (its memory is freed at its last unmap)."""
+        _check("cuMemRelease", self._api.cuMemRelease(int(handle)))
+
+    # ------------------------------------------------------------ virtual memory
+    def reserve(self, size: int, alignment: int = 0) -> int:
+        """Reserve `size` bytes of virtual address space; returns the base address."""
+        va = _check("cuMemAddressReserve", self._api.cuMemAddressReserve(int(size), int(alignment), 0, 0))
+        return int(va)
+
+    def free_address(self, va: int, size: int) -> None:
+        """Return a whole reservation (nothing may be mapped inside it)."""
+        _check("cuMemAddressFree", self._api.cuMemAddressFree(int(va), int(size)))
+
+    def map(self, va: int, size: int, handle: int, offset: int = 0) -> None:
+        """Map `size` bytes of `handle` (from `offset`) at `va`; no access yet."""
+        _check("cuMemMap", self._api.cuMemMap(int(va), int(size), int(offset), int(handle), 0))
+
+    def unmap(self, va: int, size: int) -> None:
+        """Unmap whole mappings covering exactly [va, va+size). Does not synchronize."""
+        _check("cuMemUnmap", self._api.cuMemUnmap(int(va), int(size)))
+
+    def set_access(self, va: int, size: int) -> None:
+        """Grant this device read/write access to [va, va+size): one call for the whole range."""
+        _check("cuMemSetAccess", self._api.cuMemSetAccess(int(va), int(size), [self._access_rw], 1))
+
+    # ------------------------------------------------------------ data
+    def copy(self, dst: int, src: int, nbytes: int, stream: int = 0) -> None:
+        """Device-to-device copy of `nbytes`, ordered on `stream` (0: the legacy default stream)."""
+        self.make_current()
+        _check("cuMemcpyDtoDAsync",
+               self._api.cuMemcpyDtoDAsync(int(dst), int(src), int(nbytes), cu.CUstream(int(stream))))
+
+    def memset(self, ptr: int, value: int, nbytes: int, stream: int = 0) -> None:
+        """Set `nbytes` bytes at `ptr` to `value` (a byte), ordered on `stream`."""
+        self.make_current()
+        _check("cuMemsetD8Async",
+               self._api.cuMemsetD8Async(int(ptr), int(value) & 0xFF, int(nbytes), cu.CUstream(int(stream))))
+
+    # ------------------------------------------------------------ teardown
+    def close(self) -> None:
+        """Release the primary context reference taken at construction (idempotent)."""
+        if self._closed:
+            return
+        self._closed = True
+        _check("cuDevicePrimaryCtxRelease", self._api.cuDevicePrimaryCtxRelease(self.device))
+
+    def __repr__(self) -> str:
+        return f"Driver(kind={self.kind!r}, ordinal={self.ordinal}, name={self.name!r}, granularity={self.granularity})"

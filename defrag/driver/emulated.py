@@ -1,0 +1,498 @@
+"""A CUDA driver emulated on host memory, call-compatible with `cuda.bindings.driver`.
+
+`EmulatedCuda` implements the subset of the CUDA driver API that defrag uses,
+with the same function names, the same argument types (cuda-python's own
+`CUmemAllocationProp`, `CUmemAccessDesc`, `CUdeviceptr`, ...) and the same
+`(CUresult, *outputs)` return tuples, so `defrag.driver.Driver` runs unchanged on
+top of either.
+
+It is an emulation of the mechanism, not a mock of the results:
+
+- a physical allocation (`cuMemCreate`) is a memfd of the requested size;
+- a reservation (`cuMemAddressReserve`) is a PROT_NONE, MAP_NORESERVE mapping,
+  over-reserved and trimmed to the requested alignment;
+- `cuMemMap` maps the memfd MAP_SHARED|MAP_FIXED into the reservation with no
+  access; `cuMemSetAccess` is mprotect; `cuMemUnmap` maps PROT_NONE anonymous
+  memory back over the range;
+- copies are memmove, memset is memset, and the "device" is always idle, so
+  synchronization is a no-op.
+
+It enforces the rules a GPU enforces and answers with the error a GPU answers:
+granularity alignment of sizes, addresses and offsets; mapping only inside one
+reservation and never over a mapped range; unmapping only whole mappings;
+access only on mapped ranges; a device capacity beyond which `cuMemCreate`
+returns CUDA_ERROR_OUT_OF_MEMORY; aliasing (one handle mapped at two addresses
+shares its bytes); releasing a handle that is still mapped frees its memory only
+at its last unmap. Copies and memsets over addresses that are not mapped with
+access return CUDA_ERROR_INVALID_VALUE instead of faulting the process.
+
+What it does not emulate: asynchrony (every call completes before it returns),
+multiple devices' peer access, IPC handles, and the exact error codes of corner
+cases the CUDA documentation leaves open (those return CUDA_ERROR_INVALID_VALUE).
+"""
+
+from __future__ import annotations
+
+import bisect
+import ctypes
+import ctypes.util
+import itertools
+import mmap
+import os
+import threading
+from dataclasses import dataclass
+
+from cuda.bindings import driver as cu
+
+R = cu.CUresult
+GiB = 1 << 30
+MiB = 1 << 20
+
+DEFAULT_GRANULARITY = 2 * MiB  # what H100/H200 report for CU_MEM_ALLOC_GRANULARITY_MINIMUM
+DEFAULT_CAPACITY = 16 * GiB
+MEMFD_NAME = "defrag-emulated-page"
+
+_PROT_NONE = 0
+_PROT_READ = mmap.PROT_READ
+_PROT_RW = mmap.PROT_READ | mmap.PROT_WRITE
+_MAP_SHARED = mmap.MAP_SHARED
+_MAP_PRIVATE = mmap.MAP_PRIVATE
+_MAP_ANONYMOUS = mmap.MAP_ANONYMOUS
+_MAP_FIXED = 0x10
+_MAP_NORESERVE = 0x4000
+_MAP_FAILED = ctypes.c_void_p(-1).value
+
+_libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
+# Without restype/argtypes ctypes truncates 64-bit pointers to int.
+_libc.mmap.restype = ctypes.c_void_p
+_libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+_libc.munmap.restype = ctypes.c_int
+_libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+_libc.mprotect.restype = ctypes.c_int
+_libc.mprotect.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+
+
+def _os_mmap(addr: int, size: int, prot: int, flags: int, fd: int = -1, offset: int = 0) -> int:
+    result = _libc.mmap(addr or None, size, prot, flags, fd, offset)
+    if result is None or result == _MAP_FAILED:
+        err = ctypes.get_errno()
+        raise OSError(err, f"mmap failed: {os.strerror(err)}")
+    return result
+
+
+def _os_check(rc: int, what: str) -> None:
+    if rc != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"{what} failed: {os.strerror(err)}")
+
+
+@dataclass
+class _Physical:
+    fd: int
+    size: int
+    released: bool = False
+    map_count: int = 0
+
+
+@dataclass
+class _Mapping:
+    va: int
+    size: int
+    handle: int
+    offset: int
+    prots: bytearray = None  # protection per granule of this mapping (SetAccess may cover part of it)
+
+
+@dataclass
+class _Reservation:
+    base: int
+    size: int
+
+
+class EmulatedCuda:
+    """One emulated GPU (or several identical ones) on host memory.
+
+    Instances are independent: each has its own capacity, handles, reservations
+    and fault plan, so tests can build a fresh device each. Thread-safe: every
+    entry point holds one lock, like the driver's own serialization of VMM calls.
+    """
+
+    def __init__(self, *, capacity: int = DEFAULT_CAPACITY, granularity: int = DEFAULT_GRANULARITY,
+                 device_count: int = 1, name: str = "defrag emulated device"):
+        page = mmap.PAGESIZE
+        if granularity <= 0 or granularity % page:
+            raise ValueError(f"granularity must be a positive multiple of the host page size ({page}), got {granularity}")
+        if capacity < 0:
+            raise ValueError(f"capacity must be >= 0, got {capacity}")
+        self.capacity = int(capacity)
+        self.granularity = int(granularity)
+        self.device_count = int(device_count)
+        self.name = name
+        self.used = 0  # bytes held by live physical allocations
+        self.capturing = False  # tests flip this to emulate CUDA graph capture
+        self._lock = threading.RLock()
+        self._initialized = False
+        self._handles: dict[int, _Physical] = {}
+        self._next_handle = itertools.count(0x1000)
+        self._reservations: dict[int, _Reservation] = {}
+        self._res_starts: list[int] = []
+        self._mappings: dict[int, _Mapping] = {}
+        self._map_starts: list[int] = []
+        self._contexts: dict[int, int] = {}  # context id -> retain count
+        self.calls: dict[str, int] = {}
+
+    # ---------------------------------------------------------------- helpers
+    def _count(self, name: str) -> None:
+        self.calls[name] = self.calls.get(name, 0) + 1
+
+    def _aligned(self, *values: int) -> bool:
+        return all(int(v) % self.granularity == 0 for v in values)
+
+    def _reservation_of(self, va: int, size: int) -> _Reservation | None:
+        i = bisect.bisect_right(self._res_starts, va) - 1
+        if i < 0:
+            return None
+        res = self._reservations[self._res_starts[i]]
+        if va >= res.base and va + size <= res.base + res.size:
+            return res
+        return None
+
+    def _mappings_in(self, va: int, size: int) -> list[_Mapping]:
+        """Mappings intersecting [va, va+size), in address order."""
+        i = bisect.bisect_right(self._map_starts, va) - 1
+        i = max(i, 0)
+        out = []
+        end = va + size
+        while i < len(self._map_starts):
+            m = self._mappings[self._map_starts[i]]
+            if m.va >= end:
+                break
+            if m.va + m.size > va:
+                out.append(m)
+            i += 1
+        return out
+
+    def _covering(self, va: int, size: int) -> list[_Mapping] | None:
+        """The mappings that exactly tile [va, va+size) without gaps, else None."""
+        maps = self._mappings_in(va, size)
+        cursor = va
+        for m in maps:
+            if m.va > cursor:
+                return None
+            cursor = m.va + m.size
+        if not maps or maps[0].va > va or cursor < va + size:
+            return None
+        return maps
+
+    def _accessible(self, ptr: int, size: int, write: bool) -> bool:
+        maps = self._covering(ptr, size)
+        if maps is None:
+            return False
+        need = _PROT_RW if write else _PROT_READ
+        g = self.granularity
+        end = ptr + size
+        for m in maps:
+            first = (max(ptr, m.va) - m.va) // g
+            last = (min(end, m.va + m.size) - 1 - m.va) // g
+            if any(p & need != need for p in m.prots[first:last + 1]):
+                return False
+        return True
+
+    def _drop_physical(self, handle: int) -> None:
+        phys = self._handles.pop(handle)
+        os.close(phys.fd)
+        self.used -= phys.size
+
+    @staticmethod
+    def _int(value) -> int:
+        return int(value)
+
+    # ---------------------------------------------------------------- context
+    def cuInit(self, flags):
+        self._count("cuInit")
+        with self._lock:
+            self._initialized = True
+        return (R.CUDA_SUCCESS,)
+
+    def _need_init(self):
+        return None if self._initialized else R.CUDA_ERROR_NOT_INITIALIZED
+
+    def cuDeviceGetCount(self):
+        self._count("cuDeviceGetCount")
+        if (e := self._need_init()) is not None:
+            return (e, 0)
+        return (R.CUDA_SUCCESS, self.device_count)
+
+    def cuDeviceGet(self, ordinal):
+        self._count("cuDeviceGet")
+        if (e := self._need_init()) is not None:
+            return (e, cu.CUdevice(0))
+        if not 0 <= int(ordinal) < self.device_count:
+            return (R.CUDA_ERROR_INVALID_DEVICE, cu.CUdevice(0))
+        return (R.CUDA_SUCCESS, cu.CUdevice(int(ordinal)))
+
+    def cuDeviceGetName(self, length, dev):
+        self._count("cuDeviceGetName")
+        return (R.CUDA_SUCCESS, self.name.encode()[: int(length)])
+
+    def cuDeviceTotalMem(self, dev):
+        self._count("cuDeviceTotalMem")
+        return (R.CUDA_SUCCESS, self.capacity)
+
+    def cuDriverGetVersion(self):
+        self._count("cuDriverGetVersion")
+        return (R.CUDA_SUCCESS, 0)
+
+    def cuDevicePrimaryCtxRetain(self, dev):
+        self._count("cuDevicePrimaryCtxRetain")
+        if (e := self._need_init()) is not None:
+            return (e, cu.CUcontext(0))
+        with self._lock:
+            ctx_id = 0xC000 + int(dev)
+            self._contexts[ctx_id] = self._contexts.get(ctx_id, 0) + 1
+        return (R.CUDA_SUCCESS, cu.CUcontext(ctx_id))
+
+    def cuDevicePrimaryCtxRelease(self, dev):
+        self._count("cuDevicePrimaryCtxRelease")
+        with self._lock:
+            ctx_id = 0xC000 + int(dev)
+            if self._contexts.get(ctx_id, 0) <= 0:
+                return (R.CUDA_ERROR_INVALID_CONTEXT,)
+            self._contexts[ctx_id] -= 1
+        return (R.CUDA_SUCCESS,)
+
+    def cuCtxSetCurrent(self, ctx):
+        self._count("cuCtxSetCurrent")
+        if int(ctx) and int(ctx) not in self._contexts:
+            return (R.CUDA_ERROR_INVALID_CONTEXT,)
+        return (R.CUDA_SUCCESS,)
+
+    def cuCtxSynchronize(self):
+        self._count("cuCtxSynchronize")
+        return (R.CUDA_SUCCESS,)
+
+    def cuStreamSynchronize(self, stream):
+        self._count("cuStreamSynchronize")
+        return (R.CUDA_SUCCESS,)
+
+    def cuStreamIsCapturing(self, stream):
+        self._count("cuStreamIsCapturing")
+        status = cu.CUstreamCaptureStatus
+        return (R.CUDA_SUCCESS,
+                status.CU_STREAM_CAPTURE_STATUS_ACTIVE if self.capturing else status.CU_STREAM_CAPTURE_STATUS_NONE)
+
+    def cuMemGetInfo(self):
+        self._count("cuMemGetInfo")
+        with self._lock:
+            return (R.CUDA_SUCCESS, self.capacity - self.used, self.capacity)
+
+    # ---------------------------------------------------------------- physical
+    def _check_prop(self, prop) -> bool:
+        if not isinstance(prop, cu.CUmemAllocationProp):
+            raise TypeError(f"prop must be a cuda.bindings.driver.CUmemAllocationProp, got {type(prop).__name__}")
+        return (prop.type == cu.CUmemAllocationType.CU_MEM_ALLOCATION_TYPE_PINNED
+                and prop.location.type == cu.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
+                and 0 <= prop.location.id < self.device_count)
+
+    def cuMemGetAllocationGranularity(self, prop, option):
+        self._count("cuMemGetAllocationGranularity")
+        if not self._check_prop(prop):
+            return (R.CUDA_ERROR_INVALID_VALUE, 0)
+        if not isinstance(option, cu.CUmemAllocationGranularity_flags):
+            raise TypeError("option must be a CUmemAllocationGranularity_flags")
+        return (R.CUDA_SUCCESS, self.granularity)
+
+    def cuMemCreate(self, size, prop, flags):
+        self._count("cuMemCreate")
+        size = int(size)
+        with self._lock:
+            if (e := self._need_init()) is not None:
+                return (e, cu.CUmemGenericAllocationHandle(0))
+            if not self._check_prop(prop) or size <= 0 or not self._aligned(size) or int(flags) != 0:
+                return (R.CUDA_ERROR_INVALID_VALUE, cu.CUmemGenericAllocationHandle(0))
+            if self.used + size > self.capacity:
+                return (R.CUDA_ERROR_OUT_OF_MEMORY, cu.CUmemGenericAllocationHandle(0))
+            fd = os.memfd_create(MEMFD_NAME, os.MFD_CLOEXEC)
+            try:
+                os.ftruncate(fd, size)
+            except OSError:
+                os.close(fd)
+                return (R.CUDA_ERROR_OUT_OF_MEMORY, cu.CUmemGenericAllocationHandle(0))
+            handle = next(self._next_handle)
+            self._handles[handle] = _Physical(fd=fd, size=size)
+            self.used += size
+            return (R.CUDA_SUCCESS, cu.CUmemGenericAllocationHandle(handle))
+
+    def cuMemRelease(self, handle):
+        self._count("cuMemRelease")
+        handle = int(handle)
+        with self._lock:
+            phys = self._handles.get(handle)
+            if phys is None or phys.released:
+                return (R.CUDA_ERROR_INVALID_VALUE,)
+            phys.released = True
+            if phys.map_count == 0:
+                self._drop_physical(handle)
+            return (R.CUDA_SUCCESS,)
+
+    # ---------------------------------------------------------------- virtual
+    def cuMemAddressReserve(self, size, alignment, addr, flags):
+        self._count("cuMemAddressReserve")
+        size, alignment = int(size), int(alignment)
+        with self._lock:
+            if (e := self._need_init()) is not None:
+                return (e, cu.CUdeviceptr(0))
+            if alignment == 0:
+                alignment = self.granularity
+            if (size <= 0 or not self._aligned(size) or alignment & (alignment - 1)
+                    or alignment % self.granularity or int(flags) != 0):
+                return (R.CUDA_ERROR_INVALID_VALUE, cu.CUdeviceptr(0))
+            # Over-reserve by the alignment, then trim both ends: mmap only
+            # promises host-page alignment. The hint is ignored, as the driver may.
+            span = size + alignment
+            try:
+                raw = _os_mmap(0, span, _PROT_NONE, _MAP_PRIVATE | _MAP_ANONYMOUS | _MAP_NORESERVE)
+            except OSError:
+                return (R.CUDA_ERROR_OUT_OF_MEMORY, cu.CUdeviceptr(0))
+            base = (raw + alignment - 1) // alignment * alignment
+            if base > raw:
+                _os_check(_libc.munmap(raw, base - raw), "munmap")
+            tail = raw + span - (base + size)
+            if tail:
+                _os_check(_libc.munmap(base + size, tail), "munmap")
+            self._reservations[base] = _Reservation(base, size)
+            bisect.insort(self._res_starts, base)
+            return (R.CUDA_SUCCESS, cu.CUdeviceptr(base))
+
+    def cuMemAddressFree(self, ptr, size):
+        self._count("cuMemAddressFree")
+        ptr, size = int(ptr), int(size)
+        with self._lock:
+            res = self._reservations.get(ptr)
+            if res is None or res.size != size or self._mappings_in(ptr, size):
+                return (R.CUDA_ERROR_INVALID_VALUE,)
+            _os_check(_libc.munmap(ptr, size), "munmap")
+            del self._reservations[ptr]
+            self._res_starts.remove(ptr)
+            return (R.CUDA_SUCCESS,)
+
+    def cuMemMap(self, ptr, size, offset, handle, flags):
+        self._count("cuMemMap")
+        ptr, size, offset, handle = int(ptr), int(size), int(offset), int(handle)
+        with self._lock:
+            phys = self._handles.get(handle)
+            if (phys is None or phys.released or size <= 0 or int(flags) != 0
+                    or not self._aligned(ptr, size, offset) or offset + size > phys.size
+                    or self._reservation_of(ptr, size) is None or self._mappings_in(ptr, size)):
+                return (R.CUDA_ERROR_INVALID_VALUE,)
+            _os_mmap(ptr, size, _PROT_NONE, _MAP_SHARED | _MAP_FIXED, phys.fd, offset)
+            self._mappings[ptr] = _Mapping(ptr, size, handle, offset, bytearray(size // self.granularity))
+            bisect.insort(self._map_starts, ptr)
+            phys.map_count += 1
+            return (R.CUDA_SUCCESS,)
+
+    def cuMemUnmap(self, ptr, size):
+        self._count("cuMemUnmap")
+        ptr, size = int(ptr), int(size)
+        with self._lock:
+            if size <= 0 or not self._aligned(ptr, size):
+                return (R.CUDA_ERROR_INVALID_VALUE,)
+            maps = self._covering(ptr, size)
+            # One unmap may cover several whole mappings but never split one.
+            if maps is None or maps[0].va != ptr or maps[-1].va + maps[-1].size != ptr + size:
+                return (R.CUDA_ERROR_INVALID_VALUE,)
+            _os_mmap(ptr, size, _PROT_NONE, _MAP_PRIVATE | _MAP_ANONYMOUS | _MAP_NORESERVE | _MAP_FIXED)
+            for m in maps:
+                del self._mappings[m.va]
+                self._map_starts.remove(m.va)
+                phys = self._handles[m.handle]
+                phys.map_count -= 1
+                if phys.released and phys.map_count == 0:
+                    self._drop_physical(m.handle)
+            return (R.CUDA_SUCCESS,)
+
+    def cuMemSetAccess(self, ptr, size, desc, count):
+        self._count("cuMemSetAccess")
+        ptr, size, count = int(ptr), int(size), int(count)
+        descs = list(desc)
+        for d in descs:
+            if not isinstance(d, cu.CUmemAccessDesc):
+                raise TypeError(f"desc entries must be CUmemAccessDesc, got {type(d).__name__}")
+        with self._lock:
+            if count != len(descs) or count < 1 or size <= 0 or not self._aligned(ptr, size):
+                return (R.CUDA_ERROR_INVALID_VALUE,)
+            maps = self._covering(ptr, size)
+            if maps is None:
+                return (R.CUDA_ERROR_INVALID_VALUE,)
+            prot = None
+            flags = cu.CUmemAccess_flags
+            for d in descs:
+                if (d.location.type != cu.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
+                        or not 0 <= d.location.id < self.device_count):
+                    return (R.CUDA_ERROR_INVALID_DEVICE,)
+                prot = {flags.CU_MEM_ACCESS_FLAGS_PROT_NONE: _PROT_NONE,
+                        flags.CU_MEM_ACCESS_FLAGS_PROT_READ: _PROT_READ,
+                        flags.CU_MEM_ACCESS_FLAGS_PROT_READWRITE: _PROT_RW}.get(d.flags)
+                if prot is None:
+                    return (R.CUDA_ERROR_INVALID_VALUE,)
+            _os_check(_libc.mprotect(ptr, size, prot), "mprotect")
+            g = self.granularity
+            for m in maps:
+                # SetAccess may cover part of a mapping: record it per granule.
+                first = (max(ptr, m.va) - m.va) // g
+                last = (min(ptr + size, m.va + m.size) - m.va) // g
+                m.prots[first:last] = bytes([prot]) * (last - first)
+            return (R.CUDA_SUCCESS,)
+
+    # ---------------------------------------------------------------- copies
+    def cuMemcpyDtoDAsync(self, dst, src, nbytes, stream):
+        self._count("cuMemcpyDtoDAsync")
+        return self._memcpy(int(dst), int(src), int(nbytes))
+
+    def cuMemcpyDtoD(self, dst, src, nbytes):
+        self._count("cuMemcpyDtoD")
+        return self._memcpy(int(dst), int(src), int(nbytes))
+
+    def _memcpy(self, dst: int, src: int, nbytes: int):
+        if nbytes == 0:
+            return (R.CUDA_SUCCESS,)
+        with self._lock:
+            if nbytes < 0 or not self._accessible(src, nbytes, False) or not self._accessible(dst, nbytes, True):
+                return (R.CUDA_ERROR_INVALID_VALUE,)
+            ctypes.memmove(dst, src, nbytes)
+            return (R.CUDA_SUCCESS,)
+
+    def cuMemsetD8Async(self, dst, value, nbytes, stream):
+        self._count("cuMemsetD8Async")
+        dst, nbytes = int(dst), int(nbytes)
+        if nbytes == 0:
+            return (R.CUDA_SUCCESS,)
+        with self._lock:
+            if nbytes < 0 or not self._accessible(dst, nbytes, True):
+                return (R.CUDA_ERROR_INVALID_VALUE,)
+            ctypes.memset(dst, int(value) & 0xFF, nbytes)
+            return (R.CUDA_SUCCESS,)
+
+    # ---------------------------------------------------------------- inspection
+    def is_accessible(self, ptr: int, size: int, write: bool = True) -> bool:
+        """Whether [ptr, ptr+size) is mapped with (write) access: a test aid."""
+        with self._lock:
+            return self._accessible(int(ptr), int(size), write)
+
+    def state(self) -> dict:
+        """Counts of live handles, mappings and reservations: a leak check."""
+        with self._lock:
+            return {"handles": len(self._handles), "mappings": len(self._mappings),
+                    "reservations": len(self._reservations), "used_bytes": self.used}
+
+    def close(self) -> None:
+        """Tear down everything still held (a process exit for this device)."""
+        with self._lock:
+            for va in list(self._map_starts):
+                m = self._mappings[va]
+                self.cuMemUnmap(m.va, m.size)
+            for handle in list(self._handles):
+                self._handles[handle].released = True
+                self._drop_physical(handle)
+            for base in list(self._res_starts):
+                self.cuMemAddressFree(base, self._reservations[base].size)

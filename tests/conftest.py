@@ -1,0 +1,13 @@
+"""Test-wide setup: pick the numba simulator when no GPU driver is present.
+
+numba reads NUMBA_ENABLE_CUDASIM when numba.cuda is first imported, so this
+must run before any test module imports defrag.kernels. On a machine with a
+working CUDA driver the variable is left alone and kernels run for real.
+"""
+
+import os
+
+from defrag.driver import cuda_driver_usable
+
+if "NUMBA_ENABLE_CUDASIM" not in os.environ and not cuda_driver_usable()[0]:
+    os.environ["NUMBA_ENABLE_CUDASIM"] = "1"

@@ -1,0 +1,322 @@
+"""The driver-level checks of tests/cpu/test_driver.py, on a real GPU through `Driver.cuda(0)`.
+
+Bytes move through the driver (memset, DtoD copy) and are checked on the host
+with cuMemcpyHtoD / cuMemcpyDtoH. On machines without a working CUDA driver,
+tests/gpu/conftest.py skips every test here with the reason; nothing at import
+time touches the driver, so collection never fails.
+
+Deliberately not done on a GPU: copies into unmapped or no-access memory (an
+illegal address there is a sticky error that poisons the context for every later
+test) and double releases (undefined in the driver documentation).
+
+Where the CUDA documentation does not pin the error code of a misuse, the test
+accepts the codes the driver documents for that call; the emulation answers
+CUDA_ERROR_INVALID_VALUE in all of these cases.
+"""
+from __future__ import annotations
+
+import ctypes
+import os
+
+import pytest
+from cuda.bindings import driver as cu
+
+from defrag.driver import Driver
+from defrag.errors import CudaError, CudaOutOfMemoryError
+
+R = cu.CUresult
+INVALID = {"CUDA_ERROR_INVALID_VALUE"}
+# Misuse whose exact code the documentation leaves open (emulation: INVALID_VALUE).
+MISUSE = {"CUDA_ERROR_INVALID_VALUE", "CUDA_ERROR_ILLEGAL_STATE", "CUDA_ERROR_ALREADY_MAPPED",
+          "CUDA_ERROR_NOT_MAPPED", "CUDA_ERROR_NOT_PERMITTED", "CUDA_ERROR_INVALID_ADDRESS_SPACE"}
+
+
+# ---------------------------------------------------------------- fixtures and helpers
+
+@pytest.fixture(scope="module")
+def gpu():
+    d = Driver.cuda(0)
+    yield d
+    d.close()
+
+
+class Held:
+    """What a test created on the GPU, torn down in reverse order even when the test fails."""
+
+    def __init__(self, d: Driver):
+        self.d = d
+        self.maps: list[tuple[int, int]] = []
+        self.handles: list[int] = []
+        self.reservations: list[tuple[int, int]] = []
+
+    @property
+    def G(self) -> int:
+        return self.d.granularity
+
+    def create(self, size: int) -> int:
+        h = self.d.create(size)
+        self.handles.append(h)
+        return h
+
+    def release(self, h: int) -> None:
+        self.d.release(h)
+        self.handles.remove(h)
+
+    def reserve(self, size: int) -> int:
+        va = self.d.reserve(size)
+        self.reservations.append((va, size))
+        return va
+
+    def map(self, va: int, size: int, h: int, offset: int = 0) -> None:
+        self.d.map(va, size, h, offset)
+        self.maps.append((va, size))
+
+    def unmap(self, va: int, size: int) -> None:
+        self.d.unmap(va, size)
+        self.maps.remove((va, size))
+
+    def mapped_rw(self, size: int) -> tuple[int, int]:
+        h = self.create(size)
+        va = self.reserve(size)
+        self.map(va, size, h)
+        self.d.set_access(va, size)
+        return h, va
+
+    def close(self) -> None:
+        self.d.faults.clear()
+        self.d.synchronize()  # unmap does not wait for the device
+        for va, size in reversed(self.maps):
+            self.d.unmap(va, size)
+        for h in reversed(self.handles):
+            self.d.release(h)
+        for va, size in reversed(self.reservations):
+            self.d.free_address(va, size)
+
+
+@pytest.fixture
+def held(gpu):
+    gpu.make_current()
+    h = Held(gpu)
+    yield h
+    h.close()
+
+
+def _ok(result) -> None:
+    assert result[0] == R.CUDA_SUCCESS, result
+
+
+def to_device(d: Driver, va: int, data: bytes) -> None:
+    buf = ctypes.create_string_buffer(data, len(data))
+    _ok(cu.cuMemcpyHtoD(cu.CUdeviceptr(va), ctypes.addressof(buf), len(data)))
+
+
+def to_host(d: Driver, va: int, n: int) -> bytes:
+    d.synchronize()  # driver.copy/memset run on the (async) legacy stream
+    buf = ctypes.create_string_buffer(n)
+    _ok(cu.cuMemcpyDtoH(ctypes.addressof(buf), cu.CUdeviceptr(va), n))
+    return buf.raw
+
+
+def expect_error(fn, *args, call: str, names=INVALID, cls=CudaError) -> CudaError:
+    with pytest.raises(cls) as info:
+        fn(*args)
+    err = info.value
+    assert err.call == call
+    assert err.name in names, f"{call} answered {err.name}; the emulation answers CUDA_ERROR_INVALID_VALUE"
+    assert err.code == int(getattr(R, err.name))
+    assert call in str(err) and err.name in str(err)
+    return err
+
+
+# ---------------------------------------------------------------- device
+
+def test_gpu_driver_reports_its_device(gpu):
+    assert gpu.kind == "cuda" and gpu.ordinal == 0
+    g = gpu.granularity
+    assert g >= 64 << 10 and g & (g - 1) == 0
+    assert gpu.name and gpu.total_memory > 0
+    free, total = gpu.mem_info()
+    assert 0 < free <= total and total == gpu.total_memory
+    assert gpu.is_capturing() is False
+
+
+# ---------------------------------------------------------------- bytes
+
+def test_gpu_bytes_survive_remap_to_another_reservation(held, gpu):
+    G = held.G
+    data = os.urandom(2 * G)
+    h = held.create(2 * G)
+    va1 = held.reserve(2 * G)
+    held.map(va1, 2 * G, h)
+    gpu.set_access(va1, 2 * G)
+    to_device(gpu, va1, data)
+    gpu.synchronize()
+    held.unmap(va1, 2 * G)
+    va2 = held.reserve(4 * G)
+    held.map(va2 + G, 2 * G, h)
+    gpu.set_access(va2 + G, 2 * G)
+    assert to_host(gpu, va2 + G, 2 * G) == data
+    # And bytes written by the device through the new address read back too.
+    gpu.memset(va2 + G + 3, 0xA5, G)
+    expected = bytearray(data)
+    expected[3:3 + G] = b"\xa5" * G
+    assert to_host(gpu, va2 + G, 2 * G) == bytes(expected)
+
+
+def test_gpu_remap_of_a_slice_reads_that_slice(held, gpu):
+    G = held.G
+    data = os.urandom(3 * G)
+    h, va = held.mapped_rw(3 * G)
+    to_device(gpu, va, data)
+    gpu.synchronize()
+    held.unmap(va, 3 * G)
+    held.map(va, G, h, 2 * G)
+    held.map(va + G, G, h, 0)
+    gpu.set_access(va, 2 * G)              # one call over two mappings
+    assert to_host(gpu, va, 2 * G) == data[2 * G:] + data[:G]
+
+
+def test_gpu_aliasing_one_handle_two_addresses(held, gpu):
+    G = held.G
+    h = held.create(G)
+    va1, va2 = held.reserve(G), held.reserve(G)
+    held.map(va1, G, h)
+    held.map(va2, G, h)
+    gpu.set_access(va1, G)
+    gpu.set_access(va2, G)
+    data = os.urandom(G)
+    to_device(gpu, va1, data)
+    assert to_host(gpu, va2, G) == data
+    gpu.memset(va2 + 100, 0x3C, 50)
+    assert to_host(gpu, va1 + 90, 70) == data[90:100] + b"\x3c" * 50 + data[150:160]
+
+
+def test_gpu_copy_and_memset_across_mapping_boundaries(held, gpu):
+    G = held.G
+    va = held.reserve(4 * G)
+    for i in range(4):
+        held.map(va + i * G, G, held.create(G))
+    gpu.set_access(va, 4 * G)              # one SetAccess for four mappings
+    gpu.memset(va, 0x11, 4 * G)
+    data = os.urandom(G)
+    _, src = held.mapped_rw(G)
+    to_device(gpu, src, data)
+    gpu.copy(va + G // 2, src, G)          # straddles the first boundary
+    expected = bytearray(b"\x11" * (4 * G))
+    expected[G // 2:G // 2 + G] = data
+    assert to_host(gpu, va, 4 * G) == bytes(expected)
+    held.unmap(va + 3 * G, G)
+    held.unmap(va + 2 * G, G)
+    assert to_host(gpu, va, 2 * G) == bytes(expected[:2 * G])
+
+
+def test_gpu_release_while_mapped_keeps_bytes_until_last_unmap(held, gpu):
+    G = held.G
+    size = 32 * G
+    free0, _ = gpu.mem_info()
+    h, va = held.mapped_rw(size)
+    free1, _ = gpu.mem_info()
+    assert free1 <= free0 - size
+    data = os.urandom(G)
+    to_device(gpu, va + 5 * G, data)
+    held.release(h)                        # deferred: still mapped
+    assert to_host(gpu, va + 5 * G, G) == data
+    gpu.memset(va, 0x77, G)
+    assert to_host(gpu, va, 8) == b"\x77" * 8
+    gpu.synchronize()
+    held.unmap(va, size)                   # the last unmap frees the memory
+    free2, _ = gpu.mem_info()
+    assert free2 >= free1 + size
+
+
+# ---------------------------------------------------------------- rule violations
+
+def test_gpu_misaligned_sizes_addresses_and_offsets(held, gpu):
+    G = held.G
+    expect_error(gpu.create, G + 4096, call="cuMemCreate")
+    expect_error(gpu.reserve, G + 4096, call="cuMemAddressReserve")
+    h = held.create(2 * G)
+    va = held.reserve(4 * G)
+    expect_error(gpu.map, va + 4096, G, h, call="cuMemMap")
+    expect_error(gpu.map, va, G + 4096, h, call="cuMemMap")
+    expect_error(gpu.map, va, G, h, 4096, call="cuMemMap")
+    held.map(va, 2 * G, h)
+    expect_error(gpu.unmap, va + 4096, G, call="cuMemUnmap", names=MISUSE)
+    expect_error(gpu.set_access, va + 4096, G, call="cuMemSetAccess", names=MISUSE)
+
+
+def test_gpu_map_outside_reservation_beyond_handle_or_over_a_mapping(held, gpu):
+    G = held.G
+    h = held.create(2 * G)
+    va = held.reserve(2 * G)
+    expect_error(gpu.map, va + G, 2 * G, h, call="cuMemMap", names=MISUSE)      # past the end
+    expect_error(gpu.map, va, 2 * G, h, G, call="cuMemMap", names=MISUSE)       # offset+size > handle
+    expect_error(gpu.map, va, 3 * G, h, call="cuMemMap", names=MISUSE)          # size > handle
+    held.map(va, G, h)
+    expect_error(gpu.map, va, G, h, G, call="cuMemMap", names=MISUSE)           # already mapped
+    held.map(va + G, G, h, G)              # the failed calls left the free page free
+    gpu.set_access(va, 2 * G)
+
+
+def test_gpu_unmap_and_set_access_need_whole_mapped_ranges(held, gpu):
+    G = held.G
+    h = held.create(2 * G)
+    va = held.reserve(4 * G)
+    held.map(va, 2 * G, h)
+    gpu.set_access(va, 2 * G)
+    to_device(gpu, va, b"intact" * 10)
+    expect_error(gpu.unmap, va, G, call="cuMemUnmap", names=MISUSE)             # splits a mapping
+    expect_error(gpu.unmap, va + 2 * G, G, call="cuMemUnmap", names=MISUSE)     # nothing mapped
+    expect_error(gpu.set_access, va + 2 * G, G, call="cuMemSetAccess", names=MISUSE)  # unmapped
+    expect_error(gpu.set_access, va, 3 * G, call="cuMemSetAccess", names=MISUSE)      # runs off it
+    assert to_host(gpu, va, 60) == b"intact" * 10   # the mapping survived every failed call
+
+
+def test_gpu_free_address_with_the_wrong_size_fails(held, gpu):
+    G = held.G
+    va = held.reserve(4 * G)
+    expect_error(gpu.free_address, va, 2 * G, call="cuMemAddressFree", names=MISUSE)
+
+
+# ---------------------------------------------------------------- fault injection
+
+def test_gpu_fault_fires_on_the_nth_map_without_side_effect(held, gpu):
+    G = held.G
+    h = held.create(2 * G)
+    va = held.reserve(2 * G)
+    gpu.faults.inject("cuMemMap", R.CUDA_ERROR_ILLEGAL_STATE, nth=2)
+    held.map(va, G, h)
+    expect_error(gpu.map, va + G, G, h, G, call="cuMemMap", names={"CUDA_ERROR_ILLEGAL_STATE"})
+    assert gpu.faults.pending() == 0
+    held.map(va + G, G, h, G)              # nothing was mapped by the failed call
+    gpu.set_access(va, 2 * G)
+    gpu.memset(va, 1, 2 * G)
+    assert to_host(gpu, va + 2 * G - 4, 4) == b"\x01" * 4
+
+
+def test_gpu_fault_repeat_and_clear(held, gpu):
+    G = held.G
+    gpu.faults.inject("cuMemCreate", R.CUDA_ERROR_OUT_OF_MEMORY, repeat=True)
+    for _ in range(2):
+        expect_error(gpu.create, G, call="cuMemCreate", names={"CUDA_ERROR_OUT_OF_MEMORY"},
+                     cls=CudaOutOfMemoryError)
+    assert gpu.faults.pending() == 1
+    gpu.faults.clear()
+    assert gpu.faults.pending() == 0
+    held.create(G)
+    with pytest.raises(ValueError):
+        gpu.faults.inject("cuMemFrobnicate")
+
+
+def test_gpu_one_unmap_covers_several_whole_mappings(held, gpu):
+    """The emulation lets one cuMemUnmap cover adjacent whole mappings; the GPU must agree."""
+    G = held.G
+    va = held.reserve(2 * G)
+    held.map(va, G, held.create(G))
+    held.map(va + G, G, held.create(G))
+    gpu.set_access(va, 2 * G)
+    gpu.synchronize()
+    gpu.unmap(va, 2 * G)
+    held.maps.clear()
+    held.map(va, G, held.handles[1])       # both pages are free again
+    held.map(va + G, G, held.handles[0])
