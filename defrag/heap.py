@@ -1,0 +1,260 @@
+"""Best-fit allocator over integer virtual offsets: blocks, split, coalesce.
+
+Pure bookkeeping: no torch, no numpy, no driver. The pool owns the mapping of
+pages; it tells the heap which ranges are usable (`insert_free` when it maps,
+`remove_free` when it unmaps) and the heap hands out aligned blocks inside them.
+"""
+from __future__ import annotations
+
+from operator import index
+
+from sortedcontainers import SortedDict, SortedList
+
+ALIGNMENT = 512
+
+
+class HeapError(ValueError):
+    """Misuse of a Heap: double free, unknown block, overlap, bad size or alignment."""
+
+
+class Heap:
+    """Best-fit free-range allocator over [base, base+span).
+
+    Guarantees: free ranges are kept sorted, disjoint, aligned and coalesced (no
+    two touch); live blocks never overlap each other or free space; every
+    failing call raises HeapError and leaves the heap unchanged. `allocate`,
+    `allocate_at`, `free`, `insert_free` and `remove_free` are O(log n).
+    Does not: touch memory, know which pages are mapped, or move blocks.
+    A new heap has no free space until `insert_free` is called.
+    """
+
+    def __init__(self, base: int, span: int, alignment: int = ALIGNMENT):
+        if alignment <= 0:
+            raise HeapError(f"alignment must be positive, got {alignment}")
+        if base % alignment or span <= 0 or span % alignment:
+            raise HeapError(f"base {base} and span {span} must be positive multiples of {alignment}")
+        self.base, self.span, self.alignment = base, span, alignment
+        self._free = SortedDict()       # offset -> size of each free range
+        self._by_size = SortedList()    # (size, offset) of each free range, for best fit
+        self._live = SortedDict()       # offset -> rounded size of each live block
+        self._free_bytes = 0
+        self._live_bytes = 0
+
+    # -- sizes and validation --------------------------------------------------
+
+    def round_size(self, size: int) -> int:
+        """Size rounded up to the alignment; HeapError if size is not positive."""
+        if index(size) <= 0:  # index(): TypeError for floats, which would round silently
+            raise HeapError(f"size must be positive, got {size}")
+        return -(-size // self.alignment) * self.alignment
+
+    def _check_range(self, offset: int, size: int) -> None:
+        if index(size) <= 0 or index(offset) % self.alignment or size % self.alignment:
+            raise HeapError(f"range ({offset}, {size}) must be a positive size aligned to {self.alignment}")
+        if offset < self.base or offset + size > self.base + self.span:
+            raise HeapError(f"range ({offset}, {size}) outside [{self.base}, {self.base + self.span})")
+
+    @staticmethod
+    def _overlapping(ranges: SortedDict, offset: int, end: int) -> tuple[int, int] | None:
+        """The last range in `ranges` starting before `end` if it overlaps [offset, end)."""
+        i = ranges.bisect_left(end) - 1
+        if i >= 0:
+            start, size = ranges.peekitem(i)
+            if start + size > offset:
+                return start, size
+        return None
+
+    def _containing_free(self, offset: int, size: int) -> tuple[int, int] | None:
+        """The free range holding all of [offset, offset+size), or None."""
+        i = self._free.bisect_right(offset) - 1
+        if i >= 0:
+            start, length = self._free.peekitem(i)
+            if start + length >= offset + size:
+                return start, length
+        return None
+
+    # -- free-range primitives (no validation) -----------------------------------
+
+    def _add_range(self, offset: int, size: int) -> None:
+        self._free[offset] = size
+        self._by_size.add((size, offset))
+        self._free_bytes += size
+
+    def _drop_range(self, offset: int) -> int:
+        size = self._free.pop(offset)
+        self._by_size.remove((size, offset))
+        self._free_bytes -= size
+        return size
+
+    def _add_coalesced(self, offset: int, size: int) -> None:
+        """Add a free range, merging with a free neighbour on either side."""
+        end = offset + size
+        if end in self._free:
+            size += self._drop_range(end)
+        i = self._free.bisect_left(offset) - 1
+        if i >= 0:
+            left, left_size = self._free.peekitem(i)
+            if left + left_size == offset:
+                self._drop_range(left)
+                offset, size = left, size + left_size
+        self._add_range(offset, size)
+
+    def _carve(self, start: int, length: int, offset: int, size: int) -> None:
+        """Take [offset, offset+size) out of free range (start, length), keeping the remnants."""
+        self._drop_range(start)
+        if offset > start:
+            self._add_range(start, offset - start)
+        if offset + size < start + length:
+            self._add_range(offset + size, start + length - offset - size)
+
+    # -- free space: the pool maps and unmaps pages ---------------------------------
+
+    def insert_free(self, offset: int, size: int) -> None:
+        """Add [offset, offset+size) as free space, coalescing with free neighbours.
+
+        HeapError if misaligned, outside the span, or overlapping free space or a
+        live block. Does not check that the range is backed by mapped pages.
+        """
+        self._check_range(offset, size)
+        end = offset + size
+        if (hit := self._overlapping(self._free, offset, end)) is not None:
+            raise HeapError(f"range ({offset}, {size}) overlaps free range {hit}")
+        if (hit := self._overlapping(self._live, offset, end)) is not None:
+            raise HeapError(f"range ({offset}, {size}) overlaps live block {hit}")
+        self._add_coalesced(offset, size)
+
+    def remove_free(self, offset: int, size: int) -> None:
+        """Take [offset, offset+size), which must be entirely free, out of the free set.
+
+        Splits the free range holding it. HeapError if misaligned or if any byte
+        is live or was never inserted.
+        """
+        self._check_range(offset, size)
+        if (hit := self._containing_free(offset, size)) is None:
+            raise HeapError(f"range ({offset}, {size}) is not entirely free")
+        self._carve(*hit, offset, size)
+
+    # -- blocks ---------------------------------------------------------------------
+
+    def allocate(self, size: int) -> int | None:
+        """Carve a block of `size` rounded up to the alignment; returns its offset or None.
+
+        Best fit: the smallest free range that fits, the lowest offset among equal
+        sizes; the block takes the low end of that range. None when no single free
+        range fits (free space may still add up to more). O(log n).
+        """
+        size = self.round_size(size)
+        i = self._by_size.bisect_left((size,))
+        if i == len(self._by_size):
+            return None
+        length, start = self._by_size[i]
+        self._carve(start, length, start, size)
+        self._live[start] = size
+        self._live_bytes += size
+        return start
+
+    def allocate_at(self, offset: int, size: int) -> int:
+        """Carve a block at exactly `offset`; returns `offset`.
+
+        HeapError if `offset` is misaligned or [offset, offset+rounded size) is not
+        inside one free range. Used to place a block where a plan says it goes.
+        """
+        size = self.round_size(size)
+        self._check_range(offset, size)
+        if (hit := self._containing_free(offset, size)) is None:
+            raise HeapError(f"range ({offset}, {size}) is not entirely free")
+        self._carve(*hit, offset, size)
+        self._live[offset] = size
+        self._live_bytes += size
+        return offset
+
+    def free(self, offset: int) -> int:
+        """Free the live block at `offset`, coalescing; returns its rounded size.
+
+        HeapError if no live block starts at `offset` (unknown or double free).
+        """
+        size = self._live.pop(offset, None)
+        if size is None:
+            raise HeapError(f"no live block at offset {offset} (unknown or already freed)")
+        self._live_bytes -= size
+        self._add_coalesced(offset, size)
+        return size
+
+    def block_size(self, offset: int) -> int:
+        """Rounded size of the live block at `offset`; HeapError if there is none."""
+        if offset not in self._live:
+            raise HeapError(f"no live block at offset {offset}")
+        return self._live[offset]
+
+    # -- queries --------------------------------------------------------------------
+
+    def is_free(self, offset: int, size: int) -> bool:
+        """True if every byte of [offset, offset+size) is free; HeapError if size <= 0."""
+        if size <= 0:
+            raise HeapError(f"size must be positive, got {size}")
+        return self._containing_free(offset, size) is not None
+
+    def free_ranges(self) -> list[tuple[int, int]]:
+        """Free ranges as sorted (offset, size) pairs."""
+        return list(self._free.items())
+
+    def live_blocks(self) -> list[tuple[int, int]]:
+        """Live blocks as sorted (offset, rounded size) pairs."""
+        return list(self._live.items())
+
+    def free_bytes(self) -> int:
+        return self._free_bytes
+
+    def live_bytes(self) -> int:
+        return self._live_bytes
+
+    def managed_bytes(self) -> int:
+        """Free plus live bytes: everything inserted minus everything removed."""
+        return self._free_bytes + self._live_bytes
+
+    def largest_free(self) -> int:
+        """Size of the largest free range (the largest `allocate` that succeeds), or 0."""
+        return self._by_size[-1][0] if self._by_size else 0
+
+    def free_bytes_in(self, start: int, end: int) -> int:
+        """Free bytes intersecting [start, end). O(log n + ranges touched).
+
+        A page is empty exactly when this equals its size.
+        """
+        total = 0
+        i = max(self._free.bisect_right(start) - 1, 0)
+        for offset in self._free.islice(i):
+            if offset >= end:
+                break
+            total += max(0, min(end, offset + self._free[offset]) - max(start, offset))
+        return total
+
+    def check_invariants(self) -> None:
+        """Raise HeapError if any structural invariant is broken. O(n); for tests."""
+        def fail(why: str):
+            raise HeapError(f"heap invariant broken: {why}")
+
+        if sorted((s, o) for o, s in self._free.items()) != list(self._by_size):
+            fail("size index out of sync with free ranges")
+        prev_end = None
+        for offset, size in self._free.items():
+            if size <= 0 or offset % self.alignment or size % self.alignment:
+                fail(f"free range ({offset}, {size}) empty or misaligned")
+            if offset < self.base or offset + size > self.base + self.span:
+                fail(f"free range ({offset}, {size}) outside the span")
+            if prev_end is not None and offset <= prev_end:
+                fail(f"free range ({offset}, {size}) overlaps or touches its left neighbour")
+            prev_end = offset + size
+        prev_end = None
+        for offset, size in self._live.items():
+            if size <= 0 or offset % self.alignment or size % self.alignment:
+                fail(f"live block ({offset}, {size}) empty or misaligned")
+            if offset < self.base or offset + size > self.base + self.span:
+                fail(f"live block ({offset}, {size}) outside the span")
+            if prev_end is not None and offset < prev_end:
+                fail(f"live block ({offset}, {size}) overlaps its left neighbour")
+            if self.free_bytes_in(offset, offset + size):
+                fail(f"live block ({offset}, {size}) overlaps free space")
+            prev_end = offset + size
+        if self._free_bytes != sum(self._free.values()) or self._live_bytes != sum(self._live.values()):
+            fail("byte counters do not add up")
