@@ -1,0 +1,275 @@
+"""The pool's address space and physical pages, over a `defrag.driver.Driver`.
+
+- `PageStore` owns physical pages: one driver handle per page, created lazily
+  up to a capacity and reused; pages that are not mapped anywhere are *cached*
+  and handed out again before any new one is created. `trim()` returns cached
+  pages to the driver.
+- `Region` is one virtual reservation cut into pages; it records which handle
+  backs each virtual page (0 where none).
+- `AddressSpace` owns the regions and the store and does the multi-step work:
+  mapping a set of pages (each page its own mapping, so one can later be
+  unmapped alone; access granted once per contiguous run) and unmapping them.
+
+Every multi-step operation is a transaction: if any driver call fails half-way,
+the pages mapped so far are unmapped and their handles go back to the store,
+so nothing is left behind. Unmapping synchronizes the device first, because
+cuMemUnmap does not wait for queued kernels the way cudaFree does.
+
+Nothing here knows about blocks or tensors.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from .driver import Driver
+from .errors import CudaError
+
+
+class Transaction:
+    """Undo steps registered as work proceeds; `rollback()` runs them newest first.
+
+    Rollback is best effort: an undo step that itself fails is recorded in
+    `undo_errors` (and the remaining steps still run) instead of masking the
+    original error.
+    """
+
+    def __init__(self):
+        self._undo: list = []
+        self.undo_errors: list[BaseException] = []
+
+    def on_rollback(self, fn, *args) -> None:
+        self._undo.append((fn, args))
+
+    def commit(self) -> None:
+        self._undo.clear()
+
+    def rollback(self) -> None:
+        while self._undo:
+            fn, args = self._undo.pop()
+            try:
+                fn(*args)
+            except CudaError as exc:
+                self.undo_errors.append(exc)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, exc_type, exc, tb):
+        if exc_type is None:
+            self.commit()
+        else:
+            self.rollback()
+        return False
+
+
+class PageStore:
+    """Physical pages of one size: created lazily up to `max_pages`, then reused."""
+
+    def __init__(self, driver: Driver, page_size: int, max_pages: int):
+        self.driver = driver
+        self.page_size = page_size
+        self.max_pages = max_pages
+        self.cached: list[int] = []  # handles not mapped anywhere
+        self.total = 0  # handles alive (cached + mapped)
+        self.created = 0  # cumulative cuMemCreate calls that succeeded
+
+    @property
+    def creatable(self) -> int:
+        return self.max_pages - self.total
+
+    @property
+    def available(self) -> int:
+        """Pages obtainable without unmapping anything: cached plus creatable."""
+        return len(self.cached) + self.creatable
+
+    def take(self, n: int, txn: Transaction) -> list[int]:
+        """Take `n` handles (cached first, then new ones); undone by `txn` rollback.
+
+        Raises CudaOutOfMemoryError if the driver refuses to create a page, and
+        ValueError if `n` exceeds what the store may hold (callers check first).
+        """
+        if n > self.available:
+            raise ValueError(f"asked for {n} pages but only {self.available} are available")
+        handles = []
+        txn.on_rollback(self._give_back, handles)
+        reuse = min(n, len(self.cached))
+        for _ in range(reuse):
+            handles.append(self.cached.pop())
+        while len(handles) < n:
+            handle = self.driver.create(self.page_size)
+            self.total += 1
+            self.created += 1
+            handles.append(handle)
+        return handles
+
+    def _give_back(self, handles: list[int]) -> None:
+        self.cached.extend(handles)
+        handles.clear()
+
+    def put(self, handles) -> None:
+        """Return handles that are no longer mapped anywhere."""
+        self.cached.extend(handles)
+
+    def trim(self, keep: int = 0) -> int:
+        """Release cached handles to the driver, keeping `keep`; returns how many were released."""
+        released = 0
+        while len(self.cached) > keep:
+            handle = self.cached.pop()
+            try:
+                self.driver.release(handle)
+            except CudaError:
+                self.cached.append(handle)
+                raise
+            self.total -= 1
+            released += 1
+        return released
+
+
+@dataclass
+class Region:
+    """One virtual reservation of `npages` pages starting at `base`."""
+
+    index: int
+    base: int
+    npages: int
+    page_size: int
+    handles: np.ndarray = field(default=None)  # int64 per page; 0 = unmapped
+
+    def __post_init__(self):
+        if self.handles is None:
+            self.handles = np.zeros(self.npages, dtype=np.int64)
+
+    @property
+    def size(self) -> int:
+        return self.npages * self.page_size
+
+    @property
+    def end(self) -> int:
+        return self.base + self.size
+
+    def address(self, page: int) -> int:
+        return self.base + page * self.page_size
+
+    def page_of(self, address: int) -> int:
+        return (address - self.base) // self.page_size
+
+    def contains(self, address: int, size: int = 1) -> bool:
+        return self.base <= address and address + size <= self.end
+
+    def mapped_pages(self) -> list[int]:
+        return np.flatnonzero(self.handles).tolist()
+
+
+def _runs(pages: list[int]) -> list[tuple[int, int]]:
+    """Sorted page indices -> (first, count) runs of consecutive pages."""
+    runs: list[tuple[int, int]] = []
+    for p in sorted(pages):
+        if runs and runs[-1][0] + runs[-1][1] == p:
+            runs[-1] = (runs[-1][0], runs[-1][1] + 1)
+        else:
+            runs.append((p, 1))
+    return runs
+
+
+class AddressSpace:
+    """Regions of reserved virtual memory and the physical pages mapped into them."""
+
+    def __init__(self, driver: Driver, page_size: int, max_pages: int):
+        if page_size % driver.granularity:
+            raise ValueError(f"page_size {page_size} is not a multiple of the device granularity {driver.granularity}")
+        self.driver = driver
+        self.page_size = page_size
+        self.store = PageStore(driver, page_size, max_pages)
+        self.regions: list[Region] = []
+        self.mapped = 0  # pages currently mapped, all regions
+        self.map_calls = 0
+        self.unmap_calls = 0
+
+    def reserve(self, npages: int) -> Region:
+        """Reserve a new region of `npages` pages (page-aligned)."""
+        base = self.driver.reserve(npages * self.page_size, self.page_size)
+        region = Region(len(self.regions), base, npages, self.page_size)
+        self.regions.append(region)
+        return region
+
+    def region_of(self, address: int) -> Region | None:
+        for region in self.regions:
+            if region.contains(address):
+                return region
+        return None
+
+    def map(self, region: Region, pages: list[int], txn: Transaction | None = None) -> None:
+        """Back each (unmapped) page with a handle from the store and grant access.
+
+        One cuMemMap per page (so a page can later be unmapped alone), one
+        cuMemSetAccess per run of consecutive pages. All or nothing: on failure
+        every page mapped here is unmapped again and its handle returned to
+        the store, then the error propagates. With an outer `txn`, that undo is
+        also registered there, for callers with more steps after this one.
+        """
+        if not pages:
+            return
+        for p in pages:
+            if region.handles[p]:
+                raise ValueError(f"page {p} of region {region.index} is already mapped")
+        with Transaction() as inner:
+            handles = self.store.take(len(pages), inner)
+            done: list[int] = []
+            inner.on_rollback(self._unmap_mapped, region, done, False)
+            for page in sorted(pages):
+                # Popped before mapping: from here on the page's undo, not the
+                # store's, gives this handle back (never both).
+                handle = handles.pop()
+                try:
+                    self.driver.map(region.address(page), self.page_size, handle)
+                except CudaError:
+                    self.store.put([handle])
+                    raise
+                self.map_calls += 1
+                region.handles[page] = handle
+                self.mapped += 1
+                done.append(page)
+            for first, count in _runs(pages):
+                self.driver.set_access(region.address(first), count * self.page_size)
+        if txn is not None:
+            txn.on_rollback(self.unmap, region, list(pages))
+
+    def _unmap_mapped(self, region: Region, pages: list[int], sync: bool) -> None:
+        """Undo helper: unmap pages this transaction mapped and return their handles."""
+        if sync:
+            self.driver.synchronize()
+        for page in list(pages):
+            self.driver.unmap(region.address(page), self.page_size)
+            self.unmap_calls += 1
+            self.store.put([int(region.handles[page])])
+            region.handles[page] = 0
+            self.mapped -= 1
+            pages.remove(page)
+
+    def unmap(self, region: Region, pages: list[int]) -> None:
+        """Synchronize, then unmap each page and return its handle to the store (cached).
+
+        The caller guarantees no live data remains on these pages. If a driver
+        call fails part-way, the pages already unmapped stay unmapped (their
+        state is recorded page by page) and the error propagates.
+        """
+        pages = [p for p in pages if region.handles[p]]
+        if not pages:
+            return
+        self.driver.synchronize()
+        self._unmap_mapped(region, pages, False)
+
+    def release_all(self) -> None:
+        """Unmap every page, release every handle and free every reservation."""
+        if any(r.handles.any() for r in self.regions):
+            self.driver.synchronize()
+        for region in self.regions:
+            self._unmap_mapped(region, region.mapped_pages(), False)
+        self.store.trim(0)
+        while self.regions:
+            region = self.regions[-1]
+            self.driver.free_address(region.base, region.size)
+            self.regions.pop()
