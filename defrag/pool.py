@@ -206,6 +206,9 @@ class Pool:
                     event.record(torch.cuda.ExternalStream(stream, device=self.device) if stream else
                                  torch.cuda.default_stream(self.device))
                     events.append(event)
+                # Like PyTorch: a block waiting on stream events is active, not allocated.
+                self._bump("allocated_bytes", -alloc.size)
+                alloc.counted = False
                 self._pending.append((alloc, events))
                 continue
             self._free(alloc)
@@ -278,6 +281,13 @@ class Pool:
             out.extend((region, int(p)) for p in np.flatnonzero(mask))
         return out
 
+    def _unmap_recorded(self, region: Region, pages: list[int]) -> None:
+        try:
+            self._space.unmap(region, pages)
+        finally:
+            if self._history is not None:
+                self._history.pages_unmapped(region, pages)
+
     def _unmap_empty(self, pages: list[tuple[Region, int]]) -> None:
         """Unmap mapped pages that hold no block; their handles become cached."""
         by_region: dict[int, list[int]] = collections.defaultdict(list)
@@ -288,17 +298,18 @@ class Pool:
         for index, plist in by_region.items():
             region = self._space.regions[index]
             try:
-                self._space.unmap(region, plist)
+                self._unmap_recorded(region, plist)
             finally:
                 # Whatever stayed mapped (a failed unmap) gets its free range back.
                 for page in plist:
                     if region.handles[page]:
                         self._heaps[index].insert_free(region.address(page), self.page_size)
-            if self._history is not None:
-                self._history.pages_unmapped(region, plist)
 
     def _map_into_heap(self, region: Region, pages: list[int], txn: Transaction) -> None:
         self._space.map(region, pages, txn)
+        # Undo steps run newest first: this one unmaps and records it, so the
+        # history sees the unmap; the vmm's own undo then finds nothing to do.
+        txn.on_rollback(self._unmap_recorded, region, list(pages))
         heap = self._heaps[region.index]
         for page in pages:
             heap.insert_free(region.address(page), self.page_size)
@@ -841,7 +852,7 @@ class Pool:
             blocks = [{"address": a.address, "size": a.size, "nbytes": a.nbytes, "region": a.region.index,
                        "pinned": a.pins > 0, "dtype": str(a.dtype).replace("torch.", "") if a.dtype else None,
                        "shape": list(a.shape) if a.shape is not None else None,
-                       "state": "retired" if a.retired else "live"}
+                       "state": "retired" if a.retired else ("live" if a.counted else "pending-free")}
                       for a in self._blocks.values()]
             return {"pool": self.id, "kind": self.kind, "device": str(self.device), "page_size": self.page_size,
                     "capacity": self.capacity, "cached_pages": len(self._space.store.cached),

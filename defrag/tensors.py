@@ -57,11 +57,17 @@ def storage_over(kind: str, device: torch.device, ptr: int, nbytes: int, on_rele
         raise ValueError("a pool storage needs at least one byte")
     if kind == "emulated":
         owner = (ctypes.c_uint8 * nbytes).from_address(ptr)
-        weakref.finalize(owner, on_release)
+        _release_with(owner, on_release)
         return torch.frombuffer(owner, dtype=torch.uint8).untyped_storage()
     owner = _CudaBuffer(ptr, nbytes)
-    weakref.finalize(owner, on_release)
+    _release_with(owner, on_release)
     return torch.as_tensor(owner, device=device).untyped_storage()
+
+
+def _release_with(owner, on_release) -> None:
+    # Not at interpreter exit: tensors still alive then keep using the memory
+    # until the process is gone, so their blocks must not be released early.
+    weakref.finalize(owner, on_release).atexit = False
 
 
 def contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:

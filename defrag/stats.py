@@ -1,0 +1,413 @@
+"""Observability: allocation history, PyTorch-format snapshots, the summary table.
+
+- `HistoryRecorder` records what the pool does (alloc, free, map, unmap, OOM,
+  compaction) as PyTorch `device_traces` entries in a ring buffer
+  (`Pool.record_history()`).
+- `snapshot(pool)` describes the pool in the format of
+  `torch.cuda.memory._snapshot()`, so PyTorch's own tools read it:
+  `python -m torch.cuda._memory_viz stats|trace|segments|memory snapshot.pickle`
+  and the interactive viewer at https://pytorch.org/memory_viz (drag the file in).
+  `save_snapshot()` writes one such pickle.
+- `summary(stats, pool)` is the table behind `Pool.summary()`, in the spirit of
+  `torch.cuda.memory_summary()`.
+
+Mapping of pool concepts onto PyTorch's snapshot format:
+
+- a *segment* is one run of consecutive mapped pages of one region (what a
+  PyTorch expandable segment is: `is_expandable` is True, and the trace's
+  `segment_map`/`segment_unmap` entries grow and shrink these runs);
+- a live block is an `active_allocated` block (`size` rounded to 512 bytes,
+  `requested_size` the storage's bytes); free space inside mapped pages is an
+  `inactive` block; an old location whose data a compaction has moved but whose
+  owner has not been released yet is `active_pending_free`;
+- `stream` is 0 and `frames` is empty everywhere: the pool records no stacks.
+
+Nothing here changes the pool, except that `snapshot()` appends one `snapshot`
+entry to the history while recording (as PyTorch does).
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+import pickle
+import time
+import weakref
+
+from .units import format_bytes
+
+# Actions of PyTorch's TraceEntry that the pool produces.
+ACTIONS = ("alloc", "free_requested", "free_completed", "segment_map", "segment_unmap", "oom", "snapshot")
+
+# Pickle protocol readable by PyTorch's MemoryViz.js unpickler (it accepts 2..4).
+PICKLE_PROTOCOL = 4
+
+
+def _now_us() -> int:
+    return time.time_ns() // 1000
+
+
+def _runs(pages) -> list[tuple[int, int]]:
+    """Page indices -> sorted (first, count) runs of consecutive pages."""
+    runs: list[list[int]] = []
+    for p in sorted(int(p) for p in pages):
+        if runs and runs[-1][0] + runs[-1][1] == p:
+            runs[-1][1] += 1
+        else:
+            runs.append([p, 1])
+    return [(a, n) for a, n in runs]
+
+
+class HistoryRecorder:
+    """Records pool events as PyTorch `device_traces` entries in a ring buffer.
+
+    The pool calls the hooks below with its lock held; each appends entries
+    shaped like PyTorch's (`action`, `addr`, `size`, `stream` 0, `time_us`,
+    `frames` []; an `oom` entry carries `device_free` instead of `addr`, as in
+    PyTorch). Sizes of block entries are the requested bytes (the storage's
+    size), as PyTorch records them. Only the newest `max_entries` entries are
+    kept; older ones are dropped, which PyTorch's tools handle since they
+    replay a trace backwards from the snapshot's state.
+
+    Guarantees: a free is recorded only for a block whose allocation was
+    recorded or that was live when recording began (so the destination of an
+    abandoned compaction wave, or an old location released after its data
+    moved, never appears as a spurious free); map/unmap entries name only
+    pages whose state really changed.
+
+    Not recorded: stack frames (always []), physical pages created or
+    released (they have no virtual address), and the unmaps done by
+    `Pool.close()`.
+    """
+
+    def __init__(self, pool, max_entries: int = 100_000):
+        if int(max_entries) < 1:
+            raise ValueError(f"max_entries must be >= 1, got {max_entries}")
+        self.max_entries = int(max_entries)
+        self.page_size = pool.page_size
+        self.device = int(getattr(pool.driver, "ordinal", 0))
+        self._pool = weakref.ref(pool)  # no cycle: the pool holds the recorder
+        self._entries: collections.deque[dict] = collections.deque(maxlen=self.max_entries)
+        self.compactions: collections.deque[dict] = collections.deque(maxlen=self.max_entries)
+        self.recorded = 0  # entries recorded since the start, dropped ones included
+        # Blocks whose free may be recorded: address -> requested bytes.
+        self._tracked: dict[int, int] = {
+            b["address"]: b["nbytes"] for b in pool.layout()["blocks"] if b["state"] == "live"}
+
+    # ------------------------------------------------------------------ reading
+    @property
+    def entries(self) -> list[dict]:
+        """The recorded entries, oldest first (copies: callers may keep or edit them)."""
+        return [dict(e) for e in self._entries]
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def _add(self, action: str, addr: int | None, size: int, **extra) -> None:
+        entry = {"action": action}
+        if addr is not None:
+            entry["addr"] = int(addr)
+        entry.update(size=int(size), stream=0, time_us=_now_us(), frames=[], **extra)
+        self._entries.append(entry)
+        self.recorded += 1
+
+    # ------------------------------------------------------------------ hooks (pool lock held)
+    def block_allocated(self, alloc) -> None:
+        """A block now owned by a user storage (`empty`, `adopt`, ...): one `alloc` entry."""
+        self._tracked[alloc.address] = alloc.nbytes
+        self._add("alloc", alloc.address, alloc.nbytes)
+
+    def block_freed(self, alloc) -> None:
+        """A block went back to the heap: `free_requested` then `free_completed`.
+
+        Ignored for blocks the trace never saw allocated (see the class doc).
+        """
+        nbytes = self._tracked.pop(alloc.address, None)
+        if nbytes is None:
+            return
+        self._free(alloc.address, nbytes)
+
+    def _free(self, address: int, nbytes: int) -> None:
+        # PyTorch's viewers fold the pair into one "free" event; a lone
+        # free_completed would show the block as waiting on a stream.
+        self._add("free_requested", address, nbytes)
+        self._add("free_completed", address, nbytes)
+
+    def block_moved(self, old, new) -> None:
+        """A compaction moved a block's data from `old` to `new`.
+
+        PyTorch's format has no move: it is recorded as a free of the old
+        address (`free_requested`, `free_completed`) followed by an `alloc` at
+        the new one, so a viewer shows the tensor disappearing at `old` and
+        appearing at `new` at the same instant. The old range itself, released
+        later when the compaction drops its temporary owner, is not recorded
+        again.
+        """
+        nbytes = self._tracked.pop(old.address, old.nbytes)
+        self._free(old.address, nbytes)
+        self._tracked[new.address] = new.nbytes
+        self._add("alloc", new.address, new.nbytes)
+
+    def pages_mapped(self, region, pages) -> None:
+        """Pages of `region` were mapped: one `segment_map` per run of consecutive pages."""
+        done = [p for p in pages if region.handles[p]]
+        for first, count in _runs(done):
+            self._add("segment_map", region.address(first), count * self.page_size)
+
+    def pages_unmapped(self, region, pages) -> None:
+        """Pages of `region` were unmapped: one `segment_unmap` per run of consecutive pages."""
+        done = [p for p in pages if not region.handles[p]]
+        for first, count in _runs(done):
+            self._add("segment_unmap", region.address(first), count * self.page_size)
+
+    def oom(self, nbytes: int) -> None:
+        """An allocation of `nbytes` failed for good: one `oom` entry.
+
+        `device_free` (PyTorch: what the driver reports free) is the pool's
+        capacity minus its allocated bytes: memory that exists but could not
+        be used for this request.
+        """
+        pool = self._pool()
+        free = 0
+        if pool is not None:
+            st = pool._stats_locked()
+            free = st["capacity_bytes"] - st["allocated_bytes.all.current"]
+        self._add("oom", None, nbytes, device_free=int(free))
+
+    def compacted(self, report) -> None:
+        """A compaction finished. Its moves and unmaps are already in the trace;
+        the report is kept beside it (`compactions`, with the time and the
+        trace position `entry` it followed), as PyTorch's format has no action
+        for it."""
+        info = dict(report.as_dict())
+        info["phases"] = dict(info.get("phases", {}))
+        info.update(time_us=_now_us(), entry=self.recorded)
+        self.compactions.append(info)
+
+    def snapshot_taken(self, allocated: int) -> None:
+        """A snapshot was taken: one `snapshot` entry (addr 0, size = allocated bytes), as PyTorch does."""
+        self._add("snapshot", 0, allocated)
+
+
+# ---------------------------------------------------------------------- snapshot
+def segments_from_layout(layout: dict, device: int = 0) -> list[dict]:
+    """PyTorch snapshot segments for a `Pool.layout()` dict: one per run of mapped pages.
+
+    Each segment's blocks tile it in address order (live blocks and the free
+    space between them), so that per segment
+    `allocated_size + active_pending_free + inactive sizes == total_size`.
+    Raises ValueError if the layout's blocks overlap or leave a mapped page.
+    """
+    P = int(layout["page_size"])
+    by_region: dict[int, list[dict]] = collections.defaultdict(list)
+    for b in layout["blocks"]:
+        by_region[int(b["region"])].append(b)
+    out = []
+    for region in layout["regions"]:
+        base = int(region["base"])
+        mapped = [i for i, s in enumerate(region["pages"]) if s != "unmapped"]
+        blocks = sorted(by_region.get(int(region["index"]), []), key=lambda b: int(b["address"]))
+        bi = 0
+        for first, count in _runs(mapped):
+            start, end = base + first * P, base + (first + count) * P
+            tiles, cursor = [], start
+            while bi < len(blocks) and int(blocks[bi]["address"]) < end:
+                b = blocks[bi]
+                addr, size = int(b["address"]), int(b["size"])
+                if addr < cursor or addr + size > end:
+                    raise ValueError(f"layout block at {addr:#x} ({size} bytes) overlaps another block "
+                                     f"or an unmapped page")
+                if addr > cursor:
+                    tiles.append(_block(cursor, addr - cursor, 0, "inactive"))
+                state = "active_allocated" if b.get("state", "live") == "live" else "active_pending_free"
+                tiles.append(_block(addr, size, int(b["nbytes"]), state))
+                cursor = addr + size
+                bi += 1
+            if cursor < end:
+                tiles.append(_block(cursor, end - cursor, 0, "inactive"))
+            allocated = sum(t["size"] for t in tiles if t["state"] == "active_allocated")
+            out.append({
+                "device": int(device),
+                "address": start,
+                "total_size": end - start,
+                "allocated_size": allocated,
+                "active_size": sum(t["size"] for t in tiles if t["state"] != "inactive"),
+                "requested_size": sum(t["requested_size"] for t in tiles if t["state"] == "active_allocated"),
+                "stream": 0,
+                "segment_type": "large",
+                "segment_pool_id": (0, 0),
+                "is_expandable": True,
+                "frames": [],
+                "blocks": tiles,
+            })
+        if bi < len(blocks):
+            b = blocks[bi]
+            raise ValueError(f"layout block at {int(b['address']):#x} lies outside the mapped pages of region "
+                             f"{region['index']}")
+    return out
+
+
+def _block(address: int, size: int, requested: int, state: str) -> dict:
+    return {"address": address, "size": size, "requested_size": requested, "state": state, "frames": []}
+
+
+def snapshot(pool) -> dict:
+    """`pool` in the format of `torch.cuda.memory._snapshot()`.
+
+    Keys: `segments` (see `segments_from_layout`), `device_traces` (one list
+    per device index up to the pool's; the pool's device holds the recorded
+    history, [] when not recording) and `defrag` (ignored by PyTorch's tools):
+    the pool's id, kind, page size, capacity, `stats()` and the reports of the
+    compactions recorded in the history. Totals agree with `pool.stats()`:
+    the segments' `total_size` add up to `reserved_bytes.all.current` and
+    their `allocated_size` to `allocated_bytes.all.current`.
+
+    Takes the pool's lock; while recording, appends a `snapshot` entry to the
+    history first (as PyTorch does).
+    """
+    with pool._lock:
+        layout = pool.layout()
+        stats = pool._stats_locked()
+        history = pool._history
+        device = int(getattr(pool.driver, "ordinal", 0))
+        traces: list[list[dict]] = [[] for _ in range(device + 1)]
+        compactions: list[dict] = []
+        if history is not None:
+            history.snapshot_taken(stats["allocated_bytes.all.current"])
+            traces[device] = history.entries
+            compactions = [dict(c) for c in history.compactions]
+    return {
+        "segments": segments_from_layout(layout, device),
+        "device_traces": traces,
+        "defrag": {"pools": [{
+            "pool": pool.id, "kind": pool.kind, "device": str(pool.device), "device_index": device,
+            "page_size": pool.page_size, "capacity": pool.capacity, "cached_pages": layout["cached_pages"],
+            "recording": history is not None, "stats": stats, "compactions": compactions,
+        }]},
+    }
+
+
+def merge_snapshots(snapshots: list[dict]) -> dict:
+    """One snapshot holding every given one: segments concatenated, each device's
+    trace entries merged by `time_us`, `defrag.pools` concatenated."""
+    ndev = max((len(s["device_traces"]) for s in snapshots), default=1)
+    traces: list[list[dict]] = [[] for _ in range(ndev)]
+    for s in snapshots:
+        for i, entries in enumerate(s["device_traces"]):
+            traces[i].extend(entries)
+    for entries in traces:
+        entries.sort(key=lambda e: e.get("time_us", 0))  # stable: one pool's order is kept
+    return {
+        "segments": [seg for s in snapshots for seg in s["segments"]],
+        "device_traces": traces,
+        "defrag": {"pools": [p for s in snapshots for p in s.get("defrag", {}).get("pools", [])]},
+    }
+
+
+def save_snapshot(path, pool=None) -> str:
+    """Pickle a snapshot to `path` for `python -m torch.cuda._memory_viz` or pytorch.org/memory_viz.
+
+    `pool=None` saves every open pool of the process merged into one snapshot
+    (like PyTorch's, which covers every segment of the process; pools on one
+    device share its trace, ordered by time). Raises ValueError when there is
+    no open pool. The pickle uses protocol 4 and plain types only, which is
+    what the browser viewer's unpickler reads. Returns the path as a string.
+    """
+    if pool is None:
+        from .pool import open_pools
+        pools = open_pools()
+        if not pools:
+            raise ValueError("save_snapshot: no open pool to save (pass pool=...)")
+        data = merge_snapshots([p.snapshot() for p in sorted(pools, key=lambda p: p.id)])
+    else:
+        data = pool.snapshot()
+    path = os.fspath(path)
+    with open(path, "wb") as f:
+        pickle.dump(data, f, protocol=PICKLE_PROTOCOL)
+    return path
+
+
+# ---------------------------------------------------------------------- summary
+_WIDTH = 77  # characters per line, as torch.cuda.memory_summary()
+
+
+def _line(char: str = "-") -> str:
+    return "|" + char * (_WIDTH - 2) + "|"
+
+
+def _text(s: str) -> str:
+    return "| " + s.ljust(_WIDTH - 4) + " |"
+
+
+def _center(s: str) -> str:
+    return "|" + s.center(_WIDTH - 2) + "|"
+
+
+def _row(name: str, current: str, peak: str) -> str:
+    """`| name | current | peak |`, 77 characters."""
+    return f"| {name:<44}| {current:>12} | {peak:>12} |"
+
+
+def summary(stats: dict, pool=None) -> str:
+    """A boxed text table of `stats` (a `Pool.stats()` dict), like `torch.cuda.memory_summary()`.
+
+    Every number in the table comes from `stats` (byte counts through
+    `defrag.format_bytes`); `pool` only names the pool in the header. Rows:
+    allocated/active/reserved/requested memory (current and peak), allocation
+    and free counts, retries, OOMs, pages mapped/empty/cached/total/capacity,
+    stranded bytes, the largest request possible now, fragmentation,
+    compactions (explicit/automatic), bytes and tensors moved, pages released,
+    live and pinned blocks.
+    """
+    s, fb = stats, format_bytes
+    if pool is not None:
+        title = f"defrag pool #{pool.id} memory summary ({pool.kind}, {pool.device})"
+    else:
+        title = "defrag pool memory summary"
+    lines = [
+        _line("="),
+        _center(title),
+        _line(),
+        _text(f"capacity {fb(s['capacity_bytes'])} in pages of {fb(s['page_size'])}"),
+        _text(f"OOMs: {s['num_ooms']}    allocation retries: {s['num_alloc_retries']}"),
+        _line("="),
+        _row("Metric", "Cur Usage", "Peak Usage"),
+        _line(),
+        _row("Allocated memory", fb(s["allocated_bytes.all.current"]), fb(s["allocated_bytes.all.peak"])),
+        _row("Active memory", fb(s["active_bytes.all.current"]), fb(s["active_bytes.all.peak"])),
+        _row("Reserved (mapped) memory", fb(s["reserved_bytes.all.current"]), fb(s["reserved_bytes.all.peak"])),
+        _row("Requested memory", fb(s["requested_bytes.all.current"]), "-"),
+        _line(),
+        _row("Events", "Count", ""),
+        _line(),
+        _row("Allocations", str(s["num_allocs"]), ""),
+        _row("Frees", str(s["num_frees"]), ""),
+        _row("Allocation retries", str(s["num_alloc_retries"]), ""),
+        _row("OOMs", str(s["num_ooms"]), ""),
+        _line(),
+        _row("Pages", "Count", "Bytes"),
+        _line(),
+        _row("Mapped pages", str(s["pages.mapped"]), fb(s["pages.mapped"] * s["page_size"])),
+        _row("  empty (mapped, no block)", str(s["pages.empty"]), fb(s["pages.empty"] * s["page_size"])),
+        _row("Cached physical pages (unmapped)", str(s["pages.cached"]), fb(s["pages.cached"] * s["page_size"])),
+        _row("Physical pages held", str(s["pages.total"]), fb(s["pages.total"] * s["page_size"])),
+        _row("Capacity", str(s["pages.capacity"]), fb(s["capacity_bytes"])),
+        _line(),
+        _row("Fragmentation", "Value", ""),
+        _line(),
+        _row("Stranded (free in pages with live data)", fb(s["stranded_bytes"]), ""),
+        _row("Largest request possible now", fb(s["largest_free_bytes"]), ""),
+        _row("Fragmentation (stranded / reserved)", f"{s['fragmentation']:.1%}", ""),
+        _line(),
+        _row("Compaction", "Count", ""),
+        _line(),
+        _row("Compactions (explicit / automatic)",
+             f"{s['num_compactions.explicit']} / {s['num_compactions.automatic']}", ""),
+        _row("Tensors moved", str(s["compaction.moved_tensors"]), ""),
+        _row("Bytes moved", fb(s["compaction.moved_bytes"]), ""),
+        _row("Pages released", str(s["compaction.released_pages"]), ""),
+        _row("Live blocks", str(s["live_blocks"]), ""),
+        _row("Pinned blocks", str(s["pinned_blocks"]), ""),
+        _line("="),
+    ]
+    return "\n".join(lines)

@@ -1,0 +1,283 @@
+"""Pictures of a pool's memory from `Pool.layout()` dicts (matplotlib, no display).
+
+`plot_memory_map(layout)` draws the pages of each region as a grid of cells,
+`pages_per_row` cells to a row; inside a cell x is the offset within the page
+(left edge = offset 0, right edge = the page's end). Colours (`COLORS`):
+
+- ``live``: a live block; ``pinned``: a pinned live block (never moves);
+- ``retired``: an old location whose data a compaction moved, not yet released;
+- ``stranded``: free space inside a page that holds live data (what
+  compaction recovers);
+- ``empty``: a mapped page holding no block;
+- ``unmapped``: a virtual page with no physical page behind it;
+- ``cached``: physical pages held but mapped nowhere have no address, so they
+  are a count in the title and legend, not cells.
+
+Blocks narrower than `MIN_BLOCK_FRACTION` of a page are drawn that wide so
+that they stay visible; the white seams between blocks are drawn inside them.
+A region can have thousands of pages: only pages up to the last mapped one,
+plus one row of margin, are drawn (at most `max_pages` per region), and the
+title says how many.
+
+Everything works from plain dicts (a layout saved as JSON and loaded back
+works too), so pictures can be made anywhere. Figures are built on the Agg
+canvas directly: importing this module changes no matplotlib backend.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+from matplotlib.backends.backend_agg import FigureCanvasAgg
+from matplotlib.collections import PolyCollection
+from matplotlib.figure import Figure
+from matplotlib.patches import Patch
+
+from .units import format_bytes
+
+COLORS = {
+    "live": "#4e79a7",      # blue
+    "pinned": "#e15759",    # red
+    "retired": "#f28e2b",   # orange
+    "stranded": "#edc948",  # yellow
+    "empty": "#8cd17d",     # light green
+    "unmapped": "#d9d9d9",  # light grey
+    "cached": "#9c755f",    # brown (legend only)
+}
+LABELS = {
+    "live": "live block",
+    "pinned": "pinned block",
+    "retired": "moved away, awaiting release",
+    "stranded": "stranded free space (page holds live data)",
+    "empty": "empty mapped page (no block)",
+    "unmapped": "unmapped page",
+}
+
+CELL_WIDTH = 0.94  # of one x unit per page; the rest is a white gap
+ROW_HEIGHT = 0.78  # of one y unit per row
+MIN_BLOCK_FRACTION = 0.012  # of a page: the narrowest block drawn
+SEAM = 0.01  # of a page (about a pixel): white line at the left edge of a block that starts inside a page
+DPI = 100
+
+
+def layout_totals(layout: dict) -> dict:
+    """Headline numbers of a layout: pages mapped/live/empty, allocated and
+    stranded bytes, fragmentation (stranded / mapped), cached pages."""
+    P = int(layout["page_size"])
+    states = [s for r in layout["regions"] for s in r["pages"]]
+    mapped = sum(s != "unmapped" for s in states)
+    live_pages = sum(s == "live" for s in states)
+    held = sum(int(b["size"]) for b in layout["blocks"])
+    allocated = sum(int(b["size"]) for b in layout["blocks"] if b.get("state", "live") == "live")
+    stranded = live_pages * P - held  # every block lies in live pages
+    return {
+        "pages_mapped": mapped, "pages_live": live_pages, "pages_empty": mapped - live_pages,
+        "pages_cached": int(layout.get("cached_pages", 0)), "allocated": allocated, "stranded": stranded,
+        "fragmentation": stranded / (mapped * P) if mapped else 0.0, "page_size": P,
+    }
+
+
+def _shown_pages(region: dict, pages_per_row: int, max_pages: int) -> int:
+    """Pages of a region to draw: up to the last mapped page plus one row, whole rows, capped."""
+    used = [i for i, s in enumerate(region["pages"]) if s != "unmapped"]
+    last = used[-1] + 1 if used else 0
+    want = math.ceil(last / pages_per_row) * pages_per_row + pages_per_row
+    return max(1, min(len(region["pages"]), want, max_pages))
+
+
+def _plan(layout: dict, pages_per_row: int, max_pages: int, shown: dict | None = None) -> list[tuple[dict, int, int]]:
+    """(region, pages shown, first row) for each region."""
+    out, row = [], 0
+    for region in layout["regions"]:
+        n = (shown or {}).get(int(region["index"])) or _shown_pages(region, pages_per_row, max_pages)
+        n = min(n, len(region["pages"]))
+        out.append((region, n, row))
+        row += math.ceil(n / pages_per_row)
+    return out
+
+
+def _rect(x0: float, x1: float, y: float) -> list[tuple[float, float]]:
+    return [(x0, y), (x1, y), (x1, y + ROW_HEIGHT), (x0, y + ROW_HEIGHT)]
+
+
+def _draw(ax, layout: dict, *, pages_per_row: int, max_pages: int, shown: dict | None = None,
+          title: str | None = None) -> dict:
+    """Draw `layout` into `ax`; returns what was drawn (rows, hidden pages, totals)."""
+    P = int(layout["page_size"])
+    plan = _plan(layout, pages_per_row, max_pages, shown)
+    polys: dict[str, list] = {k: [] for k in COLORS}
+    seams: list = []
+
+    def cell(page: int, first_row: int) -> tuple[float, float]:
+        return page % pages_per_row, first_row + page // pages_per_row
+
+    # Cells: the page's state colours the whole cell; blocks are drawn on top,
+    # so what stays visible in a live page is its stranded free space.
+    yticks, ylabels = [], []
+    for region, n, first_row in plan:
+        for page in range(n):
+            state = region["pages"][page]
+            x, y = cell(page, first_row)
+            kind = {"live": "stranded", "empty": "empty"}.get(state, "unmapped")
+            polys[kind].append(_rect(x, x + CELL_WIDTH, y))
+        for r in range(math.ceil(n / pages_per_row)):
+            yticks.append(first_row + r + ROW_HEIGHT / 2)
+            ylabels.append(f"R{region['index']} p{r * pages_per_row}")
+
+    # Blocks, split at page boundaries.
+    rows_of = {int(region["index"]): (region, n, first_row) for region, n, first_row in plan}
+    for b in layout["blocks"]:
+        region, n, first_row = rows_of.get(int(b["region"]), (None, 0, 0))
+        if region is None:
+            continue
+        kind = "retired" if b.get("state", "live") != "live" else ("pinned" if b.get("pinned") else "live")
+        start = int(b["address"]) - int(region["base"])
+        end = start + int(b["size"])
+        for page in range(start // P, (end - 1) // P + 1):
+            if page >= n:
+                break
+            lo = max(start, page * P) - page * P
+            hi = min(end, (page + 1) * P) - page * P
+            f0, f1 = lo / P, hi / P
+            if f1 - f0 < MIN_BLOCK_FRACTION:
+                f1 = min(1.0, f0 + MIN_BLOCK_FRACTION)
+                f0 = f1 - MIN_BLOCK_FRACTION
+            x, y = cell(page, first_row)
+            polys[kind].append(_rect(x + f0 * CELL_WIDTH, x + f1 * CELL_WIDTH, y))
+            if lo > 0 and f1 - f0 > 4 * MIN_BLOCK_FRACTION:  # separates it from a block just before
+                seams.append(_rect(x + f0 * CELL_WIDTH, x + (f0 + SEAM) * CELL_WIDTH, y))
+
+    for kind in ("unmapped", "empty", "stranded", "live", "pinned", "retired"):
+        if polys[kind]:
+            ax.add_collection(PolyCollection(polys[kind], facecolors=COLORS[kind], edgecolors="none",
+                                             linewidths=0, antialiased=False))
+    if seams:
+        ax.add_collection(PolyCollection(seams, facecolors="white", edgecolors="none", linewidths=0,
+                                         antialiased=False))
+
+    rows = sum(math.ceil(n / pages_per_row) for _, n, _ in plan)
+    ax.set_xlim(-0.03, pages_per_row - (1 - CELL_WIDTH) + 0.03)
+    ax.set_ylim(rows - (1 - ROW_HEIGHT) + 0.1, -0.1)  # row 0 on top
+    ax.set_yticks(yticks, ylabels, fontsize=8)
+    ax.set_xticks([])
+    ax.set_xlabel(f"each cell is one {format_bytes(P)} page; x = offset within the page", fontsize=8)
+    for spine in ax.spines.values():
+        spine.set_visible(False)
+    ax.tick_params(axis="y", length=0)
+
+    totals = layout_totals(layout)
+    hidden = sum(len(r["pages"]) - n for r, n, _ in plan)
+    if title is None:
+        title = f"defrag pool #{layout.get('pool', '?')} ({layout.get('kind', '?')})"
+    head = (f"{totals['pages_mapped']} pages mapped ({format_bytes(totals['pages_mapped'] * P)}), "
+            f"{format_bytes(totals['allocated'])} live, {format_bytes(totals['stranded'])} stranded "
+            f"({totals['fragmentation']:.1%}), {totals['pages_cached']} cached")
+    shown_note = ""
+    if hidden:
+        shown_note = (f"\nshowing {sum(n for _, n, _ in plan)} of {sum(len(r['pages']) for r in layout['regions'])} "
+                      f"virtual pages (the rest are unmapped or past the cap)")
+    ax.set_title(f"{title}\n{head}{shown_note}", fontsize=9)
+    return {"rows": rows, "hidden_pages": hidden, "totals": totals, "plan": plan}
+
+
+def _legend_handles(cached_pages: int) -> list:
+    handles = [Patch(facecolor=COLORS[k], label=LABELS[k]) for k in LABELS]
+    handles.append(Patch(facecolor=COLORS["cached"], label=f"cached physical pages (held, unmapped): {cached_pages}"))
+    return handles
+
+
+def _new_figure(width: float, height: float) -> Figure:
+    fig = Figure(figsize=(width, height), dpi=DPI)
+    FigureCanvasAgg(fig)
+    return fig
+
+
+def _save(fig: Figure, path) -> str:
+    path = os.fspath(path)
+    fig.savefig(path, dpi=DPI, format="png")
+    return path
+
+
+def plot_memory_map(layout: dict, path=None, ax=None, title: str | None = None, *,
+                    pages_per_row: int = 8, max_pages: int = 512):
+    """Draw a pool memory map from a `Pool.layout()` dict (see the module doc for the colours).
+
+    With `ax`, draws into it (with a legend inside the axes); otherwise makes
+    a new figure. With `path`, writes a PNG there and returns the path;
+    otherwise returns the figure. `pages_per_row` cells per row; at most
+    `max_pages` pages per region are drawn.
+    """
+    if pages_per_row < 1 or max_pages < 1:
+        raise ValueError("pages_per_row and max_pages must be >= 1")
+    cached = int(layout.get("cached_pages", 0))
+    if ax is not None:
+        _draw(ax, layout, pages_per_row=pages_per_row, max_pages=max_pages, title=title)
+        ax.legend(handles=_legend_handles(cached), fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
+        fig = ax.figure
+        return _save(fig, path) if path is not None else fig
+    rows = sum(math.ceil(n / pages_per_row) for _, n, _ in _plan(layout, pages_per_row, max_pages))
+    top, bottom = 0.9, 1.05  # inches: title; x label and legend
+    height = top + bottom + 0.45 * rows
+    fig = _new_figure(1.5 * pages_per_row + 1.0, height)
+    ax = fig.add_axes((0.8 / fig.get_figwidth(), bottom / height, 1 - 1.0 / fig.get_figwidth(),
+                       0.45 * rows / height))
+    _draw(ax, layout, pages_per_row=pages_per_row, max_pages=max_pages, title=title)
+    fig.legend(handles=_legend_handles(cached), loc="lower center", ncol=3, fontsize=8, frameon=False)
+    return _save(fig, path) if path is not None else fig
+
+
+def _report_dict(report) -> dict:
+    if report is None:
+        return {}
+    if isinstance(report, dict):
+        return report
+    if hasattr(report, "as_dict"):
+        return report.as_dict()
+    return dict(vars(report))
+
+
+def plot_compaction(before_layout: dict, after_layout: dict, path=None, report=None, *,
+                    pages_per_row: int = 8, max_pages: int = 512):
+    """Before/after memory maps side by side, with the compaction's headline as a caption.
+
+    `report`: a `CompactionReport` or its `as_dict()`; without one the caption
+    is computed from the two layouts (moved bytes unknown then). Both maps
+    show the same page range so that they compare cell for cell. With `path`,
+    writes a PNG and returns the path; otherwise returns the figure.
+    """
+    r = _report_dict(report)
+    tb, ta = layout_totals(before_layout), layout_totals(after_layout)
+    if r:
+        caption = (f"moved {r.get('moved_tensors', 0)} tensors / {format_bytes(r.get('moved_bytes', 0))}; "
+                   f"mapped pages {r.get('pages_before', tb['pages_mapped'])} -> "
+                   f"{r.get('pages_after', ta['pages_mapped'])}; fragmentation "
+                   f"{r.get('fragmentation_before', tb['fragmentation']):.1%} -> "
+                   f"{r.get('fragmentation_after', ta['fragmentation']):.1%}")
+        if r.get("seconds"):
+            caption += f"; {r['seconds'] * 1e3:.1f} ms ({'automatic' if r.get('automatic') else 'explicit'})"
+    else:
+        caption = (f"mapped pages {tb['pages_mapped']} -> {ta['pages_mapped']}; fragmentation "
+                   f"{tb['fragmentation']:.1%} -> {ta['fragmentation']:.1%}")
+    # The same page range on both sides.
+    shown = {}
+    for layout in (before_layout, after_layout):
+        for region in layout["regions"]:
+            i = int(region["index"])
+            shown[i] = max(shown.get(i, 1), _shown_pages(region, pages_per_row, max_pages))
+    rows = max(sum(math.ceil(n / pages_per_row) for _, n, _ in _plan(l, pages_per_row, max_pages, shown))
+               for l in (before_layout, after_layout))
+    top, bottom = 1.3, 1.0
+    height = top + bottom + 0.45 * rows
+    panel = 1.0 * pages_per_row
+    width = 2 * panel + 2.0
+    fig = _new_figure(width, height)
+    for k, (layout, name) in enumerate(((before_layout, "before"), (after_layout, "after"))):
+        left = (0.8 + k * (panel + 0.8)) / width
+        ax = fig.add_axes((left, bottom / height, panel / width, 0.45 * rows / height))
+        _draw(ax, layout, pages_per_row=pages_per_row, max_pages=max_pages, shown=shown,
+              title=f"{name} compaction")
+    fig.legend(handles=_legend_handles(int(after_layout.get("cached_pages", 0))), loc="lower center", ncol=4,
+               fontsize=8, frameon=False, bbox_to_anchor=(0.5, 0.0))
+    fig.text(0.5, 1 - 0.25 / height, caption, ha="center", va="top", fontsize=10, weight="bold")
+    return _save(fig, path) if path is not None else fig
