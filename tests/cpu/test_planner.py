@@ -1,0 +1,472 @@
+"""Tests for defrag.planner: plans are safe (checked by executing them on bytes), honest, and good."""
+from __future__ import annotations
+
+import dataclasses
+import random
+from contextlib import nullcontext
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from defrag.planner import (
+    LiveBlock,
+    Move,
+    Plan,
+    PlanError,
+    lower_bound_pages,
+    plan_compaction,
+    touched_pages,
+    validate_plan,
+)
+
+A = 512  # alignment
+SETTINGS = settings(deadline=None, max_examples=250, suppress_health_check=[HealthCheck.too_slow])
+
+
+# --------------------------------------------------------------------------
+# Layout generators
+# --------------------------------------------------------------------------
+
+
+def make_layout(
+    seed: int,
+    *,
+    page: int,
+    pages: int,
+    style: str,
+    keep: float,
+    pinned: float = 0.0,
+    large: float = 0.0,
+    tail: int = 0,
+) -> tuple[list[LiveBlock], int]:
+    """Blocks allocated back to back over ``pages - tail`` pages (blocks of a page
+    or more start on a page boundary, smaller ones may straddle), then a random
+    ``keep`` fraction of them kept live. Returns (blocks, span)."""
+    r = random.Random(seed)
+    g = page // A
+    limit = (pages - tail) * page
+    unit = g >> r.randint(1, g.bit_length() - 1)  # "divisor": one size dividing the page
+    sizes = {
+        "tiny": lambda: r.randint(1, 2),
+        "small": lambda: r.randint(1, max(1, g // 4)),
+        "coarse": lambda: r.randint(1, g - 1),
+        "mixed": lambda: r.choice([1, 1, 2, 3, max(1, g // 4), max(1, g // 2), g - 1]),
+        "divisor": lambda: unit,
+    }[style]
+    out, off = [], 0
+    while True:
+        if large and r.random() < large:
+            # Whole pages or not: the tail of a large block is a hole others may use.
+            size = page * r.randint(1, 3) + (0 if style == "divisor" else A * r.randint(0, g - 1))
+            off = -(-off // page) * page
+        else:
+            size = A * sizes()
+        if off + size > limit:
+            break
+        if r.random() < 0.05:  # an occasional gap that was never allocated
+            off += A * (unit if style == "divisor" else r.randint(1, g))
+            continue
+        out.append((off, size))
+        off += size
+    blocks = [
+        LiveBlock(("blk", i), o, s, movable=r.random() >= pinned)
+        for i, (o, s) in enumerate(out)
+        if r.random() < keep
+    ]
+    r.shuffle(blocks)  # the planner must not rely on input order
+    return blocks, pages * page
+
+
+def canonical(seed: int, *, page: int, pages: int, per_page: int, live_per_page: int) -> list[LiveBlock]:
+    """Every page held ``per_page`` equal blocks; all but ``live_per_page`` of each were freed."""
+    r = random.Random(seed)
+    size = page // per_page
+    slots = [(p, slot) for p in range(pages) for slot in sorted(r.sample(range(per_page), live_per_page))]
+    return [LiveBlock(i, p * page + slot * size, size, True) for i, (p, slot) in enumerate(slots)]
+
+
+layout_params = st.fixed_dictionaries(
+    {
+        "seed": st.integers(0, 2**32 - 1),
+        "page": st.sampled_from([4096, 8192, 16384, 65536]),
+        "pages": st.integers(1, 48),
+        "style": st.sampled_from(["tiny", "small", "coarse", "mixed", "divisor"]),
+        "keep": st.floats(0.02, 1.0),
+        "pinned": st.sampled_from([0.0, 0.0, 0.05, 0.3]),
+        "large": st.sampled_from([0.0, 0.0, 0.05, 0.2]),
+        "tail": st.integers(0, 4),
+    }
+).map(lambda p: {**p, "tail": min(p["tail"], p["pages"] - 1)})
+
+
+# --------------------------------------------------------------------------
+# Executing a plan on bytes
+# --------------------------------------------------------------------------
+
+
+def pattern(i: int, size: int) -> np.ndarray:
+    """Bytes unique to block number ``i`` and to each 8-byte word within it."""
+    words = np.arange(size // 8, dtype=np.uint64) + np.uint64(i + 1) * np.uint64(1 << 32)
+    return words.view(np.uint8)
+
+
+def execute(blocks: list[LiveBlock], plan: Plan, span: int, *, mode: str) -> None:
+    """Run ``plan`` on a region filled with per-block patterns; check every block's bytes.
+
+    ``mode="wave"``: per wave, read every source first, then write every
+    destination (what one kernel launch does). ``mode="sequential"``: one
+    memmove per move, in plan order. Sources are poisoned once read, so a
+    later read of a vacated range is caught too.
+    """
+    mem = np.full(span, 0xEE, np.uint8)
+    index = {b.key: i for i, b in enumerate(blocks)}
+    for i, b in enumerate(blocks):
+        mem[b.offset:b.offset + b.size] = pattern(i, b.size)
+    for wave in plan.waves:
+        if mode == "wave":
+            data = [mem[m.src:m.src + m.size].copy() for m in wave]
+            for m in wave:
+                mem[m.src:m.src + m.size] = 0xDD
+            for m, d in zip(wave, data):
+                mem[m.dst:m.dst + m.size] = d
+        else:
+            for m in wave:
+                d = mem[m.src:m.src + m.size].copy()
+                mem[m.src:m.src + m.size] = 0xDD
+                mem[m.dst:m.dst + m.size] = d
+    final = {b.key: b.offset for b in blocks}
+    final.update({m.key: m.dst for m in plan.moves})
+    for b in blocks:
+        got = mem[final[b.key]:final[b.key] + b.size]
+        assert np.array_equal(got, pattern(index[b.key], b.size)), f"{mode}: bytes of {b.key!r} lost"
+
+
+def final_layout(blocks: list[LiveBlock], plan: Plan) -> list[tuple[int, int]]:
+    dst = {m.key: m.dst for m in plan.moves}
+    return [(dst.get(b.key, b.offset), b.size) for b in blocks]
+
+
+def check_plan(blocks: list[LiveBlock], plan: Plan, span: int) -> None:
+    """Everything any plan must satisfy, checked independently of validate_plan."""
+    validate_plan(blocks, plan, span=span)
+    execute(blocks, plan, span, mode="wave")
+    execute(blocks, plan, span, mode="sequential")
+    page = plan.page_size
+    assert plan.pages_before == touched_pages([(b.offset, b.size) for b in blocks], page)
+    assert plan.pages_after == touched_pages(final_layout(blocks, plan), page)
+    assert plan.pages_after <= plan.pages_before
+    assert plan.pages_after >= lower_bound_pages(blocks, page_size=page) == plan.pages_lower_bound
+    assert plan.moved_bytes == sum(m.size for m in plan.moves)
+    by_key = {b.key: b for b in blocks}
+    for m in plan.moves:
+        b = by_key[m.key]
+        assert b.movable and b.size < page, "pinned and large blocks never move"
+        assert (m.src, m.size) == (b.offset, b.size)
+    assert plan.empty == (not plan.moves)
+    assert all(plan.waves), "no empty waves"
+    if plan.empty:
+        assert plan.pages_after == plan.pages_before
+
+
+# --------------------------------------------------------------------------
+# Properties on random layouts
+# --------------------------------------------------------------------------
+
+
+@SETTINGS
+@given(layout_params)
+def test_random_layouts_give_safe_plans(params):
+    blocks, span = make_layout(**params)
+    plan = plan_compaction(blocks, page_size=params["page"], span=span)
+    check_plan(blocks, plan, span)
+
+
+@SETTINGS
+@given(layout_params)
+def test_without_unmapped_pages_destinations_stay_in_touched_pages(params):
+    blocks, span = make_layout(**params)
+    page = params["page"]
+    plan = plan_compaction(blocks, page_size=page, span=span, max_new_pages=0)
+    check_plan(blocks, plan, span)
+    before = {p for b in blocks for p in range(b.offset // page, (b.offset + b.size - 1) // page + 1)}
+    for m in plan.moves:
+        assert {m.dst // page, (m.dst + m.size - 1) // page} <= before
+
+
+@SETTINGS
+@given(layout_params)
+def test_planning_is_deterministic_and_ignores_input_order(params):
+    blocks, span = make_layout(**params)
+    page = params["page"]
+    a = plan_compaction(blocks, page_size=page, span=span)
+    b = plan_compaction(sorted(blocks, key=lambda b: b.offset), page_size=page, span=span)
+    assert a == b
+
+
+# --------------------------------------------------------------------------
+# Reaching the lower bound
+# --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("pages, page", [(4, 2 << 20), (64, 65536), (1000, 16384)])
+def test_canonical_fragmentation_reaches_ceil_live_over_page(pages, page):
+    blocks = canonical(7, page=page, pages=pages, per_page=4, live_per_page=1)
+    span = pages * page
+    plan = plan_compaction(blocks, page_size=page, span=span)
+    check_plan(blocks, plan, span)
+    live = sum(b.size for b in blocks)
+    assert plan.pages_before == pages
+    assert plan.pages_after == -(-live // page) == -(-pages // 4)
+    # Holes of kept pages are free now: one wave, and only the evacuated blocks move.
+    assert len(plan.waves) == 1
+    assert plan.moved_bytes == (pages - plan.pages_after) * (page // 4)
+
+
+@SETTINGS
+@given(
+    seed=st.integers(0, 2**32 - 1),
+    page=st.sampled_from([4096, 16384, 65536]),
+    pages=st.integers(1, 80),
+    per_page=st.sampled_from([2, 4, 8]),
+    data=st.data(),
+)
+def test_canonical_family_reaches_lower_bound(seed, page, pages, per_page, data):
+    live_per_page = data.draw(st.integers(1, per_page - 1))
+    blocks = canonical(seed, page=page, pages=pages, per_page=per_page, live_per_page=live_per_page)
+    span = pages * page
+    plan = plan_compaction(blocks, page_size=page, span=span)
+    check_plan(blocks, plan, span)
+    assert plan.pages_after == -(-sum(b.size for b in blocks) // page)
+
+
+@SETTINGS
+@given(
+    seed=st.integers(0, 2**32 - 1),
+    page=st.sampled_from([4096, 8192, 16384, 65536]),
+    pages=st.integers(1, 64),
+    keep=st.floats(0.02, 1.0),
+    large=st.sampled_from([0.0, 0.05, 0.2]),
+    tail=st.integers(0, 3),
+)
+def test_sizes_dividing_the_page_reach_lower_bound(seed, page, pages, keep, large, tail):
+    # Blocks of one size page/2^k (down to 512 B) and whole-page large blocks,
+    # packed then freed at random: every hole is a multiple of that size.
+    blocks, span = make_layout(
+        seed, page=page, pages=pages + tail, style="divisor", keep=keep, large=large, tail=tail
+    )
+    plan = plan_compaction(blocks, page_size=page, span=span)
+    check_plan(blocks, plan, span)
+    assert plan.pages_after == lower_bound_pages(blocks, page_size=page)
+
+
+@SETTINGS
+@given(seed=st.integers(0, 2**32 - 1), pages=st.integers(1, 64), keep=st.floats(0.02, 1.0))
+def test_uniform_tiny_blocks_reach_lower_bound(seed, pages, keep):
+    r = random.Random(seed)
+    page = 8192
+    blocks = [LiveBlock(i, i * A, A, True) for i in range(pages * page // A) if r.random() < keep]
+    plan = plan_compaction(blocks, page_size=page, span=pages * page)
+    check_plan(blocks, plan, pages * page)
+    assert plan.pages_after == -(-len(blocks) * A // page)
+
+
+def test_pinned_pages_are_kept_and_filled_first():
+    page = 8192
+    # Page 0 holds one pinned block; pages 1..3 hold one movable block each.
+    blocks = [LiveBlock("pin", 0, A, False)] + [LiveBlock(i, i * page, A, True) for i in (1, 2, 3)]
+    plan = plan_compaction(blocks, page_size=page, span=4 * page)
+    check_plan(blocks, plan, 4 * page)
+    assert plan.pages_after == 1
+    assert all(m.dst < page for m in plan.moves)
+
+
+# --------------------------------------------------------------------------
+# Small cases and objectives
+# --------------------------------------------------------------------------
+
+
+def test_empty_and_already_compact_layouts_give_empty_plans():
+    page = 4096
+    assert plan_compaction([], page_size=page, span=0).empty
+    blocks = [LiveBlock(i, i * 1024, 1024, True) for i in range(10)]  # 2.5 pages, packed
+    plan = plan_compaction(blocks, page_size=page, span=8 * page)
+    assert plan.empty and plan.pages_before == plan.pages_after == 3 and plan.moves == ()
+
+
+def test_no_plan_when_no_page_can_be_freed():
+    page = 4096
+    # Every page has a pinned block: nothing can be released.
+    blocks = [LiveBlock(("p", i), i * page, A, False) for i in range(4)]
+    blocks += [LiveBlock(("m", i), i * page + 2048, A, True) for i in range(4)]
+    plan = plan_compaction(blocks, page_size=page, span=8 * page)
+    assert plan.empty and plan.pages_after == plan.pages_before == 4
+
+
+def test_large_blocks_stay_and_their_tails_take_small_blocks():
+    page = 4096
+    blocks = [
+        LiveBlock("big", 0, page + 2048, True),  # tail: [6144, 8192)
+        LiveBlock("a", 3 * page, 1024, True),
+        LiveBlock("b", 5 * page + 1024, 1024, True),
+    ]
+    plan = plan_compaction(blocks, page_size=page, span=8 * page)
+    check_plan(blocks, plan, 8 * page)
+    assert plan.pages_after == 2
+    assert {m.key for m in plan.moves} == {"a", "b"}
+    assert all(page + 2048 <= m.dst < 2 * page for m in plan.moves)
+
+
+def test_straddling_block_is_moved_off_an_evacuated_page():
+    page = 4096
+    blocks = [
+        LiveBlock("dense", 0, 3072, True),
+        LiveBlock("straddle", 2 * page - 1024, 2048, True),  # pages 1 and 2
+    ]
+    plan = plan_compaction(blocks, page_size=page, span=4 * page)
+    check_plan(blocks, plan, 4 * page)
+    assert plan.pages_after == 2 and plan.pages_before == 3
+
+
+def test_moves_are_plain_move_values():
+    page = 4096
+    blocks = [LiveBlock("k", 3 * page, 1024, True), LiveBlock("j", 0, 1024, True)]
+    plan = plan_compaction(blocks, page_size=page, span=4 * page)
+    (m,) = plan.moves
+    assert m == Move("k", 3 * page, m.dst, 1024) and hash(m) == hash(Move("k", 3 * page, m.dst, 1024))
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        m.dst = 0  # type: ignore[misc]
+    assert plan.moves == tuple(x for w in plan.waves for x in w)
+
+
+def test_later_waves_reuse_space_vacated_by_earlier_ones():
+    # Without unmapped pages, blocks that fit no hole that is free now wait
+    # for pages (or parts of kept pages) that earlier waves emptied.
+    multi = 0
+    for seed in range(40):
+        blocks, span = make_layout(seed, page=16384, pages=24, style="coarse", keep=0.5)
+        plan = plan_compaction(blocks, page_size=16384, span=span, max_new_pages=0)
+        check_plan(blocks, plan, span)
+        multi += len(plan.waves) > 1
+    assert multi  # the wave machinery was exercised
+
+
+# --------------------------------------------------------------------------
+# Bad input
+# --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "blocks, kwargs",
+    [
+        ([LiveBlock(1, 0, 1024, True), LiveBlock(2, 512, 512, True)], {}),  # overlap
+        ([LiveBlock(1, 256, 512, True)], {}),  # misaligned offset
+        ([LiveBlock(1, 0, 700, True)], {}),  # misaligned size
+        ([LiveBlock(1, 0, 0, True)], {}),  # empty block
+        ([LiveBlock(1, -512, 512, True)], {}),  # before the region
+        ([LiveBlock(1, 16384 - 512, 1024, True)], {}),  # past the span
+        ([LiveBlock(1, 0, 512, True), LiveBlock(1, 1024, 512, True)], {}),  # duplicate key
+        ([], {"page_size": 1000}),  # page not a multiple of the alignment
+        ([], {"span": 4096 * 3 + 512}),  # span not a multiple of the page
+        ([], {"alignment": 0}),
+        ([], {"max_new_pages": -1}),
+    ],
+)
+def test_bad_input_raises_plan_error(blocks, kwargs):
+    args = {"page_size": 4096, "span": 16384, **kwargs}
+    with pytest.raises(PlanError):
+        plan_compaction(blocks, **args)
+    # validate_plan checks its input the same way.
+    args.pop("max_new_pages", None)
+    page = args.pop("page_size")
+    with pytest.raises(PlanError) if "max_new_pages" not in kwargs else nullcontext():
+        validate_plan(blocks, Plan((), page, 0, 0, 0), **args)
+
+
+# --------------------------------------------------------------------------
+# validate_plan catches unsafe plans
+# --------------------------------------------------------------------------
+
+PAGE = 4096
+BLOCKS = [
+    LiveBlock("a", 0, 1024, True),
+    LiveBlock("b", 1024, 1024, True),
+    LiveBlock("pin", 2048, 1024, False),
+    LiveBlock("c", PAGE, 1024, True),
+    LiveBlock("d", 2 * PAGE, 1024, True),
+    LiveBlock("big", 4 * PAGE, PAGE, True),
+]
+SPAN = 8 * PAGE
+
+
+def plan_of(*waves: list[tuple], before=None, after=None, moved=None) -> Plan:
+    by_key = {b.key: b for b in BLOCKS}
+    ws = tuple(tuple(Move(k, by_key[k].offset, d, by_key[k].size) for k, d in w) for w in waves)
+    layout = {b.key: (b.offset, b.size) for b in BLOCKS}
+    for w in ws:
+        for m in w:
+            layout[m.key] = (m.dst, m.size)
+    return Plan(
+        ws,
+        PAGE,
+        touched_pages([(b.offset, b.size) for b in BLOCKS], PAGE) if before is None else before,
+        touched_pages(layout.values(), PAGE) if after is None else after,
+        sum(m.size for w in ws for m in w) if moved is None else moved,
+    )
+
+
+def test_validate_accepts_a_safe_hand_written_plan():
+    # c -> hole of page 0 (wave 1); d -> where c was (wave 2).
+    validate_plan(BLOCKS, plan_of([("c", 3072)], [("d", PAGE)]), span=SPAN)
+
+
+@pytest.mark.parametrize(
+    "plan, why",
+    [
+        (plan_of([("pin", 3072)]), "pinned block moves"),
+        (plan_of([("c", 3072)], [("c", PAGE + 2048)]), "block moves twice"),
+        (plan_of([("c", 3072), ("d", 3072)]), "two destinations overlap"),
+        (plan_of([("c", 2048)]), "lands on a pinned block"),
+        (plan_of([("d", PAGE)]), "lands on a block that never moves"),
+        (plan_of([("d", PAGE)], [("c", 3072)]), "lands on a block that moves only later"),
+        (plan_of([("c", 3072), ("d", PAGE)]), "destination overlaps a source of the same wave"),
+        (plan_of([("c", PAGE + 512)]), "overlaps its own source"),
+        (plan_of([("c", 3072 + 256)]), "misaligned destination"),
+        (plan_of([("big", 5 * PAGE + 512)]), "large block off a page boundary"),
+        (plan_of([("d", SPAN - 512)]), "past the span"),
+        (plan_of([("c", -1024)]), "before the region"),
+        (plan_of([("c", 3072)], []), "empty wave"),
+        (plan_of([("c", 3072)], after=4), "wrong pages_after"),
+        (plan_of([("c", 3072)], moved=0), "wrong moved_bytes"),
+        (Plan(((Move("zzz", 0, 3072, 1024),),), PAGE, 4, 4, 1024), "unknown block"),
+        (Plan(((Move("c", PAGE, 3072, 512),),), PAGE, 4, 3, 512), "wrong size"),
+        (Plan(((Move("c", 0, 3072, 1024),),), PAGE, 4, 3, 1024), "wrong source"),
+    ],
+)
+def test_validate_rejects_unsafe_plans(plan, why):
+    with pytest.raises(PlanError):
+        validate_plan(BLOCKS, plan, span=SPAN)
+
+
+# --------------------------------------------------------------------------
+# Helpers
+# --------------------------------------------------------------------------
+
+
+@SETTINGS
+@given(
+    st.lists(st.tuples(st.integers(0, 10_000), st.integers(0, 3000)), max_size=30),
+    st.sampled_from([512, 1000, 4096]),
+)
+def test_touched_pages_matches_brute_force(layout, page):
+    expect = {p for o, s in layout if s for p in range(o // page, (o + s - 1) // page + 1)}
+    assert touched_pages(layout, page) == len(expect)
+
+
+def test_lower_bound_counts_forced_pages_and_live_bytes():
+    page = 4096
+    pinned_everywhere = [LiveBlock(i, i * page, A, False) for i in range(5)]
+    assert lower_bound_pages(pinned_everywhere, page_size=page) == 5
+    packed = [LiveBlock(i, i * 2048, 2048, True) for i in range(5)]  # 10 KiB
+    assert lower_bound_pages(packed, page_size=page) == 3
