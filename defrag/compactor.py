@@ -1,0 +1,402 @@
+"""Run a compaction plan on a pool: sync, copy, swap storages, release pages.
+
+The protocol, wave by wave (a wave is a set of moves whose destinations are
+free and overlap no source, see `defrag.planner`):
+
+1. **prepare**: map the destination pages that are not mapped yet and carve
+   the destination ranges in the heap; make a storage over each destination.
+2. **copy**: every move of the wave in one batch (the numba kernel on a GPU;
+   memmove, the simulated kernel or the driver's copy on the emulated device),
+   then synchronize. With `verify=True`, checksums of sources and
+   destinations are compared.
+3. **swap**: each moved storage takes the destination's data pointer with
+   `UntypedStorage._swap_data_ptr_`; every tensor and view follows. Everything
+   the swap needs was checked before, so this step cannot fail half-way.
+4. **release**: the old locations die with the temporary storages and go back
+   to the heap.
+
+A failure in steps 1-2 of a wave (driver error, copy failure, checksum
+mismatch, any exception) drops that wave's destinations and unmaps the pages
+it mapped: every tensor keeps its old location and bytes. Earlier waves stay
+done (their tensors are valid at their new places). After the last wave the
+pages left empty are unmapped (after a synchronize) so their physical pages
+can back any later request.
+
+Never moved: pinned blocks, blocks whose storage the pool cannot resolve, and
+anything at all while a CUDA graph is being captured (refused with an error).
+Other pools are untouched.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from . import tensors as tz
+from .errors import CudaError
+from .planner import LiveBlock, Plan, plan_compaction
+from .units import format_bytes
+from .vmm import Transaction
+
+ENGINES = ("memmove", "driver", "kernel")
+PROGRESS_BYTES = 256 << 20  # show a progress bar when a compaction moves more than this
+PROGRESS_MOVES = 20_000
+
+
+class CompactionError(RuntimeError):
+    """A compaction could not run (e.g. during CUDA graph capture) or failed and was rolled back."""
+
+
+@dataclass
+class CompactionReport:
+    """What one compaction did. `phases` holds seconds per step."""
+
+    moved_tensors: int = 0
+    moved_bytes: int = 0
+    released_pages: int = 0
+    seconds: float = 0.0
+    fragmentation_before: float = 0.0
+    fragmentation_after: float = 0.0
+    stranded_before: int = 0
+    stranded_after: int = 0
+    pages_before: int = 0
+    pages_after: int = 0
+    waves: int = 0
+    engine: str = ""
+    automatic: bool = False
+    verified: bool = False
+    page_size: int = 0
+    phases: dict = field(default_factory=dict)
+
+    def __str__(self) -> str:
+        kind = "automatic" if self.automatic else "explicit"
+        phases = ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in self.phases.items())
+        return (
+            f"Compaction ({kind}, engine={self.engine}{', verified' if self.verified else ''}): "
+            f"moved {self.moved_tensors} tensors / {format_bytes(self.moved_bytes)} in {self.waves} wave(s), "
+            f"released {self.released_pages} pages ({format_bytes(self.released_pages * self.page_size)}), "
+            f"mapped pages {self.pages_before} -> {self.pages_after}, "
+            f"fragmentation {self.fragmentation_before:.1%} -> {self.fragmentation_after:.1%} "
+            f"(stranded {format_bytes(self.stranded_before)} -> {format_bytes(self.stranded_after)}), "
+            f"{self.seconds * 1e3:.1f} ms [{phases}]"
+        )
+
+    def as_dict(self) -> dict:
+        return dict(self.__dict__)
+
+
+def default_engine(pool) -> str:
+    return "kernel" if pool.kind == "cuda" else "memmove"
+
+
+class _Timer:
+    def __init__(self, phases: dict, name: str):
+        self.phases, self.name = phases, name
+
+    def __enter__(self):
+        self.t0 = time.perf_counter()
+
+    def __exit__(self, *exc):
+        self.phases[self.name] = self.phases.get(self.name, 0.0) + time.perf_counter() - self.t0
+
+
+def _current_stream(pool) -> int:
+    if pool.kind == "cuda":
+        return torch.cuda.current_stream(pool.device).cuda_stream
+    return 0
+
+
+def compact_pool(pool, *, verify: bool = False, progress: bool | None = None, engine: str | None = None,
+                 automatic: bool = False) -> CompactionReport:
+    """Compact every region of `pool` (its lock held by the caller). See the module docstring."""
+    engine = engine or default_engine(pool)
+    if engine not in ENGINES:
+        raise ValueError(f"unknown copy engine {engine!r}; expected one of {ENGINES}")
+    if engine == "memmove" and pool.kind != "emulated":
+        raise ValueError("the memmove engine works only on the emulated device")
+    if pool.driver.is_capturing(_current_stream(pool)):
+        raise CompactionError("cannot compact while a CUDA graph is being captured: "
+                              "captured kernels hold raw pointers that a move would invalidate")
+    t_start = time.perf_counter()
+    report = CompactionReport(engine=engine, automatic=automatic, verified=verify, page_size=pool.page_size)
+    phases = report.phases
+    pool._drain()
+    pool._wait_pending()
+    with _Timer(phases, "sync"):
+        pool.driver.synchronize()  # queued kernels may still use blocks we are about to move
+    before = pool._stats_locked()
+    report.fragmentation_before = before["fragmentation"]
+    report.stranded_before = before["stranded_bytes"]
+    report.pages_before = before["pages.mapped"]
+
+    with _Timer(phases, "plan"):
+        plans = []
+        for region in pool._space.regions:
+            blocks, storages = [], {}
+            for alloc in pool._blocks.values():
+                if alloc.region is not region:
+                    continue
+                movable, _ = pool._movable(alloc)
+                if movable:
+                    storage = tz.strong_storage(alloc.storage_ref)
+                    if storage is None:
+                        movable = False
+                    else:
+                        storages[alloc.address] = storage
+                blocks.append(LiveBlock(alloc.address, alloc.address - region.base, alloc.size, movable))
+            if storages:
+                # Destinations on pages no live block touches need physical pages:
+                # cached or creatable ones, or those of empty mapped pages.
+                budget = pool._space.store.available + len(pool._empty_mapped_pages())
+                plan = plan_compaction(blocks, page_size=pool.page_size, span=region.size, max_new_pages=budget)
+                if not plan.empty:
+                    plans.append((region, plan, storages))
+
+    total_bytes = sum(p.moved_bytes for _, p, _ in plans)
+    total_moves = sum(len(p.moves) for _, p, _ in plans)
+    bar = None
+    if progress or (progress is None and (total_bytes > PROGRESS_BYTES or total_moves > PROGRESS_MOVES)):
+        from tqdm.auto import tqdm
+        bar = tqdm(total=total_bytes, unit="B", unit_scale=True, unit_divisor=1024, desc="defrag compact",
+                   leave=False)
+    try:
+        for region, plan, storages in plans:
+            for wave in plan.waves:
+                _run_wave(pool, region, wave, storages, engine, verify, report)
+                report.waves += 1
+                if bar is not None:
+                    bar.update(sum(m.size for m in wave))
+            storages.clear()
+    finally:
+        for _, _, storages in plans:
+            storages.clear()  # strong references to user storages end here, error or not
+        if bar is not None:
+            bar.close()
+        # Release the pages the moves emptied, even after a failed wave: earlier
+        # waves' work is committed and their pages are free.
+        pool._drain()
+        with _Timer(phases, "release"):
+            empties = pool._empty_mapped_pages()
+            mapped_before_release = pool._space.mapped
+            try:
+                pool._unmap_empty(empties)
+            except CudaError:
+                pass  # pages that could not be unmapped stay mapped and usable; state stays consistent
+            report.released_pages = mapped_before_release - pool._space.mapped
+        after = pool._stats_locked()
+        report.fragmentation_after = after["fragmentation"]
+        report.stranded_after = after["stranded_bytes"]
+        report.pages_after = after["pages.mapped"]
+        report.seconds = time.perf_counter() - t_start
+        c = pool._counters
+        c["num_compactions"] += 1
+        c["num_compactions.automatic" if automatic else "num_compactions.explicit"] += 1
+        c["compaction.moved_bytes"] += report.moved_bytes
+        c["compaction.moved_tensors"] += report.moved_tensors
+        c["compaction.released_pages"] += report.released_pages
+        if pool._history is not None:
+            pool._history.compacted(report)
+    for callback in list(pool.on_compact):
+        callback(report)
+    return report
+
+
+def _run_wave(pool, region, wave, storages, engine, verify, report) -> None:
+    """One wave: prepare, copy, (verify), swap, release. All-or-nothing before the swap."""
+    phases = report.phases
+    heap = pool._heaps[region.index]
+    P = pool.page_size
+    dests = []  # (move, new Allocation, destination storage)
+    with Transaction() as txn:
+        # 1. prepare: map destination pages, carve destination ranges, make storages.
+        with _Timer(phases, "prepare"):
+            dest_pages = {p for m in wave for p in range(m.dst // P, (m.dst + m.size - 1) // P + 1)}
+            to_map = sorted(p for p in dest_pages if not region.handles[p])
+            _make_physical_room(pool, region, dest_pages, len(to_map))
+            pool._map_into_heap(region, to_map, txn)
+            for move in wave:
+                old = pool._blocks[move.key]
+                address = heap.allocate_at(region.base + move.dst, old.size)
+                new = pool._carve(region, address, old.size, old.nbytes, counted=False)
+                new.origin = "compact"
+                txn.on_rollback(pool._free, new)
+                # The destination storage's owner releases `new` if the wave is
+                # abandoned; after the swap it owns the *old* range instead.
+                new.retired = True
+                dests.append((move, old, new, pool._storage_for(new)))
+            txn.on_rollback(_drop_storages, pool, dests)
+
+        # 2. copy, then wait for it; 2b. verify.
+        with _Timer(phases, "copy"):
+            # Whole blocks (512-byte multiples): 16-byte aligned for the kernel, and
+            # the rounding stays inside each block.
+            _copy(pool, engine, [(old.address, new.address, old.size) for _, old, new, _ in dests])
+            pool.driver.synchronize()
+        if verify:
+            with _Timer(phases, "verify"):
+                _verify(pool, engine, [(old.address, new.address, old.size) for _, old, new, _ in dests])
+
+        # Everything the swap needs, checked before the first swap.
+        for move, old, new, dest in dests:
+            user = storages[move.key]
+            if user.nbytes() != dest.nbytes() or user.data_ptr() != old.address:
+                raise CompactionError(f"storage at {old.address:#x} changed during compaction; nothing was moved")
+        txn.commit()
+
+    # 3. swap: cannot fail (one field exchange per storage).
+    with _Timer(phases, "swap"):
+        for move, old, new, dest in dests:
+            tz.swap_data(storages[move.key], dest)
+            # `new` is now the user's block; `old` is owned by the temporary `dest`.
+            new.retired, new.counted = False, True
+            old.counted = False
+            new.dtype, new.shape, new.pins, new.streams = old.dtype, old.shape, old.pins, old.streams
+            new.alloc_stream, new.storage_ref = old.alloc_stream, old.storage_ref
+            old.retired = True
+            if pool._history is not None:
+                pool._history.block_moved(old, new)
+            report.moved_tensors += 1
+            report.moved_bytes += old.nbytes
+            del storages[move.key]
+        del dest  # the loop variable would keep the last temporary (and its old range) alive
+    # 4. release: dropping the temporaries releases the old ranges (queued, drained now).
+    with _Timer(phases, "release"):
+        dests.clear()
+        pool._drain()
+
+
+def _make_physical_room(pool, region, dest_pages: set, needed: int) -> None:
+    """Make `needed` physical pages obtainable, unmapping empty pages that are not destinations.
+
+    Raises CompactionError (before anything is mapped) when even that is not enough.
+    """
+    shortfall = needed - pool._space.store.available
+    if shortfall <= 0:
+        return
+    donors = [(r, p) for r, p in pool._empty_mapped_pages() if not (r is region and p in dest_pages)]
+    if len(donors) < shortfall:
+        raise CompactionError(f"the plan needs {needed} new pages but only "
+                              f"{pool._space.store.available + len(donors)} physical pages are free; nothing was moved")
+    pool._unmap_empty(donors[:shortfall])
+
+
+def _drop_storages(pool, dests) -> None:
+    """Rollback: abandon the destination storages; their owners release the new ranges."""
+    dests.clear()
+
+
+def _copy(pool, engine: str, moves: list[tuple[int, int, int]]) -> None:
+    """Copy (src, dst, nbytes) triples; destinations never overlap sources within a wave."""
+    if engine == "memmove":
+        for src, dst, n in moves:
+            ctypes.memmove(dst, src, n)
+    elif engine == "driver":
+        stream = _current_stream(pool)
+        for src, dst, n in moves:
+            pool.driver.copy(dst, src, n, stream)
+    else:
+        from .kernels import batched_move, device_arena
+        table = _relative(pool, moves)
+        base, span, rel = table
+        arena = device_arena(base, span)
+        batched_move(arena, rel, stream=_kernel_stream(pool))
+
+
+def _relative(pool, moves):
+    """Moves (whole 512-byte blocks) as an int64 (n, 3) table relative to the
+    smallest arena covering them."""
+    lo = min(min(s, d) for s, d, _ in moves)
+    hi = max(max(s, d) + n for s, d, n in moves)
+    lo -= lo % 512
+    table = np.array([(s - lo, d - lo, n) for s, d, n in moves], dtype=np.int64)
+    span = -(-(hi - lo) // 512) * 512
+    return lo, span, table
+
+
+def _kernel_stream(pool):
+    if pool.kind != "cuda":
+        return None
+    from numba import cuda
+    return cuda.external_stream(torch.cuda.current_stream(pool.device).cuda_stream)
+
+
+def _verify(pool, engine: str, moves: list[tuple[int, int, int]]) -> None:
+    """Compare checksums of every source and destination; CompactionError on mismatch.
+
+    The checksum kernel runs where the copy kernel ran (GPU, or the simulator
+    for engine="kernel" on the emulated device); host memory is summed with
+    the identical numpy function otherwise.
+    """
+    if pool.kind == "emulated" and engine != "kernel":
+        from .kernels import host_checksum
+        for src, dst, n in moves:
+            a = np.ctypeslib.as_array((ctypes.c_uint8 * n).from_address(src))
+            b = np.ctypeslib.as_array((ctypes.c_uint8 * n).from_address(dst))
+            if host_checksum(a) != host_checksum(b):
+                raise CompactionError(f"verification failed: {n} bytes copied from {src:#x} to {dst:#x} differ")
+        return
+    from .kernels import checksum, device_arena
+    base, span, table = _relative(pool, moves)
+    arena = device_arena(base, span)
+    sums_src = checksum(arena, table[:, [0, 2]], stream=_kernel_stream(pool))
+    sums_dst = checksum(arena, table[:, [1, 2]], stream=_kernel_stream(pool))
+    bad = np.flatnonzero(sums_src != sums_dst)
+    if bad.size:
+        src, dst, n = moves[int(bad[0])]
+        raise CompactionError(f"verification failed for {bad.size} move(s), first {n} bytes {src:#x} -> {dst:#x}")
+
+
+def auto_compact_for(pool, nbytes: int, tried: list[str]):
+    """Ladder step 4: compact and retry when stranded memory could cover the request.
+
+    Returns the placed Allocation, or None (with `tried` extended) when
+    compaction is off, would not help, is rate-limited, or did not help.
+    """
+    if not pool.auto_compact:
+        tried.append("automatic compaction is off (auto_compact=False)")
+        return None
+    size = pool._round(nbytes)
+    pinned_pages, movable = pool._packing_floor()
+    if size < pool.page_size:
+        # A sub-page request needs a hole, not a page: packed, the free bytes gather.
+        slack = pool.capacity - pinned_pages * pool.page_size - movable
+        if size > slack:
+            tried.append(f"compaction cannot help: even packed, only {format_bytes(max(slack, 0))} would be free")
+            return None
+    else:
+        need = -(-size // pool.page_size)
+        could_free = pool.capacity_pages - pinned_pages - -(-movable // pool.page_size)
+        if need > could_free:
+            tried.append(f"compaction cannot help: even packed, only {max(could_free, 0)} of the {need} "
+                         f"pages needed would be free")
+            return None
+    now = time.monotonic()
+    since = now - pool._last_auto_compact
+    if since < pool.min_compact_interval:
+        tried.append(f"automatic compaction skipped: the last one was {since:.3f} s ago "
+                     f"(min_compact_interval={pool.min_compact_interval} s)")
+        return None
+    pool._last_auto_compact = now
+    pool._counters["num_alloc_retries"] += 1
+    try:
+        report = compact_pool(pool, automatic=True)
+    except (CompactionError, CudaError) as exc:
+        tried.append(f"automatic compaction failed and was rolled back ({exc})")
+        return None
+    tried.append(f"automatic compaction (moved {report.moved_tensors} tensors, released {report.released_pages} pages)")
+    from .pool import _NoSpace
+    try:
+        return pool._place(nbytes)
+    except _NoSpace as exc:
+        tried.append(f"placement after compaction ({exc})")
+        return None
+
+
+def compact(*, verify: bool = False, progress: bool | None = None) -> list[CompactionReport]:
+    """Compact every open pool of this process; returns one report per pool."""
+    from .pool import open_pools
+    return [p.compact(verify=verify, progress=progress) for p in open_pools()]

@@ -1,0 +1,358 @@
+"""Compaction on the emulated device: bytes, views, identity, rollback on every fault."""
+
+from __future__ import annotations
+
+import copy
+import gc
+
+import pytest
+import torch
+from cuda.bindings.driver import CUresult
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+import defrag
+from defrag import compactor
+from defrag.driver import Driver
+
+from .conftest import KiB, MiB, check_pattern, fill_pattern
+
+PAGE = 64 * KiB
+
+
+def fragment(pool, n=64, keep_every=4, nbytes=PAGE // 4):
+    """Fill the pool with equal tensors; free 3 of every 4 by address so every page keeps one."""
+    ts = [pool.empty(nbytes, dtype=torch.uint8) for _ in range(n)]
+    ts.sort(key=lambda t: t.data_ptr())
+    for i, t in enumerate(ts):
+        fill_pattern(t, i + 1)
+    survivors = {i + 1: t for i, t in enumerate(ts) if i % keep_every == 0}
+    del ts, t
+    return survivors
+
+
+def test_the_fragmentation_scenario(make_pool):
+    pool = make_pool("1MiB", auto_compact=False)  # 16 pages of 64 KiB
+    survivors = fragment(pool)
+    views = {seed: t[100:200] for seed, t in survivors.items()}
+    ids = {seed: id(t) for seed, t in survivors.items()}
+    st_ = pool.stats()
+    assert st_["pages.mapped"] == 16 and st_["stranded_bytes"] == 16 * 3 * PAGE // 4
+    with pytest.raises(defrag.OutOfMemoryError):
+        pool.empty(pool.capacity // 2, dtype=torch.uint8)
+    report = pool.compact()
+    assert report.moved_tensors == 12 and report.moved_bytes == 12 * PAGE // 4
+    assert report.released_pages == 12 and report.pages_before == 16 and report.pages_after == 4
+    assert report.fragmentation_before == pytest.approx(0.75) and report.fragmentation_after == 0.0
+    assert set(report.phases) >= {"plan", "copy", "swap", "release"}
+    assert "moved 12 tensors" in str(report)
+    big = pool.empty(pool.capacity // 2, dtype=torch.uint8)
+    fill_pattern(big, 999)
+    for seed, t in survivors.items():
+        assert id(t) == ids[seed] and check_pattern(t, seed)
+        full = torch.empty(PAGE // 4, dtype=torch.uint8)
+        fill_pattern(full, seed)
+        assert torch.equal(views[seed], full[100:200])
+        assert views[seed].data_ptr() == t.data_ptr() + 100
+    assert check_pattern(big, 999)
+    st_ = pool.stats()
+    assert st_["num_compactions"] == 1 and st_["num_compactions.explicit"] == 1
+    assert st_["compaction.moved_tensors"] == 12
+    pool.check_invariants()
+
+
+def test_compaction_preserves_metadata_and_grads(make_pool):
+    pool = make_pool("1MiB")
+    keep = []
+    for i in range(40):
+        t = pool.full((1000,), float(i), dtype=torch.float32, requires_grad=(i % 2 == 0))
+        keep.append(t)
+    x = keep[20]
+    (x * 3).sum().backward()
+    for i in range(0, 40, 3):
+        keep[i] = None
+    alive = [(t, t.shape, t.stride(), t.dtype, t.requires_grad, id(t), t.clone()) for t in keep if t is not None]
+    transposed = alive[0][0].view(25, 40).t()
+    report = pool.compact(verify=True)
+    assert report.moved_tensors > 0 and report.verified
+    for t, shape, stride, dtype, rg, ident, data in alive:
+        assert (t.shape, t.stride(), t.dtype, t.requires_grad, id(t)) == (shape, stride, dtype, rg, ident)
+        assert torch.equal(t.detach(), data)
+    assert torch.equal(x.grad, torch.full((1000,), 3.0))
+    assert torch.equal(transposed, alive[0][6].view(25, 40).t())
+    pool.check_invariants()
+
+
+def test_pinned_blocks_never_move(make_pool):
+    pool = make_pool("1MiB", auto_compact=False)
+    survivors = fragment(pool)
+    pinned = [survivors[1], survivors[33]]
+    addresses = [t.data_ptr() for t in pinned]
+    for t in pinned:
+        pool.pin(t)
+    report = pool.compact()
+    assert [t.data_ptr() for t in pinned] == addresses
+    assert report.pages_after <= 4 + 2
+    for seed, t in survivors.items():
+        assert check_pattern(t, seed)
+    pool.check_invariants()
+
+
+def test_compaction_of_a_packed_pool_moves_nothing(make_pool):
+    pool = make_pool("1MiB")
+    ts = [pool.full((PAGE // 4,), float(i)) for i in range(8)]
+    report = pool.compact()
+    assert report.moved_tensors == 0 and report.released_pages == 0
+    assert all(torch.equal(t, torch.full((PAGE // 4,), float(i))) for i, t in enumerate(ts))
+
+
+def test_other_pools_are_untouched(make_pool):
+    a, b = make_pool("1MiB"), make_pool("1MiB")
+    sa, sb = fragment(a), fragment(b)
+    b_addresses = {seed: t.data_ptr() for seed, t in sb.items()}
+    a.compact()
+    assert {seed: t.data_ptr() for seed, t in sb.items()} == b_addresses
+    reports = defrag.compact()
+    assert len(reports) >= 2
+    assert all(check_pattern(t, s) for s, t in sa.items()) and all(check_pattern(t, s) for s, t in sb.items())
+
+
+def test_refused_during_graph_capture(make_pool):
+    pool = make_pool("1MiB")
+    survivors = fragment(pool)
+    addresses = {s: t.data_ptr() for s, t in survivors.items()}
+    pool.driver.api.capturing = True
+    with pytest.raises(defrag.CompactionError, match="CUDA graph"):
+        pool.compact()
+    pool.driver.api.capturing = False
+    assert {s: t.data_ptr() for s, t in survivors.items()} == addresses
+
+
+@pytest.mark.parametrize("engine", ["memmove", "driver"])
+def test_engines_give_the_same_bytes(make_pool, engine):
+    pool = make_pool("1MiB")
+    survivors = fragment(pool)
+    report = pool.compact(engine=engine, verify=True)
+    assert report.engine == engine and report.moved_tensors == 12
+    assert all(check_pattern(t, s) for s, t in survivors.items())
+
+
+def test_bad_engine(make_pool):
+    pool = make_pool()
+    with pytest.raises(ValueError, match="unknown copy engine"):
+        pool.compact(engine="dma")
+
+
+def test_on_compact_callbacks_and_progress_bar(make_pool, capsys):
+    pool = make_pool("1MiB")
+    fragment(pool)
+    seen = []
+    pool.on_compact.append(seen.append)
+    report = pool.compact(progress=True)
+    assert seen == [report]
+    assert "defrag compact" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------- faults at every step
+FAULTS = [
+    ("cuCtxSynchronize", 1), ("cuCtxSynchronize", 2), ("cuMemMap", 1), ("cuMemSetAccess", 1), ("cuMemCreate", 1),
+    ("cuMemcpyDtoDAsync", 1), ("cuMemcpyDtoDAsync", 7), ("cuMemUnmap", 1), ("cuMemUnmap", 3),
+]
+
+
+@pytest.mark.parametrize("call, nth", FAULTS)
+def test_a_driver_fault_at_any_step_loses_nothing(make_pool, call, nth):
+    pool = make_pool("1MiB", auto_compact=False)
+    survivors = fragment(pool)
+    # Destinations on unmapped pages force map/SetAccess/create calls inside the compaction.
+    pool.trim()
+    pool.driver.faults.inject(call, CUresult.CUDA_ERROR_LAUNCH_FAILED, nth=nth)
+    try:
+        pool.compact(engine="driver")
+    except defrag.CudaError as exc:
+        assert exc.call == call
+    pool.driver.faults.clear()
+    pool.check_invariants()
+    for seed, t in survivors.items():
+        assert check_pattern(t, seed), f"tensor {seed} lost its bytes after a fault in {call}"
+    # And the pool still compacts and serves a large request afterwards.
+    pool.compact()
+    big = pool.empty(pool.capacity // 2, dtype=torch.uint8)
+    fill_pattern(big, 5)
+    assert check_pattern(big, 5) and all(check_pattern(t, s) for s, t in survivors.items())
+    pool.check_invariants()
+
+
+class Boom(RuntimeError):
+    pass
+
+
+@pytest.mark.parametrize("where", ["copy", "verify", "storage"])
+def test_an_exception_mid_compaction_rolls_back(make_pool, monkeypatch, where):
+    pool = make_pool("1MiB", auto_compact=False)
+    survivors = fragment(pool)
+    addresses = {s: t.data_ptr() for s, t in survivors.items()}
+    before = pool.stats()
+    real_copy = compactor._copy
+
+    def corrupt_then_fail(p, engine, moves):
+        real_copy(p, engine, moves)
+        for _, dst, n in moves:  # scribble over the destinations, then fail
+            torch.frombuffer((torch.uint8.__class__ and __import__("ctypes").c_uint8 * n).from_address(dst),
+                             dtype=torch.uint8).fill_(0xEE)
+        raise Boom("copy failed")
+
+    if where == "copy":
+        monkeypatch.setattr(compactor, "_copy", corrupt_then_fail)
+        expected = Boom
+    elif where == "verify":
+        def bad_copy(p, engine, moves):
+            real_copy(p, engine, moves[:-1])  # one move silently not done
+        monkeypatch.setattr(compactor, "_copy", bad_copy)
+        expected = defrag.CompactionError
+    else:
+        real = pool._storage_for
+        calls = {"n": 0}
+
+        def failing_storage(alloc):
+            calls["n"] += 1
+            if calls["n"] == 5:
+                raise Boom("storage creation failed")
+            return real(alloc)
+        monkeypatch.setattr(pool, "_storage_for", failing_storage)
+        expected = Boom
+    with pytest.raises(expected):
+        pool.compact(verify=True)
+    monkeypatch.undo()
+    gc.collect()
+    pool.check_invariants()
+    assert {s: t.data_ptr() for s, t in survivors.items()} == addresses
+    assert all(check_pattern(t, s) for s, t in survivors.items())
+    after = pool.stats()
+    assert after["allocated_bytes.all.current"] == before["allocated_bytes.all.current"]
+    assert after["live_blocks"] == before["live_blocks"]
+
+
+# ---------------------------------------------------------------- training
+def _step(model, opt, x, y):
+    opt.zero_grad()
+    loss = torch.nn.functional.cross_entropy(model(x), y)
+    loss.backward()
+    opt.step()
+    return loss.detach().clone()
+
+
+def test_training_compacted_between_steps_is_bit_identical(make_pool):
+    pool = make_pool("4MiB")
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.GELU(), torch.nn.Linear(128, 10))
+    twin = copy.deepcopy(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    twin_opt = torch.optim.AdamW(twin.parameters(), lr=1e-2)
+    data = [(torch.randn(32, 64), torch.randint(0, 10, (32,))) for _ in range(6)]
+    _step(model, opt, *data[0])
+    _step(twin, twin_opt, *data[0])
+    # Scratch tensors between adoptions scatter parameters and state over many pages.
+    scratch = []
+    for p in model.parameters():
+        pool.adopt(p)
+        scratch.append(pool.empty(48 * KiB, dtype=torch.uint8))
+    pool.adopt(model)  # the grads
+    for state in opt.state.values():
+        for v in state.values():
+            pool.adopt(v)
+            scratch.append(pool.empty(40 * KiB, dtype=torch.uint8))
+    assert all(pool.owns(v) for s in opt.state.values() for v in s.values())
+    del scratch
+    moved = 0
+    for x, y in data[1:]:
+        # Scratch tensors between steps fragment the pool; then compact.
+        scratch = [pool.empty(int(torch.randint(1000, 200_000, ()).item()), dtype=torch.uint8) for _ in range(30)]
+        del scratch[::2]
+        a = _step(model, opt, x, y)
+        b = _step(twin, twin_opt, x, y)
+        assert torch.equal(a, b)
+        del scratch
+        moved += pool.compact().moved_tensors
+    assert moved > 0
+    for p, q in zip(model.parameters(), twin.parameters()):
+        assert torch.equal(p, q) and torch.equal(p.grad, q.grad)
+    pool.check_invariants()
+
+
+# ---------------------------------------------------------------- property-based
+class CompactMachine(RuleBasedStateMachine):
+    """Random alloc/free/pin sequences with compact() interleaved; every byte verified."""
+
+    def __init__(self):
+        super().__init__()
+        self.driver = Driver.emulated(capacity=8 * MiB, granularity=PAGE)
+        self.pool = defrag.Pool(device=self.driver, capacity="2MiB", auto_compact=False)
+        self.tensors = {}
+        self.views = []
+        self.seed = 0
+
+    @rule(nbytes=st.one_of(st.integers(1, 8192), st.integers(8192, 3 * PAGE)))
+    def alloc(self, nbytes):
+        try:
+            t = self.pool.empty(nbytes, dtype=torch.uint8)
+        except defrag.OutOfMemoryError:
+            return
+        self.seed += 1
+        fill_pattern(t, self.seed)
+        self.tensors[self.seed] = t
+
+    @precondition(lambda self: self.tensors)
+    @rule(data=st.data())
+    def free(self, data):
+        del self.tensors[data.draw(st.sampled_from(sorted(self.tensors)))]
+
+    @precondition(lambda self: self.tensors)
+    @rule(data=st.data())
+    def view(self, data):
+        seed = data.draw(st.sampled_from(sorted(self.tensors)))
+        t = self.tensors[seed]
+        start = data.draw(st.integers(0, t.numel() - 1))
+        self.views.append((t[start:], seed, start))
+
+    @precondition(lambda self: self.tensors)
+    @rule(data=st.data())
+    def pin(self, data):
+        t = self.tensors[data.draw(st.sampled_from(sorted(self.tensors)))]
+        if data.draw(st.booleans()):
+            self.pool.pin(t)
+        else:
+            try:
+                self.pool.unpin(t)
+            except ValueError:
+                pass
+
+    @rule(verify=st.booleans())
+    def compact(self, verify):
+        pinned = {a.address for a in self.pool.live_tensors() if a.pinned}
+        report = self.pool.compact(verify=verify)
+        assert pinned == {a.address for a in self.pool.live_tensors() if a.pinned}
+        assert report.pages_after <= report.pages_before
+
+    @invariant()
+    def bytes_and_invariants(self):
+        self.pool.check_invariants()
+        for seed, t in self.tensors.items():
+            assert check_pattern(t, seed)
+        for v, seed, start in self.views:
+            full = torch.empty(start + v.numel(), dtype=torch.uint8)
+            fill_pattern(full, seed)
+            assert torch.equal(v, full[start:])
+
+    def teardown(self):
+        self.tensors.clear()
+        self.views.clear()
+        self.pool.close()
+        gc.collect()
+        assert self.driver.api.state()["handles"] == 0
+
+
+CompactMachine.TestCase.settings = settings(max_examples=40, stateful_step_count=30, deadline=None,
+                                            suppress_health_check=[HealthCheck.too_slow])
+test_compaction_random_sequences = CompactMachine.TestCase
