@@ -8,13 +8,14 @@ pool stitches free pages into one virtual range for a large request.
 from .compactor import CompactionError, CompactionReport, compact
 from .errors import CudaError, CudaOutOfMemoryError, OutOfMemoryError, PoolClosedError
 from .pool import LiveTensor, Pool, open_pools
+from .retry import retry_on_oom
 from .stats import save_snapshot
 from .units import format_bytes, parse_size
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "Pool", "compact", "save_snapshot", "CompactionReport", "CompactionError", "LiveTensor", "open_pools",
+    "Pool", "compact", "retry_on_oom", "save_snapshot", "CompactionReport", "CompactionError", "LiveTensor", "open_pools",
     "CudaError", "CudaOutOfMemoryError", "OutOfMemoryError", "PoolClosedError",
     "parse_size", "format_bytes",
 ]

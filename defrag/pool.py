@@ -435,8 +435,8 @@ class Pool:
                                 live=st["allocated_bytes.all.current"], stranded=st["stranded_bytes"],
                                 pinned=pinned, tried=tried)
 
-    def _pages_needed_if_packed(self) -> int:
-        """Lower bound of pages after a perfect compaction: movable bytes packed, plus pinned pages."""
+    def _packing_floor(self) -> tuple[int, int]:
+        """(pages touched by blocks that cannot move, bytes of blocks that can)."""
         pinned_pages = set()
         movable = 0
         for a in self._blocks.values():
@@ -445,7 +445,12 @@ class Pool:
                 pinned_pages.update((a.region.index, p) for p in range(first, end))
             else:
                 movable += a.size
-        return len(pinned_pages) + -(-movable // self.page_size)
+        return len(pinned_pages), movable
+
+    def _pages_needed_if_packed(self) -> int:
+        """Lower bound of pages after a perfect compaction: movable bytes packed, plus pinned pages."""
+        pinned_pages, movable = self._packing_floor()
+        return pinned_pages + -(-movable // self.page_size)
 
     # ------------------------------------------------------------------ public: creation
     def empty(self, *shape, dtype: torch.dtype | None = None, requires_grad: bool = False) -> torch.Tensor:

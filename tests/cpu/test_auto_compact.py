@@ -1,0 +1,188 @@
+"""The automatic trigger: the allocation ladder, its controls, and retry_on_oom."""
+
+from __future__ import annotations
+
+import gc
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import defrag
+from defrag.driver import Driver
+
+from .conftest import KiB, MiB, check_pattern, fill_pattern
+from .test_compaction import fragment
+
+PAGE = 64 * KiB
+
+
+def test_a_fragmentation_oom_is_rescued_with_bytes_intact(make_pool):
+    pool = make_pool("1MiB")  # auto_compact=True by default
+    survivors = fragment(pool)
+    views = {s: t[7:9] for s, t in survivors.items()}
+    reports = []
+    pool.on_compact.append(reports.append)
+    big = pool.empty(pool.capacity // 2, dtype=torch.uint8)
+    fill_pattern(big, 77)
+    assert len(reports) == 1 and reports[0].automatic and reports[0].moved_tensors == 12
+    assert all(check_pattern(t, s) for s, t in survivors.items()) and check_pattern(big, 77)
+    for s, v in views.items():
+        assert v.data_ptr() == survivors[s].data_ptr() + 7
+    st_ = pool.stats()
+    assert st_["num_compactions.automatic"] == 1 and st_["num_compactions.explicit"] == 0
+    assert st_["num_compactions"] == 1 and st_["num_alloc_retries"] >= 1 and st_["num_ooms"] == 0
+    pool.check_invariants()
+
+
+def test_auto_compact_off_raises(make_pool):
+    pool = make_pool("1MiB", auto_compact=False)
+    survivors = fragment(pool)
+    with pytest.raises(defrag.OutOfMemoryError, match="automatic compaction is off"):
+        pool.empty(pool.capacity // 2, dtype=torch.uint8)
+    assert pool.stats()["num_compactions"] == 0 and pool.stats()["num_ooms"] == 1
+    assert all(check_pattern(t, s) for s, t in survivors.items())
+
+
+def test_a_hopeless_request_explains_itself_and_the_pool_stays_usable(make_pool):
+    pool = make_pool("1MiB")
+    survivors = fragment(pool)
+    pool.pin(survivors[1])
+    with pytest.raises(defrag.OutOfMemoryError) as info:
+        pool.empty(15 * PAGE, dtype=torch.uint8)
+    msg = str(info.value)
+    assert "cannot allocate 960.00 KiB" in msg and "capacity 1.00 MiB" in msg
+    assert "live 256.00 KiB" in msg and "stranded in half-used pages 768.00 KiB" in msg and "pinned 16.00 KiB" in msg
+    assert "compaction cannot help" in msg and "largest live tensors" in msg and "suggestion" in msg
+    assert pool.stats()["num_compactions"] == 0  # it did not compact in vain
+    assert all(check_pattern(t, s) for s, t in survivors.items())
+    t = pool.empty(8 * PAGE, dtype=torch.uint8)  # still usable: compacts and succeeds
+    fill_pattern(t, 3)
+    assert check_pattern(t, 3) and pool.stats()["num_compactions.automatic"] == 1
+
+
+def test_min_interval_stops_thrashing(make_pool):
+    pool = make_pool("1MiB", min_compact_interval=3600.0)
+    survivors = fragment(pool)
+    big = pool.empty(pool.capacity // 2, dtype=torch.uint8)  # first rescue compacts
+    del big
+    more = fragment(pool, n=32)  # fragment again
+    with pytest.raises(defrag.OutOfMemoryError, match="automatic compaction skipped"):
+        pool.empty(pool.capacity // 2, dtype=torch.uint8)
+    assert pool.stats()["num_compactions.automatic"] == 1
+    pool.compact()  # explicit compaction is never rate-limited
+    assert pool.stats()["num_compactions.explicit"] == 1
+    assert all(check_pattern(t, s) for s, t in survivors.items())
+    assert all(check_pattern(t, s) for s, t in more.items())
+
+
+# ---------------------------------------------------------------- retry_on_oom
+_POOL_FOR_OP = {}
+
+
+@torch.library.custom_op("defrag_test::scratch_sum", mutates_args=())
+def scratch_sum(x: torch.Tensor, nbytes: int) -> torch.Tensor:
+    """Needs a large scratch buffer from the pool (as a fused kernel's workspace would)."""
+    scratch = _POOL_FOR_OP["pool"].empty(nbytes, dtype=torch.uint8)
+    scratch.fill_(1)
+    return x.sum().reshape(1) + scratch.sum().to(x.dtype)
+
+
+def test_retry_on_oom_rescues_an_op_that_allocates_from_the_pool(make_pool):
+    pool = make_pool("1MiB", auto_compact=False)
+    _POOL_FOR_OP["pool"] = pool
+    survivors = fragment(pool)
+    x = pool.full((4,), 2.0)
+    with pytest.raises(defrag.OutOfMemoryError):
+        torch.ops.defrag_test.scratch_sum(x, 8 * PAGE)
+    with defrag.retry_on_oom(pool) as mode:
+        out = torch.ops.defrag_test.scratch_sum(x, 8 * PAGE)
+    assert out.item() == 8.0 + 8 * PAGE
+    assert mode.retries == 1 and mode.rescues == 1
+    assert pool.stats()["num_compactions.explicit"] == 1
+    assert all(check_pattern(t, s) for s, t in survivors.items())
+    assert torch.equal(x, torch.full((4,), 2.0)) and pool.live_tensors()[0].pinned is False
+
+
+def test_retry_on_oom_reraises_when_a_retry_cannot_help(make_pool):
+    pool = make_pool("1MiB", auto_compact=False)
+    _POOL_FOR_OP["pool"] = pool
+    x = pool.full((4,), 2.0)
+    with pytest.raises(defrag.OutOfMemoryError):
+        with defrag.retry_on_oom(pool) as mode:
+            torch.ops.defrag_test.scratch_sum(x, 2 * MiB)
+    assert mode.retries == 1 and mode.rescues == 0
+    assert torch.equal(x, torch.full((4,), 2.0))
+
+
+def test_retry_on_oom_works_in_backward(make_pool):
+    pool = make_pool("1MiB", auto_compact=False)
+    _POOL_FOR_OP["pool"] = pool
+
+    class NeedsScratchInBackward(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return x * 2
+
+        @staticmethod
+        def backward(ctx, grad):
+            s = torch.ops.defrag_test.scratch_sum(grad, 8 * PAGE)
+            return grad * 2 + 0 * s
+
+    survivors = fragment(pool)
+    x = pool.full((4,), 1.0, requires_grad=True)
+    with defrag.retry_on_oom(pool) as mode:
+        NeedsScratchInBackward.apply(x).sum().backward()
+    assert torch.equal(x.grad, torch.full((4,), 2.0)) and mode.rescues == 1
+    assert all(check_pattern(t, s) for s, t in survivors.items())
+
+
+def test_retry_on_oom_rejects_non_pools():
+    with pytest.raises(TypeError):
+        defrag.retry_on_oom("pool")
+
+
+# ---------------------------------------------------------------- adversarial layouts
+def _pinned_pages(pool) -> int:
+    pages = set()
+    for a in pool._blocks.values():
+        if a.pins:
+            first, end = pool._pages_of(a)
+            pages.update(range(first, end))
+    return len(pages)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(block=st.sampled_from([512, 2048, 4096, 16 * KiB]), keep=st.floats(0.02, 0.7),
+       pins=st.integers(0, 3), seed=st.integers(0, 2**31 - 1))
+def test_every_rescuable_oom_is_rescued(block, keep, pins, seed):
+    """Fill the pool with equal blocks, free a random subset, pin a few; the largest request
+    with live + request <= capacity - pinned pages must succeed (by compacting)."""
+    import random
+    rng = random.Random(seed)
+    drv = Driver.emulated(capacity=8 * MiB, granularity=PAGE)
+    pool = defrag.Pool(device=drv, capacity="1MiB", auto_compact=False)
+    live = {}
+    try:
+        for i in range(pool.capacity // block):
+            live[i] = pool.empty(block, dtype=torch.uint8)
+            fill_pattern(live[i], i)
+        for i in rng.sample(sorted(live), k=int(len(live) * (1 - keep))):
+            del live[i]
+        for i in rng.sample(sorted(live), k=min(pins, len(live))):
+            pool.pin(live[i])
+        pool.auto_compact = True
+        st_ = pool.stats()
+        room = pool.capacity - _pinned_pages(pool) * PAGE - st_["allocated_bytes.all.current"]
+        pages = room // PAGE
+        if pages >= 1:
+            big = pool.empty(pages * PAGE, dtype=torch.uint8)
+            fill_pattern(big, -1)
+            assert check_pattern(big, -1)
+        assert all(check_pattern(t, s) for s, t in live.items())
+        pool.check_invariants()
+    finally:
+        live.clear()
+        pool.close()
+        gc.collect()
