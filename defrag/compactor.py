@@ -161,8 +161,9 @@ def compact_pool(pool, *, verify: bool = False, progress: bool | None = None, en
     bar = None
     if progress or (progress is None and (total_bytes > PROGRESS_BYTES or total_moves > PROGRESS_MOVES)):
         from tqdm.auto import tqdm
+        # Asked for explicitly, the finished bar stays on screen; automatic ones vanish.
         bar = tqdm(total=total_bytes, unit="B", unit_scale=True, unit_divisor=1024, desc="defrag compact",
-                   leave=False)
+                   leave=bool(progress))
     try:
         for region, plan, storages in plans:
             for wave in plan.waves:
