@@ -136,18 +136,7 @@ def compact_pool(pool, *, verify: bool = False, progress: bool | None = None, en
     with _Timer(phases, "plan"):
         plans = []
         for region in pool._space.regions:
-            blocks, storages = [], {}
-            for alloc in pool._blocks.values():
-                if alloc.region is not region:
-                    continue
-                movable, _ = pool._movable(alloc)
-                if movable:
-                    storage = tz.strong_storage(alloc.storage_ref)
-                    if storage is None:
-                        movable = False
-                    else:
-                        storages[alloc.address] = storage
-                blocks.append(LiveBlock(alloc.address, alloc.address - region.base, alloc.size, movable))
+            blocks, storages = _collect(pool, region)
             if storages:
                 # Destinations on pages no live block touches need physical pages:
                 # cached or creatable ones, or those of empty mapped pages.
@@ -206,6 +195,28 @@ def compact_pool(pool, *, verify: bool = False, progress: bool | None = None, en
     return report
 
 
+def _collect(pool, region) -> tuple[list[LiveBlock], dict]:
+    """The region's blocks for the planner, and a strong reference to each movable storage.
+
+    A storage whose reference cannot be taken (or, on torch < 2.12, whose
+    users cannot all be proven known) is passed to the planner as unmovable.
+    """
+    blocks, storages = [], {}
+    for alloc in pool._blocks.values():
+        if alloc.region is not region:
+            continue
+        movable, _ = pool._movable(alloc)
+        if movable:
+            storage = tz.strong_storage(alloc.storage_ref)
+            rebind = None if tz.HAS_SWAP_DATA_PTR or storage is None else pool._rebindable(alloc, storage)
+            if storage is None or (not tz.HAS_SWAP_DATA_PTR and rebind is None):
+                movable = False
+            else:
+                storages[alloc.address] = (storage, rebind)
+        blocks.append(LiveBlock(alloc.address, alloc.address - region.base, alloc.size, movable))
+    return blocks, storages
+
+
 def _run_wave(pool, region, wave, storages, engine, verify, report) -> None:
     """One wave: prepare, copy, (verify), swap, release. All-or-nothing before the swap."""
     phases = report.phases
@@ -243,7 +254,7 @@ def _run_wave(pool, region, wave, storages, engine, verify, report) -> None:
 
         # Everything the swap needs, checked before the first swap.
         for move, old, new, dest in dests:
-            user = storages[move.key]
+            user = storages[move.key][0]
             if user.nbytes() != dest.nbytes() or user.data_ptr() != old.address:
                 raise CompactionError(f"storage at {old.address:#x} changed during compaction; nothing was moved")
         txn.commit()
@@ -251,19 +262,29 @@ def _run_wave(pool, region, wave, storages, engine, verify, report) -> None:
     # 3. swap: cannot fail (one field exchange per storage).
     with _Timer(phases, "swap"):
         for move, old, new, dest in dests:
-            tz.swap_data(storages[move.key], dest)
-            # `new` is now the user's block; `old` is owned by the temporary `dest`.
+            user, rebind = storages[move.key]
+            if rebind is None:
+                tz.swap_data(user, dest)
+                # `new` is now the user's block; `old` is owned by the temporary `dest`.
+                new.storage_ref, new.tensors = old.storage_ref, old.tensors
+            else:
+                # torch < 2.12: the known tensors (provably all users) take `dest`;
+                # `old` dies with the old storage once our references go.
+                tz.rebind(rebind, dest)
+                new.storage_ref, new.tensors = tz.weak_storage(dest), old.tensors
+                old.storage_ref = None
             new.retired, new.counted = False, True
             old.counted = False
             new.dtype, new.shape, new.pins, new.streams = old.dtype, old.shape, old.pins, old.streams
-            new.alloc_stream, new.storage_ref = old.alloc_stream, old.storage_ref
+            new.alloc_stream = old.alloc_stream
             old.retired = True
             if pool._history is not None:
                 pool._history.block_moved(old, new)
             report.moved_tensors += 1
             report.moved_bytes += old.nbytes
             del storages[move.key]
-        del dest  # the loop variable would keep the last temporary (and its old range) alive
+        # Loop variables would keep the last temporary (and its old range) alive.
+        del dest, user, rebind
     # 4. release: dropping the temporaries releases the old ranges (queued, drained now).
     with _Timer(phases, "release"):
         dests.clear()

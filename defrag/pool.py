@@ -71,6 +71,7 @@ class Allocation:
     alloc_stream: int = 0
     retired: bool = False  # an old location whose data has moved; released when its owner dies
     counted: bool = True  # in allocated_bytes (compaction destinations count only once swapped in)
+    tensors: list = field(default_factory=list)  # weakrefs to the tensors the pool made (torch < 2.12 fallback)
 
 
 @dataclass(frozen=True)
@@ -479,6 +480,7 @@ class Pool:
             if self._history is not None:
                 self._history.block_allocated(alloc)
         tensor = tz.tensor_over(storage, dtype, shape, self.device)
+        alloc.tensors.append(weakref.ref(tensor))
         if requires_grad:
             tensor.requires_grad_(True)
         return tensor
@@ -595,13 +597,12 @@ class Pool:
         tensors on another device (for a tensor or module), raise ValueError.
         Returns `obj`.
         """
-        if not tz.HAS_SWAP_DATA_PTR:
-            raise RuntimeError(f"adopt needs torch >= 2.12 (UntypedStorage._swap_data_ptr_); this is torch {torch.__version__}")
         tensors = self._adoptable(obj)
         with self._lock:
             self._check_open()
             self._drain()
             storages = {}
+            s = t = new = None
             for t in tensors:
                 s = t.untyped_storage()
                 if s.nbytes() == 0 or self._find(t) is not None:
@@ -609,8 +610,16 @@ class Pool:
                 for other in open_pools():
                     if other is not self and other._owns_address(s.data_ptr()):
                         raise ValueError(f"adopt: a tensor belongs to pool #{other.id}; it cannot be adopted by pool #{self.id}")
-                storages.setdefault(s.data_ptr(), (s, t))
-            placed = []
+                if s.data_ptr() in storages:
+                    if not tz.HAS_SWAP_DATA_PTR:
+                        raise ValueError("adopt: two tensors share a storage; torch < 2.12 can only adopt a storage "
+                                         "whose one tensor is known (needs UntypedStorage._swap_data_ptr_)")
+                    continue
+                if not tz.HAS_SWAP_DATA_PTR and tz.storage_use_count(s) != 2:  # `t` and `s` alone
+                    raise ValueError(f"adopt: torch {torch.__version__} lacks UntypedStorage._swap_data_ptr_, and other "
+                                     "tensors or views share this tensor's storage, so they could not follow it")
+                storages[s.data_ptr()] = (s, t)
+            placed, fresh = [], []
             try:
                 for s, t in storages.values():
                     alloc = self._allocate(s.nbytes())
@@ -624,12 +633,17 @@ class Pool:
             # Past this point nothing can fail: copy, then swap pointers.
             for (alloc, s, _), new in zip(placed, fresh):
                 new.copy_(s)
-            for (alloc, s, _), new in zip(placed, fresh):
-                tz.swap_data(s, new)
-                alloc.storage_ref = tz.weak_storage(s)
+            for (alloc, s, t), new in zip(placed, fresh):
+                if tz.HAS_SWAP_DATA_PTR:
+                    tz.swap_data(s, new)
+                    alloc.storage_ref = tz.weak_storage(s)
+                else:
+                    tz.rebind([t], new)  # proven above: `t` is the storage's only tensor
+                    alloc.storage_ref = tz.weak_storage(new)
+                alloc.tensors.append(weakref.ref(t))
                 if self._history is not None:
                     self._history.block_allocated(alloc)
-            del fresh  # the old memory goes back to its own allocator now
+            del fresh, s, t, new  # the old memory goes back to its own allocator now
         return obj
 
     def _adoptable(self, obj) -> list[torch.Tensor]:
@@ -663,11 +677,24 @@ class Pool:
             return False, "pinned"
         if alloc.retired:
             return False, "retired (awaiting release)"
-        if not tz.HAS_SWAP_DATA_PTR:
-            return False, "torch lacks UntypedStorage._swap_data_ptr_ (needs torch >= 2.12)"
         if alloc.storage_ref is None or alloc.storage_ref.expired():
             return False, "its storage is being released"
+        if not tz.HAS_SWAP_DATA_PTR and self._rebindable(alloc) is None:
+            return False, ("torch < 2.12 lacks UntypedStorage._swap_data_ptr_, and views or other references "
+                           "to this storage exist that the pool cannot rewrite")
         return True, ""
+
+    def _rebindable(self, alloc: Allocation, storage=None) -> list | None:
+        """Torch < 2.12: the tensors to rebind, if they are provably all users of the storage.
+
+        Pass the caller's own strong `storage` reference if it holds one (it is
+        the one reference the proof allows besides the tensors).
+        """
+        storage = storage if storage is not None else tz.strong_storage(alloc.storage_ref)
+        if storage is None:
+            return None
+        known = [t for t in (r() for r in alloc.tensors) if t is not None]
+        return known if tz.rebind_proof(storage, known) else None
 
     def live_tensors(self) -> list[LiveTensor]:
         """Every live block, in address order, as the compactor sees it."""

@@ -122,6 +122,42 @@ def strong_storage(ref: StorageWeakRef) -> torch.UntypedStorage | None:
     return torch.UntypedStorage._new_with_weak_ptr(ref.cdata)
 
 
+def storage_use_count(storage: torch.UntypedStorage) -> int:
+    """How many C++ references the StorageImpl has (tensors, Python wrappers, ...)."""
+    return torch._C._storage_Use_Count(storage._cdata)
+
+
+def rebind_proof(storage: torch.UntypedStorage, known: list[torch.Tensor]) -> bool:
+    """Whether `known` are provably the only tensors over `storage` (the torch < 2.12 fallback).
+
+    True iff the StorageImpl's use count is exactly one per known tensor plus
+    the caller's own `storage` reference: then no view, autograd-saved copy or
+    other holder exists, and rebinding `known` with `set_` moves every user.
+    """
+    return bool(known) and storage_use_count(storage) == len(known) + 1
+
+
+def rebind(tensors: list[torch.Tensor], new: torch.UntypedStorage) -> None:
+    """Point each tensor at `new` (same offset, size, stride), keeping its autograd version.
+
+    The fallback for torch without `_swap_data_ptr_`. The version counter is
+    restored so autograd does not mistake the move for an in-place change.
+    """
+    for t in tensors:
+        version = t._version
+        with torch.no_grad():
+            t.set_(new, t.storage_offset(), t.size(), t.stride())
+        _set_version(t, version)
+
+
+def _set_version(t: torch.Tensor, version: int) -> None:
+    setter = torch._C._autograd._unsafe_set_version_counter
+    try:
+        setter((t,), (version,))  # torch >= 2.5 takes sequences
+    except TypeError:
+        setter(t, version)
+
+
 def swap_data(user: torch.UntypedStorage, other: torch.UntypedStorage) -> None:
     """Exchange data pointers (and deleters/owners) of two same-size storages.
 

@@ -1,0 +1,79 @@
+"""torch < 2.12 has no UntypedStorage._swap_data_ptr_ (the GPU machines' torch 2.11 among them).
+
+There the pool moves a storage only when it can prove it knows every tensor
+over it (the StorageImpl's use count), and rebinds those with `set_`; anything
+else is treated as pinned. These tests force that path on a newer torch.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import defrag
+from defrag import tensors as tz
+
+from .conftest import KiB, check_pattern, fill_pattern
+from .test_compaction import fragment
+
+PAGE = 64 * KiB
+
+
+@pytest.fixture
+def no_swap(monkeypatch):
+    monkeypatch.setattr(tz, "HAS_SWAP_DATA_PTR", False)
+
+
+def test_tensors_without_views_move_and_tensors_with_views_stay(make_pool, no_swap):
+    pool = make_pool("1MiB", auto_compact=False)
+    ts = [pool.empty(PAGE // 4, dtype=torch.uint8) for _ in range(64)]
+    ts.sort(key=lambda t: t.data_ptr())
+    for i, t in enumerate(ts):
+        fill_pattern(t, i + 1)
+    survivors = {i + 1: t for i, t in enumerate(ts) if i % 4 == 0}
+    del ts, t
+    viewed = survivors[61]  # on the last page, which an evacuation would empty
+    view = viewed[10:20]
+    viewed_at = viewed.data_ptr()
+    reasons = {lt.address: lt.reason for lt in pool.live_tensors()}
+    assert "views or other references" in reasons[viewed_at]
+    versions = {s: t._version for s, t in survivors.items()}
+    report = pool.compact()
+    assert report.moved_tensors == 12 and report.pages_after == 4  # the viewed one stays, its page is kept
+    assert viewed.data_ptr() == viewed_at and view.data_ptr() == viewed_at + 10
+    for s, t in survivors.items():
+        assert check_pattern(t, s) and t._version == versions[s]
+    big = pool.empty(pool.capacity // 2 - PAGE, dtype=torch.uint8)
+    fill_pattern(big, 0)
+    assert all(check_pattern(t, s) for s, t in survivors.items())
+    pool.check_invariants()
+
+
+def test_autograd_keeps_working_across_a_rebind(make_pool, no_swap):
+    pool = make_pool("1MiB", auto_compact=False)
+    filler = pool.empty(PAGE - 1024, dtype=torch.uint8)
+    w = pool.full((256,), 0.5, requires_grad=True)  # the last KiB of page 0
+    keep = pool.full((1024,), 1.0)  # page 1: denser than w's page once the filler goes
+    before = w.data_ptr()
+    loss = (w * w).sum()  # saves w for backward
+    del filler
+    report = pool.compact()
+    assert report.moved_tensors == 1 and w.data_ptr() != before
+    loss.backward()  # the version counter was restored: no "modified by an inplace operation"
+    assert torch.equal(w.grad, torch.full((256,), 1.0)) and torch.equal(keep, torch.ones(1024))
+
+
+def test_adopt_fallback_needs_a_sole_tensor(make_pool, no_swap):
+    pool = make_pool("1MiB")
+    lone = torch.arange(100.0)
+    pool.adopt(lone)
+    assert pool.owns(lone) and torch.equal(lone, torch.arange(100.0))
+    shared = torch.arange(50.0)
+    view = shared[5:]
+    with pytest.raises(ValueError, match="views share"):
+        pool.adopt(shared)
+    assert not pool.owns(shared) and view.data_ptr() == shared.data_ptr() + 20
+    model = torch.nn.Linear(8, 4)
+    weight = model.weight
+    pool.adopt(model)
+    assert model.weight is weight and pool.owns(model.weight) and pool.owns(model.bias)
