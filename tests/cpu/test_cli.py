@@ -1,0 +1,39 @@
+"""The command line: demo, doctor, and --help for every command."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import matplotlib.image as mpimg
+import pytest
+
+from defrag import cli
+
+
+def test_demo_exits_0_and_writes_the_picture(tmp_path, capsys):
+    assert cli.main(["demo", "--device", "emulated", "--capacity", "64MiB", "--out", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "without compaction it fails" in out and "succeeded" in out
+    assert "surviving caches hold their bytes" in out
+    png = tmp_path / "defrag-demo.png"
+    assert str(png) in out and mpimg.imread(png).shape[0] > 100
+
+
+def test_doctor_says_what_works(capsys):
+    assert cli.main(["doctor"]) == 0
+    out = capsys.readouterr().out
+    assert "_swap_data_ptr_" in out and "numba-cuda" in out and "emulated device" in out
+    assert "GPU:" in out
+
+
+@pytest.mark.parametrize("command", [[], ["demo"], ["doctor"], ["bench"], ["replay"]])
+def test_every_command_has_help(command):
+    result = subprocess.run([sys.executable, "-m", "defrag", *command, "--help"], capture_output=True, text=True,
+                            timeout=120)
+    assert result.returncode == 0 and "usage: defrag" in result.stdout
+
+
+def test_unknown_command_is_a_usage_error():
+    result = subprocess.run([sys.executable, "-m", "defrag", "frobnicate"], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2 and "invalid choice" in result.stderr
