@@ -57,7 +57,8 @@ class CompactionReport:
 
     moved_tensors: int = 0
     moved_bytes: int = 0
-    released_pages: int = 0
+    released_pages: int = 0  # pages that held live data before and hold none after
+    unmapped_pages: int = 0  # pages unmapped at the end (release=True); their physical pages are cached
     seconds: float = 0.0
     fragmentation_before: float = 0.0
     fragmentation_after: float = 0.0
@@ -78,8 +79,8 @@ class CompactionReport:
         return (
             f"Compaction ({kind}, engine={self.engine}{', verified' if self.verified else ''}): "
             f"moved {self.moved_tensors} tensors / {format_bytes(self.moved_bytes)} in {self.waves} wave(s), "
-            f"released {self.released_pages} pages ({format_bytes(self.released_pages * self.page_size)}), "
-            f"mapped pages {self.pages_before} -> {self.pages_after}, "
+            f"released {self.released_pages} pages ({format_bytes(self.released_pages * self.page_size)}; "
+            f"{self.unmapped_pages} unmapped), pages holding live data {self.pages_before} -> {self.pages_after}, "
             f"fragmentation {self.fragmentation_before:.1%} -> {self.fragmentation_after:.1%} "
             f"(stranded {format_bytes(self.stranded_before)} -> {format_bytes(self.stranded_after)}), "
             f"{self.seconds * 1e3:.1f} ms [{phases}]"
@@ -111,8 +112,14 @@ def _current_stream(pool) -> int:
 
 
 def compact_pool(pool, *, verify: bool = False, progress: bool | None = None, engine: str | None = None,
-                 automatic: bool = False) -> CompactionReport:
-    """Compact every region of `pool` (its lock held by the caller). See the module docstring."""
+                 automatic: bool = False, release: bool = True) -> CompactionReport:
+    """Compact every region of `pool` (its lock held by the caller). See the module docstring.
+
+    `release=True` unmaps the pages the compaction emptied (after a
+    synchronize), so `reserved_bytes` drops; with `release=False` they stay
+    mapped and empty, free for any later request (which unmaps only what it
+    must), saving the unmap/remap round trip. Automatic compactions use False.
+    """
     engine = engine or default_engine(pool)
     if engine not in ENGINES:
         raise ValueError(f"unknown copy engine {engine!r}; expected one of {ENGINES}")
@@ -131,7 +138,7 @@ def compact_pool(pool, *, verify: bool = False, progress: bool | None = None, en
     before = pool._stats_locked()
     report.fragmentation_before = before["fragmentation"]
     report.stranded_before = before["stranded_bytes"]
-    report.pages_before = before["pages.mapped"]
+    report.pages_before = pool._live_pages()
 
     with _Timer(phases, "plan"):
         plans = []
@@ -169,18 +176,19 @@ def compact_pool(pool, *, verify: bool = False, progress: bool | None = None, en
         # Release the pages the moves emptied, even after a failed wave: earlier
         # waves' work is committed and their pages are free.
         pool._drain()
-        with _Timer(phases, "release"):
-            empties = pool._empty_mapped_pages()
-            mapped_before_release = pool._space.mapped
-            try:
-                pool._unmap_empty(empties)
-            except CudaError:
-                pass  # pages that could not be unmapped stay mapped and usable; state stays consistent
-            report.released_pages = mapped_before_release - pool._space.mapped
+        if release:
+            with _Timer(phases, "release"):
+                mapped_before_release = pool._space.mapped
+                try:
+                    pool._unmap_empty(pool._empty_mapped_pages())
+                except CudaError:
+                    pass  # pages that could not be unmapped stay mapped and usable; state stays consistent
+                report.unmapped_pages = mapped_before_release - pool._space.mapped
         after = pool._stats_locked()
         report.fragmentation_after = after["fragmentation"]
         report.stranded_after = after["stranded_bytes"]
-        report.pages_after = after["pages.mapped"]
+        report.pages_after = pool._live_pages()
+        report.released_pages = max(report.pages_before - report.pages_after, 0)
         report.seconds = time.perf_counter() - t_start
         c = pool._counters
         c["num_compactions"] += 1
@@ -405,7 +413,7 @@ def auto_compact_for(pool, nbytes: int, tried: list[str]):
     pool._last_auto_compact = now
     pool._counters["num_alloc_retries"] += 1
     try:
-        report = compact_pool(pool, automatic=True)
+        report = compact_pool(pool, automatic=True, release=False)
     except (CompactionError, CudaError) as exc:
         tried.append(f"automatic compaction failed and was rolled back ({exc})")
         return None

@@ -36,7 +36,6 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import torch
-from sortedcontainers import SortedDict
 
 from . import tensors as tz
 from .driver import Driver, open_driver
@@ -145,7 +144,7 @@ class Pool:
         self._space = AddressSpace(self.driver, page_size, self.capacity_pages)
         self._heaps: list[Heap] = []
         self._live_count: list[np.ndarray] = []  # per region: live (or retired) blocks touching each page
-        self._blocks = SortedDict()  # address -> Allocation (live and retired)
+        self._blocks: dict[int, Allocation] = {}  # block address -> Allocation (live and retired)
         self._pending: list[tuple[Allocation, list]] = []  # CUDA: released, waiting on events
         self._closed = False
         self._counters = collections.Counter()
@@ -242,7 +241,11 @@ class Pool:
 
     def _account(self, alloc: Allocation, delta: int) -> None:
         first, end = self._pages_of(alloc)
-        self._live_count[alloc.region.index][first:end] += delta
+        counts = self._live_count[alloc.region.index]
+        if end == first + 1:
+            counts[first] += delta  # the common case, without a slice
+        else:
+            counts[first:end] += delta
 
     def _carve(self, region: Region, address: int, size: int, nbytes: int, *, counted: bool = True) -> Allocation:
         alloc = Allocation(address, size, nbytes, region, counted=counted)
@@ -317,6 +320,10 @@ class Pool:
             txn.on_rollback(heap.remove_free, region.address(page), self.page_size)
         if self._history is not None:
             self._history.pages_mapped(region, pages)
+
+    def _live_pages(self) -> int:
+        """Pages that hold at least one block."""
+        return int(sum(int((c > 0).sum()) for c in self._live_count))
 
     def _free_physical_pages(self) -> int:
         """Pages that could back a new request now: cached, creatable, or mapped but empty."""
@@ -515,15 +522,12 @@ class Pool:
 
     # ------------------------------------------------------------------ lookup
     def _find(self, tensor: torch.Tensor) -> Allocation | None:
-        """The live block under `tensor`'s storage, or None if it is not pool memory."""
-        ptr = tensor.untyped_storage().data_ptr()
-        i = self._blocks.bisect_right(ptr) - 1
-        if i < 0:
-            return None
-        alloc = self._blocks.peekitem(i)[1]
-        if alloc.retired or not alloc.address <= ptr < alloc.address + max(alloc.nbytes, 1):
-            return None
-        return alloc
+        """The live block under `tensor`'s storage, or None if it is not pool memory.
+
+        Pool storages always start at their block's address, so this is one lookup.
+        """
+        alloc = self._blocks.get(tensor.untyped_storage().data_ptr())
+        return None if alloc is None or alloc.retired else alloc
 
     def _owns_address(self, ptr: int) -> bool:
         return any(r.contains(ptr) for r in self._space.regions)
@@ -701,7 +705,7 @@ class Pool:
         with self._lock:
             self._drain()
             out = []
-            for alloc in self._blocks.values():
+            for _, alloc in sorted(self._blocks.items()):
                 if alloc.retired:
                     continue
                 movable, reason = self._movable(alloc)
@@ -789,7 +793,7 @@ class Pool:
         with self._lock:
             prev_end = None
             counts = [np.zeros_like(c) for c in self._live_count]
-            for address, alloc in self._blocks.items():
+            for address, alloc in sorted(self._blocks.items()):
                 assert address == alloc.address
                 assert prev_end is None or address >= prev_end, f"blocks overlap at {address:#x}"
                 prev_end = address + alloc.size
@@ -852,15 +856,21 @@ class Pool:
         self._finalizer = None
 
     # ------------------------------------------------------------------ compaction
-    def compact(self, *, verify: bool = False, progress: bool | None = None, engine: str | None = None):
+    def compact(self, *, verify: bool = False, progress: bool | None = None, engine: str | None = None,
+                release: bool = True):
         """Move live tensors so that the pages they strand become free; see `defrag.compactor`.
 
+        `verify`: compare checksums of every moved block; `progress`: a progress
+        bar (None: only for large compactions); `engine`: "kernel" (GPU
+        default), "memmove" (emulated default) or "driver"; `release`: unmap
+        the emptied pages (else they stay mapped, empty and free for reuse).
         Returns a `CompactionReport`.
         """
         from .compactor import compact_pool
         with self._lock:
             self._check_open()
-            return compact_pool(self, verify=verify, progress=progress, engine=engine, automatic=False)
+            return compact_pool(self, verify=verify, progress=progress, engine=engine, automatic=False,
+                                release=release)
 
     # ------------------------------------------------------------------ observability
     def layout(self) -> dict:
@@ -885,7 +895,7 @@ class Pool:
                        "pinned": a.pins > 0, "dtype": str(a.dtype).replace("torch.", "") if a.dtype else None,
                        "shape": list(a.shape) if a.shape is not None else None,
                        "state": "retired" if a.retired else ("live" if a.counted else "pending-free")}
-                      for a in self._blocks.values()]
+                      for _, a in sorted(self._blocks.items())]
             return {"pool": self.id, "kind": self.kind, "device": str(self.device), "page_size": self.page_size,
                     "capacity": self.capacity, "cached_pages": len(self._space.store.cached),
                     "regions": regions, "blocks": blocks}

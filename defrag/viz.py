@@ -250,7 +250,7 @@ def plot_compaction(before_layout: dict, after_layout: dict, path=None, report=N
     tb, ta = layout_totals(before_layout), layout_totals(after_layout)
     if r:
         caption = (f"moved {r.get('moved_tensors', 0)} tensors / {format_bytes(r.get('moved_bytes', 0))}; "
-                   f"mapped pages {r.get('pages_before', tb['pages_mapped'])} -> "
+                   f"pages holding live data {r.get('pages_before', tb['pages_mapped'])} -> "
                    f"{r.get('pages_after', ta['pages_mapped'])}; fragmentation "
                    f"{r.get('fragmentation_before', tb['fragmentation']):.1%} -> "
                    f"{r.get('fragmentation_after', ta['fragmentation']):.1%}")
