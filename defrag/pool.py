@@ -311,6 +311,10 @@ class Pool:
 
     def _map_into_heap(self, region: Region, pages: list[int], txn: Transaction) -> None:
         self._space.map(region, pages, txn)
+        # Peaks are tracked where mapping happens, compaction transients included.
+        reserved = self._space.mapped * self.page_size
+        if reserved > self._peaks["reserved_bytes"]:
+            self._peaks["reserved_bytes"] = reserved
         # Undo steps run newest first: this one unmaps and records it, so the
         # history sees the unmap; the vmm's own undo then finds nothing to do.
         txn.on_rollback(self._unmap_recorded, region, list(pages))

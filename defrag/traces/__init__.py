@@ -1,0 +1,25 @@
+"""Workloads for replays: the trace format, generators, a recorder and a snapshot importer.
+
+- :mod:`defrag.traces.format`: :class:`Trace` (JSON Lines on disk), :class:`TraceError`;
+- :mod:`defrag.traces.generators`: :func:`llm_serving`, :func:`model_swap`, :func:`checkerboard`;
+- :mod:`defrag.traces.training`: :class:`TraceRecorder`, :func:`training_from_model`;
+- :mod:`defrag.traces.snapshot`: :func:`load_snapshot` for ``torch.cuda.memory._dump_snapshot`` pickles;
+- :mod:`defrag.traces.accounting`: :class:`AccountingPool`, the pool's policy without memory (dry replays).
+
+See docs/traces.md.
+"""
+
+from .format import ALLOC, FREE, PHASE, Trace, TraceError, TraceStats
+from .generators import checkerboard, llm_serving, model_swap
+from .snapshot import load_snapshot
+from .training import TraceRecorder, training_from_model
+
+GENERATORS = {
+    "llm_serving": llm_serving,
+    "training_from_model": training_from_model,
+    "model_swap": model_swap,
+    "checkerboard": checkerboard,
+}
+
+__all__ = ["Trace", "TraceError", "TraceStats", "ALLOC", "FREE", "PHASE", "llm_serving", "training_from_model",
+           "model_swap", "checkerboard", "load_snapshot", "TraceRecorder", "GENERATORS"]

@@ -1,0 +1,292 @@
+"""Import PyTorch memory snapshots (``torch.cuda.memory._dump_snapshot`` pickles) as traces.
+
+A snapshot (see ``torch.cuda.memory._snapshot``) is a dict with
+
+- ``segments``: the caching allocator's state *when the snapshot was taken*
+  (the end of the recorded history): per segment ``device``, ``address``,
+  ``total_size`` and ``blocks`` (``address``, ``size``, ``requested_size``,
+  ``state`` in ``active_allocated`` / ``active_pending_free`` / ``inactive``);
+- ``device_traces``: per device, the last ``max_entries`` allocator actions
+  (a ring buffer): ``alloc``, ``free_requested``, ``free_completed``,
+  ``segment_alloc``, ``segment_free``, ``segment_map``, ``segment_unmap``,
+  ``snapshot``, ``oom``, each with ``addr`` and ``size``.
+
+Reconstruction (the rule PyTorch's own MemoryViz uses). The recorded actions
+are replayed per address: ``alloc`` starts a block, ``free_completed`` (or
+the legacy ``free``) ends it; ``free_requested`` alone does not release
+memory (the allocator holds a block until its free completes), so a block
+whose free never completed stays live to the end. Two kinds of blocks were
+live *before* the first recorded action and become allocations at the start
+of the trace:
+
+- a ``free_completed`` of an address with no recorded ``alloc``: its alloc
+  fell off the ring buffer (counted in ``meta["pre_trace_frees"]``);
+- an ``active_allocated`` (or pending-free) block in ``segments`` that the
+  recorded history does not allocate (``meta["initial_from_segments"]``).
+
+Missing keys are tolerated: entries without the fields they need are skipped
+and counted (``meta["skipped_entries"]``); a snapshot without
+``device_traces`` yields its end state as allocations; a bare list is read
+as a list of segments, as ``torch.cuda._memory_viz`` does. Sizes are the
+requested sizes the allocator records (``requested_size`` for blocks).
+
+Security: pickles can run code when loaded. The loader refuses any pickle
+that references a class or function (a real snapshot holds only dicts,
+lists, strings and numbers) and names what it referenced.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import pickle
+from pathlib import Path
+
+from .format import Trace, TraceError
+
+_SAFE_GLOBALS = {("builtins", "set"), ("builtins", "frozenset"), ("collections", "OrderedDict")}
+_LIVE_STATES = ("active_allocated", "active_pending_free", "active_awaiting_free")
+
+
+class _SnapshotUnpickler(pickle.Unpickler):
+    """Unpickles plain data only: any class or function reference is refused."""
+
+    def find_class(self, module: str, name: str):
+        if (module, name) in _SAFE_GLOBALS:
+            return super().find_class(module, name)
+        raise TraceError(f"not a PyTorch memory snapshot: the pickle references {module}.{name} "
+                         "(a snapshot holds only plain data; refusing to load it)")
+
+
+def read_pickle(raw: bytes, *, path=None):
+    """Plain data from pickle bytes; TraceError for truncated, corrupt or foreign pickles."""
+    try:
+        return _SnapshotUnpickler(io.BytesIO(raw)).load()
+    except TraceError as exc:
+        raise TraceError(str(exc), path=path) from None
+    except EOFError:
+        raise TraceError("truncated pickle: the data ends before the snapshot is complete", path=path) from None
+    except (pickle.UnpicklingError, ValueError, TypeError, IndexError, KeyError, AttributeError,
+            MemoryError, OverflowError, UnicodeDecodeError) as exc:
+        text = str(exc)
+        if "truncated" in text or "ran out of input" in text.lower():
+            raise TraceError(f"truncated pickle ({text})", path=path) from None
+        raise TraceError(f"corrupt pickle ({type(exc).__name__}: {text})", path=path) from None
+
+
+def load_snapshot(source, *, device: int | None = None, name: str | None = None) -> Trace:
+    """A Trace from a snapshot: a path to a ``_dump_snapshot`` pickle, its bytes, or the dict.
+
+    ``device``: which GPU's history to import (default: the one with the most
+    recorded actions, else the one holding the most live memory). Raises
+    TraceError naming the problem for truncated, corrupt or foreign input.
+    """
+    path = None
+    if isinstance(source, (str, os.PathLike)):
+        path = source
+        try:
+            raw = Path(source).read_bytes()
+        except OSError as exc:
+            raise TraceError(f"cannot read the file ({exc.strerror or exc})", path=path) from None
+        data = read_pickle(raw, path=path)
+        name = name or Path(source).name
+    elif isinstance(source, (bytes, bytearray)):
+        data = read_pickle(bytes(source))
+    else:
+        data = source
+    try:
+        return _import(data, device, name or "snapshot")
+    except TraceError as exc:
+        if path is not None and exc.path is None:
+            raise TraceError(str(exc), path=path) from None
+        raise
+
+
+def _describe(obj) -> str:
+    if isinstance(obj, dict):
+        keys = ", ".join(repr(k) for k in list(obj)[:6])
+        return f"a dict with keys {keys}{', ...' if len(obj) > 6 else ''}" if obj else "an empty dict"
+    return f"a {type(obj).__name__}"
+
+
+def _as_int(value) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+def _import(data, device: int | None, name: str) -> Trace:
+    if isinstance(data, list):  # segments only (old snapshots; _memory_viz reads them so)
+        data = {"segments": data}
+    if not isinstance(data, dict) or not ({"segments", "device_traces"} & set(data)):
+        raise TraceError(f"not a PyTorch memory snapshot: expected a dict with 'segments' and "
+                         f"'device_traces' (torch.cuda.memory._snapshot()), got {_describe(data)}")
+    segments = data.get("segments") or []
+    traces = data.get("device_traces") or []
+    if not isinstance(segments, list) or not isinstance(traces, list):
+        raise TraceError("not a PyTorch memory snapshot: 'segments' and 'device_traces' must be lists, got "
+                         f"{type(segments).__name__} and {type(traces).__name__}")
+    skipped = 0
+    # Blocks live at the end, per device: address -> requested size.
+    end_blocks: dict[int, dict[int, int]] = {}
+    for seg in segments:
+        if not isinstance(seg, dict):
+            skipped += 1
+            continue
+        dev = _as_int(seg.get("device"))
+        dev = 0 if dev is None else dev
+        cursor = _as_int(seg.get("address"))
+        for block in seg.get("blocks") or []:
+            if not isinstance(block, dict):
+                skipped += 1
+                continue
+            size = _as_int(block.get("size"))
+            addr = _as_int(block.get("address"))
+            if addr is None:
+                addr = cursor  # older snapshots: blocks are contiguous from the segment's address
+            cursor = addr + size if addr is not None and size is not None else None
+            if block.get("state") not in _LIVE_STATES:
+                continue
+            requested = _as_int(block.get("requested_size")) or size
+            if addr is None or not requested or requested <= 0:
+                skipped += 1
+                continue
+            end_blocks.setdefault(dev, {})[addr] = requested
+
+    if device is None:
+        counts = [len(t) if isinstance(t, list) else 0 for t in traces]
+        if counts and max(counts) > 0:
+            device = counts.index(max(counts))
+        elif end_blocks:
+            device = max(end_blocks, key=lambda d: sum(end_blocks[d].values()))
+        else:
+            device = 0
+    entries = traces[device] if 0 <= device < len(traces) and isinstance(traces[device], list) else []
+    if device >= len(traces) and device not in end_blocks and (traces or end_blocks):
+        raise TraceError(f"the snapshot has no device {device} (it records devices "
+                         f"{sorted(set(range(len(traces))) | set(end_blocks))})")
+
+    initial: list[tuple[int, int]] = []  # (addr, size) live before the first recorded action
+    body: list[tuple] = []
+    live: dict[int, tuple[int, int]] = {}  # addr -> (id, size)
+    next_id = 0
+    counters = {"pre_trace_frees": 0, "implicit_frees": 0, "recorded_ooms": 0, "free_requested": 0,
+                "segment_actions": 0, "snapshot_markers": 0}
+    pending_free: set[int] = set()
+    for entry in entries:
+        if not isinstance(entry, dict):
+            skipped += 1
+            continue
+        action = entry.get("action")
+        addr = _as_int(entry.get("addr"))
+        size = _as_int(entry.get("size"))
+        if action == "alloc":
+            if addr is None or size is None or size <= 0:
+                skipped += 1
+                continue
+            if addr in live:  # a free we never saw: end the old block first
+                body.append(("free", live.pop(addr)[0]))
+                counters["implicit_frees"] += 1
+            live[addr] = (next_id, size)
+            body.append(("alloc", next_id, size))
+            next_id += 1
+        elif action in ("free_completed", "free"):
+            if addr is None:
+                skipped += 1
+                continue
+            pending_free.discard(addr)
+            if addr in live:
+                body.append(("free", live.pop(addr)[0]))
+            elif size is not None and size > 0:
+                # Allocated before the ring buffer's first entry: live from the start.
+                initial.append((addr, size, next_id))
+                body.append(("free", next_id))
+                next_id += 1
+                counters["pre_trace_frees"] += 1
+            else:
+                skipped += 1
+        elif action == "free_requested":
+            counters["free_requested"] += 1
+            if addr is not None:
+                pending_free.add(addr)
+        elif action == "oom":
+            counters["recorded_ooms"] += 1
+        elif action == "snapshot":
+            counters["snapshot_markers"] += 1
+        elif isinstance(action, str) and action.startswith("segment_"):
+            counters["segment_actions"] += 1
+        else:
+            skipped += 1
+
+    from_segments = 0
+    for addr, size in sorted(end_blocks.get(device, {}).items()):
+        if addr not in live:
+            initial.append((addr, size, next_id))
+            live[addr] = (next_id, size)
+            next_id += 1
+            from_segments += 1
+
+    trace = Trace(name=name)
+    for _, size, id_ in sorted(initial):
+        trace.alloc(id_, size)
+    trace.events.extend(body)
+    trace.meta = {
+        "source": "torch.cuda.memory._snapshot", "device": device, "entries": len(entries),
+        "initial_allocs": len(initial), "initial_bytes": sum(s for _, s, _ in initial),
+        "initial_from_segments": from_segments, "frees_never_completed": len(pending_free & set(live)),
+        "skipped_entries": skipped,
+        "reserved_bytes_at_snapshot": sum(_as_int(s.get("total_size")) or 0 for s in segments
+                                          if isinstance(s, dict) and (_as_int(s.get("device")) or 0) == device),
+        **counters,
+    }
+    if not trace.events:
+        raise TraceError("the snapshot holds no allocations to replay: no recorded alloc/free actions and no "
+                         "live blocks in 'segments' (was _record_memory_history enabled?)")
+    return trace.validate()
+
+
+def to_snapshot(trace: Trace, *, max_entries: int | None = None, device: int = 0,
+                base_address: int = 0x7F0000000000) -> dict:
+    """The trace as a ``torch.cuda.memory._snapshot()``-shaped dict (for memory_viz, and for tests).
+
+    Each alloc gets an address (a freed address of the same rounded size is
+    reused first, as a caching allocator would; otherwise a new one past all
+    earlier ones) and becomes ``alloc``; each free becomes ``free_requested``
+    then ``free_completed``; phase markers become nothing. ``segments`` holds
+    the blocks live at the end, one segment each. With ``max_entries`` only
+    the last entries are kept, as the allocator's ring buffer does, so
+    :func:`load_snapshot` has to reconstruct what was live before them.
+    Sizes are rounded to 512 bytes for addresses and blocks, and kept as
+    requested in the entries.
+    """
+    entries: list[dict] = []
+    free_by_size: dict[int, list[int]] = {}
+    live: dict = {}  # id -> (addr, size)
+    next_addr = base_address
+    for ev in trace.events:
+        if ev[0] == "alloc":
+            size = ev[2]
+            rounded = -(-size // 512) * 512
+            pool = free_by_size.get(rounded)
+            if pool:
+                addr = pool.pop()
+            else:
+                addr, next_addr = next_addr, next_addr + rounded
+            live[ev[1]] = (addr, size)
+            entries.append({"action": "alloc", "addr": addr, "size": size, "stream": 0, "frames": []})
+        elif ev[0] == "free":
+            addr, size = live.pop(ev[1])
+            for action in ("free_requested", "free_completed"):
+                entries.append({"action": action, "addr": addr, "size": size, "stream": 0, "frames": []})
+            free_by_size.setdefault(-(-size // 512) * 512, []).append(addr)
+    if max_entries is not None:
+        entries = entries[-max_entries:] if max_entries > 0 else []
+    segments = []
+    for addr, size in sorted(live.values()):
+        rounded = -(-size // 512) * 512
+        segments.append({"device": device, "address": addr, "total_size": rounded, "stream": 0,
+                         "segment_type": "large" if rounded > (1 << 20) else "small", "segment_pool_id": (0, 0),
+                         "allocated_size": rounded, "active_size": rounded, "requested_size": size,
+                         "blocks": [{"address": addr, "size": rounded, "requested_size": size,
+                                     "state": "active_allocated", "frames": []}]})
+    traces: list[list] = [[] for _ in range(device + 1)]
+    traces[device] = entries
+    return {"segments": segments, "device_traces": traces, "allocator_settings": {}}

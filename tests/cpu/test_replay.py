@@ -1,0 +1,222 @@
+"""Replays: the accounting model against the real pool, compaction's effect, and the CLI."""
+
+from __future__ import annotations
+
+import json
+import pickle
+import random
+
+import pytest
+
+from defrag.cli import main as cli_main
+from defrag.replay import min_capacity, replay
+from defrag.traces import ALLOC, FREE, PHASE, Trace, checkerboard, llm_serving, model_swap, training_from_model
+from defrag.traces.accounting import AccountingPool
+from defrag.traces.snapshot import to_snapshot
+
+MiB = 1 << 20
+PAGE = 2 * MiB
+
+
+@pytest.fixture(scope="module")
+def workloads():
+    """Small versions of every generator (the same code paths, seconds to replay for real)."""
+    return {
+        "llm_serving": llm_serving(steps=400),
+        "training_from_model": training_from_model(steps=3, max_len=128, num_layers=2),
+        "model_swap": model_swap(swaps=3, requests_per_model=12),
+        "checkerboard": checkerboard(total_bytes=32 * MiB, rounds=2),
+    }
+
+
+def _figures(r):
+    return (r.peak_live_bytes, r.peak_reserved_bytes, r.ooms, r.compactions, r.compactions_automatic,
+            r.moved_bytes, r.moved_tensors, r.error is None)
+
+
+@pytest.mark.parametrize("name", ["llm_serving", "training_from_model", "model_swap", "checkerboard"])
+@pytest.mark.parametrize("tight", [False, True], ids=["roomy", "tight"])
+def test_dry_and_real_replays_agree(workloads, name, tight):
+    """The accounting model takes the pool's decisions: same peaks, OOMs, compactions and bytes moved."""
+    trace = workloads[name]
+    live = trace.stats().peak_live_bytes
+    capacity = int(live * (1.04 if tight else 1.5)) + PAGE
+    for compaction in (True, False):
+        dry = replay(trace, capacity, dry=True, compaction=compaction)
+        real = replay(trace, capacity, dry=False, compaction=compaction)
+        assert real.device == "emulated" and dry.dry and not real.dry
+        assert _figures(dry) == _figures(real), (compaction, dry, real)
+        assert dry.peak_live_bytes == live or dry.ooms or dry.error
+
+
+def test_accounting_model_keeps_its_books():
+    """Random alloc/free/compact with invariant checks (page counts, run and empty-page indexes, heap)."""
+    rng = random.Random(7)
+    for capacity_pages, auto in ((24, True), (40, False)):
+        pool = AccountingPool(capacity_pages * PAGE, PAGE, auto_compact=auto)
+        live = []
+        for step in range(1500):
+            if live and rng.random() < 0.45:
+                pool.free(live.pop(rng.randrange(len(live))))
+            elif rng.random() < 0.02:
+                pool.compact()
+            else:
+                size = rng.choice([rng.randint(1, 300_000), rng.randint(PAGE // 2, 3 * PAGE + 1000)])
+                if pool.alloc(step, size):
+                    live.append(step)
+            if step % 25 == 0:
+                pool.check_invariants()
+        pool.check_invariants()
+        st = pool.stats()
+        assert st["reserved_bytes.all.peak"] <= capacity_pages * PAGE
+        assert st["allocated_bytes.all.current"] == sum(-(-pool._blocks[k][2] // 512) * 512 for k in live)
+
+
+def test_checkerboard_needs_compaction(workloads):
+    """At a capacity of exactly the filled bytes, only a compacting pool serves the large requests."""
+    trace = workloads["checkerboard"]
+    capacity = trace.meta["total_bytes"]
+    for dry in (True, False):
+        on = replay(trace, capacity, dry=dry, compaction=True)
+        off = replay(trace, capacity, dry=dry, compaction=False)
+        assert off.ooms > 0 and off.failed_bytes >= off.ooms * 4 * PAGE
+        assert on.ooms == 0 and on.completed and on.moved_bytes > 0
+        assert on.peak_reserved_bytes <= capacity
+
+
+_TAILS = ("blocks of a page or more start on a page boundary and never move (planner: fixed), so the partly "
+          "empty last page of each one can only take sub-page blocks")
+_GOAL_MISSES = {
+    "llm_serving": "KV caches are multi-page blocks in 512 KiB steps: " + _TAILS + " (default size: 1.089, which "
+                   "is what the multi-page blocks alone need)",
+    "model_swap": "weights like 3 x 640 x 640 fp16 span 1.17 pages: " + _TAILS + " (default size: 1.117)",
+    "training_from_model": "attention activations span a few pages each: " + _TAILS + "; compaction fills some "
+                           "tails (default size: 1.037, without compaction 1.079)",
+}
+
+
+@pytest.mark.parametrize("name", [
+    pytest.param(n, marks=pytest.mark.xfail(reason=_GOAL_MISSES[n], strict=True)) if n in _GOAL_MISSES else n
+    for n in ["llm_serving", "training_from_model", "model_swap", "checkerboard"]])
+def test_goal_peak_reserved_within_2_percent_of_peak_live(workloads, name):
+    """Goal, compaction on: peak reserved <= 1.02 x peak live + one page, at the smallest capacity that completes."""
+    trace = workloads[name]
+    smallest = min_capacity(trace, compaction=True)
+    assert smallest.exact
+    r = replay(trace, smallest.bytes, dry=True, compaction=True)
+    assert r.completed and r.peak_reserved_bytes <= smallest.bytes
+    assert r.meets_goal(1.02), f"{name}: peak reserved / peak live = {r.reserved_over_live:.4f}"
+
+
+def test_min_capacity_bisection(workloads):
+    trace = workloads["checkerboard"]
+    on = min_capacity(trace, compaction=True)
+    assert on.exact and on.bytes == trace.meta["total_bytes"]
+    off = min_capacity(trace, compaction=False, known_good=2 * trace.meta["total_bytes"])
+    assert off.exact and off.bytes > on.bytes and off.failed_below == off.bytes - PAGE
+    assert replay(trace, off.bytes, dry=True, compaction=False).completed
+    assert not replay(trace, off.failed_below, dry=True, compaction=False).completed
+    # A step budget of one cannot narrow the bracket: the answer is an upper bound.
+    rough = min_capacity(trace, compaction=False, known_good=2 * trace.meta["total_bytes"], max_steps=1)
+    assert not rough.exact and rough.bytes >= off.bytes
+
+
+def test_a_failed_compaction_stops_the_replay_and_is_reported(workloads, monkeypatch):
+    """A compaction that raises (not an OOM) ends the replay with the error named, in both modes."""
+    from defrag.compactor import CompactionError
+    from defrag.pool import Pool
+    from defrag.traces.accounting import CompactionCapacityError
+
+    def refuse_real(self, **kwargs):
+        raise CompactionError("the plan needs 9 new pages but only 2 physical pages are free; nothing was moved")
+
+    def refuse_dry(self, *, automatic=False):
+        raise CompactionCapacityError("the plan needs 9 new pages but only 2 physical pages are free")
+
+    monkeypatch.setattr(Pool, "compact", refuse_real)
+    monkeypatch.setattr(AccountingPool, "compact", refuse_dry)
+    trace = workloads["llm_serving"]
+    first_phase = next(i for i, ev in enumerate(trace.events) if ev[0] == PHASE)
+    for dry in (True, False):
+        r = replay(trace, 2 * trace.stats().peak_live_bytes, dry=dry, compaction=True)
+        assert not r.completed and r.ooms == 0
+        assert f"at event {first_phase} (phase weights loaded)" in r.error and "9 new pages" in r.error
+
+
+def test_torch_baselines_skip_without_a_gpu_and_their_child_compiles():
+    import torch
+
+    from defrag import replay as replay_module
+
+    compile(replay_module._BASELINE_CHILD, "<torch baseline child>", "exec")
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is present: tests/gpu runs the baselines")
+    results, skipped = replay_module.torch_baselines(Trace([(ALLOC, 0, 512)]), 64 * MiB)
+    assert results == [] and [s["allocator"] for s in skipped] == ["torch", "torch-expandable"]
+    assert all("torch.cuda.is_available() is False" in s["reason"] for s in skipped)
+
+
+# ---------------------------------------------------------------------- CLI
+def test_cli_replays_a_trace_and_writes_json(tmp_path, capsys):
+    trace = checkerboard(total_bytes=32 * MiB, rounds=1)
+    path = trace.save(tmp_path / "cb.jsonl")
+    out = tmp_path / "result.json"
+    assert cli_main(["replay", str(path), "--capacity", "64MiB", "--json", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "defrag-no-compaction" in text and "goal, compaction on" in text
+    data = json.loads(out.read_text())
+    assert data["capacity"] == 64 * MiB and data["trace"]["kind"] == "trace"
+    rows = {r["allocator"]: r for r in data["results"]}
+    assert rows["defrag"]["ooms"] == 0 and rows["defrag"]["dry"] is False
+    assert rows["defrag"]["peak_live_bytes"] == trace.stats().peak_live_bytes
+    assert rows["defrag"]["min_capacity"]["bytes"] == 32 * MiB
+    # No GPU here: PyTorch's rows are skipped with the reason, never invented.
+    skipped = {s["allocator"]: s["reason"] for s in data["skipped"]}
+    if "torch" not in rows:
+        assert set(skipped) == {"torch", "torch-expandable"} and "GPU" in skipped["torch"]
+
+
+def test_cli_replays_a_snapshot_dry(tmp_path, capsys):
+    path = tmp_path / "snap.pickle"
+    path.write_bytes(pickle.dumps(to_snapshot(llm_serving(steps=200), max_entries=1500)))
+    out = tmp_path / "r.json"
+    assert cli_main(["replay", str(path), "--capacity", "1GiB", "--dry", "--json", str(out)]) == 0
+    assert "ring buffer truncation" in capsys.readouterr().out
+    data = json.loads(out.read_text())
+    assert data["trace"]["kind"] == "snapshot" and data["dry"] is True
+    assert all(r["dry"] for r in data["results"] if r["allocator"].startswith("defrag"))
+
+
+@pytest.mark.parametrize("make_file,args,fragment", [
+    (None, ["--capacity", "lots"], "--capacity must be a byte count"),
+    (None, ["--capacity", "1MiB"], "smaller than one page"),
+    ("truncated", ["--capacity", "64MiB"], "truncated"),
+    ("garbage", ["--capacity", "64MiB"], "not a defrag trace"),
+    ("foreign-json", ["--capacity", "64MiB"], "not a defrag trace"),
+    ("foreign-pickle", ["--capacity", "64MiB"], "not a PyTorch memory snapshot"),
+    ("cut-pickle", ["--capacity", "64MiB"], "truncated pickle"),
+    ("missing", ["--capacity", "64MiB"], "cannot read the file"),
+    ("empty", ["--capacity", "64MiB"], "empty file"),
+])
+def test_cli_bad_input_exits_2_with_one_clear_line(tmp_path, capsys, make_file, args, fragment):
+    path = tmp_path / "input"
+    good = Trace([(ALLOC, 0, 4096), (PHASE, "p"), (FREE, 0)], name="tiny").save(tmp_path / "good.jsonl")
+    if make_file is None:
+        path = good
+    elif make_file == "truncated":
+        path.write_bytes(good.read_bytes()[:-5])
+    elif make_file == "garbage":
+        path.write_bytes(bytes(range(7, 200)))
+    elif make_file == "foreign-json":
+        path.write_text('{"hello": "world"}\n')
+    elif make_file == "foreign-pickle":
+        path.write_bytes(pickle.dumps({"state_dict": {}}))
+    elif make_file == "cut-pickle":
+        path.write_bytes(pickle.dumps(to_snapshot(llm_serving(steps=50)))[:100])
+    elif make_file == "empty":
+        path.write_bytes(b"")
+    assert cli_main(["replay", str(path), *args]) == 2
+    captured = capsys.readouterr()
+    err = captured.err.strip()
+    assert err.startswith("defrag replay: error:") and fragment in err
+    assert len(err.splitlines()) == 1 and "Traceback" not in captured.err + captured.out
