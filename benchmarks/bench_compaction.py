@@ -1,0 +1,356 @@
+"""The compactor's copy: raw copy bandwidth, and whole compactions against a plain copy of the same moves.
+
+``copy_bandwidth``: one move of N bytes between two halves of one pool
+tensor, by each of the compactor's copy paths, against the device's own copy
+of the same bytes in the same run:
+
+- ``copy engine``: `Driver.copy` (cuMemcpyDtoDAsync on torch's current
+  stream; on the emulated device the emulation's memmove, after its
+  mapped-and-accessible check);
+- ``move kernel``: `defrag.kernels.batched_move` (one launch; on the emulated
+  device it runs under numba's CPU simulator, so only tiny sizes are run and
+  the figure says how slow the simulator is, nothing about a GPU);
+- baseline: torch ``dst.copy_(src)`` on a GPU (CUDA events), ctypes.memmove
+  on the emulated device (time.perf_counter).
+
+``gbps`` is payload bytes per second (1e9 B/s); a copy reads and writes
+each byte, so memory traffic is twice that. Small sizes fit in caches (CPU
+L2/L3, GPU L2) and say so in their numbers.
+
+``compaction``: a pool filled with equal tensors of a quarter page, then 3
+of every 4 freed (each page a quarter full, no page empty), then
+``pool.compact()``. Moved bytes per second of the whole call (plan, map,
+copy, swap, unmap), and of its copy phase alone (``report.phases['copy']``:
+the copy plus a device synchronize), against the same set of
+(src, dst, size) moves done by memmove (emulated) or torch ``copy_`` per move
+(GPU) between the same addresses, on the same freshly written layout, timed
+the same way (host clock around the copies, plus a synchronize on a GPU). On
+a GPU also: the move kernel alone doing the same moves in one launch (CUDA
+events, no host work inside), against one ``copy_`` of a contiguous buffer of
+the same total bytes (the device's copy bandwidth): the GPU goal.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import statistics
+import time
+
+import numpy as np
+import torch
+
+from .runner import gbps, kernel_skip_reason, time_cuda, time_host, time_host_interleaved
+
+KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
+SIM_MAX_BYTES = 16 * KiB  # the simulator runs one Python thread per CUDA thread
+
+
+# --------------------------------------------------------------------------- copy bandwidth
+
+
+def bench_copy_bandwidth(device: str, smoke: bool) -> list[dict]:
+    """GB/s of one N-byte move by copy engine and move kernel, vs torch copy_ (GPU) / memmove (emulated)."""
+    import defrag
+
+    gpu = device.startswith("cuda")
+    if gpu:
+        sizes = (1 * MiB, 64 * MiB) if smoke else (64 * KiB, 1 * MiB, 16 * MiB, 256 * MiB, 1 * GiB)
+    else:
+        sizes = (64 * KiB, 1 * MiB) if smoke else (64 * KiB, 1 * MiB, 16 * MiB, 128 * MiB)
+    kernel_sizes = sizes if gpu else ((4 * KiB,) if smoke else (4 * KiB, SIM_MAX_BYTES))
+    kskip = kernel_skip_reason(device)
+    repeat = 3 if smoke else 7
+    rows = []
+    capacity = 2 * max(max(sizes), max(kernel_sizes)) + 4 * MiB
+    with defrag.Pool(device=device, capacity=capacity, auto_compact=False) as pool:
+        drv = pool.driver
+        for size in sorted(set(sizes) | set(kernel_sizes)):
+            buf = pool.empty(2 * size, dtype=torch.uint8)
+            if size <= 64 * MiB:  # random bytes; larger buffers get a non-zero constant (cheaper to write)
+                buf.copy_(torch.randint(1, 256, (2 * size,), dtype=torch.uint8, device=buf.device))
+            else:
+                buf.fill_(7)
+            src, dst = buf.data_ptr(), buf.data_ptr() + size
+            number = max(3, min(2000, (256 * MiB if not gpu else 4 * GiB) // size))
+            if smoke:
+                number = min(number, 20)
+
+            # Baseline: the device's own copy of the same bytes; the copy engine in the same run.
+            if gpu:
+                a, b = buf[:size], buf[size:]
+                stream = torch.cuda.current_stream(buf.device).cuda_stream
+                base = time_cuda(lambda: b.copy_(a), number=number, repeat=repeat)
+                engine = time_cuda(lambda: drv.copy(dst, src, size, stream), number=number, repeat=repeat)
+                base_name, timing = "torch copy_", "cuda events"
+            else:
+                both = time_host_interleaved({"base": lambda: ctypes.memmove(dst, src, size),
+                                              "engine": lambda: drv.copy(dst, src, size, 0)},
+                                             number=number, repeat=repeat)
+                base, engine = both["base"], both["engine"]
+                base_name, timing = "memmove", "perf_counter, interleaved"
+            base_gbps = gbps(size, base.median)
+
+            def row(method, t, **extra):
+                r = {"size_bytes": size, "method": method, "backend": _backend(pool, method),
+                     "gbps": gbps(size, t.median), "best_gbps": gbps(size, t.best),
+                     "baseline": base_name, "baseline_gbps": base_gbps, "baseline_best_gbps": gbps(size, base.best),
+                     "ratio_x": (gbps(size, t.median) / base_gbps) if base_gbps else None,
+                     "timing": f"{timing}, median of {t.repeats} x {t.number}"}
+                r.update(extra)
+                return r
+
+            if size in sizes:
+                rows.append(row("copy engine (Driver.copy)", engine))
+            if size in kernel_sizes:
+                if kskip:
+                    rows.append({"size_bytes": size, "method": "move kernel (batched_move)", "skipped": kskip})
+                else:
+                    rows.append(_kernel_row(pool, buf, size, number, repeat, row, smoke))
+            del buf
+    return rows
+
+
+def _backend(pool, method: str) -> str:
+    if pool.kind == "cuda":
+        return "cuda"
+    return "simulator" if "kernel" in method else "emulated"
+
+
+def _kernel_row(pool, buf, size, number, repeat, row, smoke):
+    import defrag.kernels as dk
+
+    arena = dk.device_arena(buf.data_ptr(), 2 * size)
+    moves = np.array([[0, size, size]], dtype=np.int64)
+    if pool.kind == "cuda":
+        from numba import cuda
+
+        stream = cuda.external_stream(torch.cuda.current_stream(buf.device).cuda_stream)
+        t = time_cuda(lambda: dk.batched_move(arena, moves, stream=stream), number=number, repeat=repeat)
+        return row("move kernel (batched_move)", t)
+    # Simulator: seconds per call; a couple of calls is all it can afford.
+    t = time_host(lambda: dk.batched_move(arena, moves), number=1, repeat=1 if smoke else 3, warmup=1)
+    return row("move kernel (batched_move)", t, timing="perf_counter, numba simulator")
+
+
+def plot_copy_bandwidth(rows, path) -> bool:
+    from .runner import _pyplot, _save
+
+    rows = [r for r in rows if r.get("gbps")]
+    if not rows:
+        return False
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(6, 3.6))
+    for method in dict.fromkeys(r["method"] for r in rows):
+        sel = sorted((r for r in rows if r["method"] == method), key=lambda r: r["size_bytes"])
+        ax.loglog([r["size_bytes"] for r in sel], [r["gbps"] for r in sel], "o-", label=f"{method} [{sel[0]['backend']}]")
+    base = {}
+    for r in rows:
+        base[r["size_bytes"]] = r["baseline_gbps"]
+    xs = sorted(base)
+    ax.loglog(xs, [base[x] for x in xs], "s--", color="tab:gray", label=f"baseline: {rows[0]['baseline']}")
+    ax.set_xlabel("bytes per move")
+    ax.set_ylabel("GB/s (payload)")
+    ax.legend(fontsize=7)
+    return _save(fig, path)
+
+
+# --------------------------------------------------------------------------- compaction
+
+
+def _fill_fragmented(pool, npages: int) -> list:
+    """4 tensors of a quarter page per page, written (non-zero), then 3 of every 4 dropped."""
+    quarter = pool.page_size // 4
+    tensors = [pool.empty(quarter, dtype=torch.uint8) for _ in range(4 * npages)]
+    for i, t in enumerate(tensors):
+        t.fill_(i % 251 + 1)
+    keep = tensors[0::4]
+    del tensors, t
+    if pool.kind == "cuda":
+        torch.cuda.synchronize(pool.device)  # the frees wait on stream events: let them complete
+    pool.stats()  # a pool call: applies the queued frees before anything is timed
+    return keep
+
+
+class _CudaBytes:
+    """A borrowed view of raw device bytes for torch.as_tensor (owns nothing)."""
+
+    def __init__(self, ptr: int, nbytes: int):
+        self.__cuda_array_interface__ = {"shape": (nbytes,), "typestr": "|u1", "data": (ptr, False),
+                                         "version": 3, "strides": None}
+
+
+def _copy_moves(pool, base: int, moves, gpu: bool):
+    """A function doing every (src, dst, n) move at base+offset: memmove, or torch copy_ + synchronize."""
+    if not gpu:
+        triples = [(base + d, base + s, n) for s, d, n in moves]
+
+        def run():
+            for d, s, n in triples:
+                ctypes.memmove(d, s, n)
+
+        return run
+    pairs = [(torch.as_tensor(_CudaBytes(base + d, n), device=pool.device),
+              torch.as_tensor(_CudaBytes(base + s, n), device=pool.device)) for s, d, n in moves]
+
+    def run():
+        for dst, src in pairs:
+            dst.copy_(src)
+        torch.cuda.synchronize(pool.device)
+
+    return run
+
+
+def _mapped(pool, base: int, moves) -> bool:
+    """Whether every source and destination page of `moves` is mapped now."""
+    region = pool.layout()["regions"][0]
+    P = pool.page_size
+    return all(region["pages"][p] != "unmapped"
+               for s, d, n in moves for off in (s, d) for p in range(off // P, (off + n - 1) // P + 1))
+
+
+def bench_compaction(device: str, smoke: bool) -> list[dict]:
+    """Moved bytes/s of pool.compact() (whole, and copy phase) vs memmove / torch copy_ of the same moves.
+
+    One pool, rebuilt every round into the same layout (tensors written, then
+    3 of 4 per page dropped). Timed rounds alternate: a compaction, or the
+    baseline copy of the moves the compactions made, done on the freshly
+    built layout (sources live, destinations in mapped free space) and then
+    compacted untimed. So both sides copy the same bytes between the same
+    addresses, each right after the same fill. Round 0 only warms up.
+    """
+    gpu = device.startswith("cuda")
+    npages = 8 if smoke else (1024 if gpu else 128)
+    rounds = 2 if smoke else 9
+    with _pool_for(device, npages) as pool:
+        base = pool.layout()["regions"][0]["base"]
+        compactions, baseline_s, kernel_s, moves_seen = [], [], [], []
+        kskip = kernel_skip_reason(device) if gpu else None
+        moves = None
+        for r in range(2 * rounds + 1):
+            keep = _fill_fragmented(pool, npages)
+            timed_baseline = r % 2 == 0 and moves is not None  # rounds 2, 4, ...: baseline
+            if timed_baseline and _mapped(pool, base, moves):
+                run = _copy_moves(pool, base, moves, gpu)
+                if gpu:
+                    torch.cuda.synchronize(pool.device)
+                t0 = time.perf_counter()
+                run()
+                baseline_s.append(time.perf_counter() - t0)
+                del run  # GPU: the borrowed views go before any page is unmapped
+                if gpu and kskip is None:
+                    kernel_s.append(_kernel_alone(pool, base, moves).median)
+            before = [t.data_ptr() for t in keep]
+            t0 = time.perf_counter()
+            report = pool.compact()
+            wall = time.perf_counter() - t0
+            now = [(b - base, t.data_ptr() - base, t.nbytes) for b, t in zip(before, keep) if t.data_ptr() != b]
+            if r > 0:
+                moves_seen.append(now)
+                if not timed_baseline:
+                    compactions.append((wall, report))
+            if r == 1:
+                moves = now
+            del keep
+        if not moves:
+            return [{"skipped": "the compaction moved nothing (the planner found no useful move)"}]
+        if not baseline_s:
+            return [{"skipped": "the moves' destinations were not mapped before compaction; no same-address baseline"}]
+        same = all(m == moves for m in moves_seen)
+        ceiling = _ceiling(pool, sum(n for _, _, n in moves), rounds) if gpu else None
+
+    moved = sum(n for _, _, n in moves)
+    rep = compactions[0][1]
+    walls = [w for w, _ in compactions]
+    copies = [rp.phases.get("copy", 0.0) for _, rp in compactions]
+    phases = {f"{k}_ms": statistics.median(rp.phases.get(k, 0.0) for _, rp in compactions) * 1e3
+              for k in ("sync", "plan", "prepare", "copy", "swap", "release")}
+    base_name = "torch copy_ per move" if gpu else "memmove per move"
+    b_med, b_best = statistics.median(baseline_s), min(baseline_s)
+    common = {"moved_bytes": moved, "moved_tensors": rep.moved_tensors, "pages_before": rep.pages_before,
+              "pages_after": rep.pages_after, "engine": rep.engine, "same_moves_every_round": same}
+
+    def row(method, samples, **extra):
+        med, best = statistics.median(samples), min(samples)
+        r = {"method": method, **common, "ms": med * 1e3, "gbps": gbps(moved, med), "best_gbps": gbps(moved, best),
+             "baseline": base_name, "baseline_gbps": gbps(moved, b_med), "baseline_best_gbps": gbps(moved, b_best),
+             "ratio_x": b_med / med, "best_ratio_x": b_best / best,
+             "timing": f"perf_counter, median of {len(samples)} rounds"}
+        r.update(extra)
+        return r
+
+    whole = row("pool.compact() whole call", walls, **phases,
+                goal="emulated: whole compaction >= 0.7x memmove of the same moves")
+    whole["goal_met"] = whole["ratio_x"] >= 0.7 if not gpu else None
+    copy = row("copy phase (report.phases['copy'])", copies)
+    rows = [whole, copy,
+            {"method": f"baseline: {base_name}", **common, "ms": b_med * 1e3, "gbps": gbps(moved, b_med),
+             "best_gbps": gbps(moved, b_best), "timing": f"perf_counter{' incl. synchronize' if gpu else ''}, "
+                                                         f"median of {len(baseline_s)} rounds"}]
+    if ceiling is not None:
+        c_gbps = gbps(moved, ceiling.median)
+        rows.append({"method": "torch copy_ contiguous (same total bytes)", "moved_bytes": moved,
+                     "ms": ceiling.median * 1e3, "gbps": c_gbps, "best_gbps": gbps(moved, ceiling.best),
+                     "timing": f"cuda events, median of {ceiling.repeats} x {ceiling.number}"})
+        copy.update(ceiling_gbps=c_gbps, ratio_vs_ceiling_x=copy["gbps"] / c_gbps)
+        goal = "GPU: move kernel bandwidth >= 0.9x torch copy_ (contiguous, same bytes)"
+        if kernel_s:
+            k_med = statistics.median(kernel_s)
+            ratio = gbps(moved, k_med) / c_gbps
+            rows.insert(2, {"method": "move kernel alone (batched_move, same moves)", **common, "ms": k_med * 1e3,
+                            "gbps": gbps(moved, k_med), "best_gbps": gbps(moved, min(kernel_s)),
+                            "baseline": "torch copy_ contiguous (same total bytes)", "baseline_gbps": c_gbps,
+                            "ratio_x": ratio, "timing": f"cuda events, median over {len(kernel_s)} rounds",
+                            "goal": goal, "goal_met": ratio >= 0.9})
+        else:
+            rows.insert(2, {"method": "move kernel alone (batched_move, same moves)", "skipped": kskip})
+    return rows
+
+
+def _kernel_alone(pool, base: int, moves):
+    """GPU: one batched_move launch doing every move of the layout, timed by CUDA events (no host work inside)."""
+    import defrag.kernels as dk
+    from numba import cuda
+
+    lo = min(min(s, d) for s, d, _ in moves)
+    lo -= lo % 512
+    hi = max(max(s, d) + n for s, d, n in moves)
+    table = np.array([(s - lo, d - lo, n) for s, d, n in moves], dtype=np.int64)
+    arena = dk.device_arena(base + lo, hi - lo)
+    stream = cuda.external_stream(torch.cuda.current_stream(pool.device).cuda_stream)
+    t = time_cuda(lambda: dk.batched_move(arena, table, stream=stream), number=1, repeat=3, warmup=1)
+    torch.cuda.synchronize(pool.device)
+    return t
+
+
+def _pool_for(device, npages):
+    import defrag
+
+    probe = defrag.Pool(device=device, capacity="64MiB", auto_compact=False)
+    page = probe.page_size
+    probe.close()
+    return defrag.Pool(device=device, capacity=(npages + 2) * page, auto_compact=False)
+
+
+def _ceiling(pool, moved: int, rounds: int):
+    """GPU: torch copy_ of one contiguous buffer of `moved` bytes (the device's copy bandwidth)."""
+    flat = torch.empty(2 * moved, dtype=torch.uint8, device=pool.device).random_(1, 255)
+    a, b = flat[:moved], flat[moved:]
+    t = time_cuda(lambda: b.copy_(a), number=3, repeat=rounds)
+    del a, b, flat
+    return t
+
+
+def plot_compaction(rows, path) -> bool:
+    from .runner import _pyplot, _save
+
+    rows = [r for r in rows if r.get("gbps")]
+    if not rows:
+        return False
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(6, 3.2))
+    labels = [r["method"] for r in rows]
+    colors = ["tab:gray" if "baseline" in m or "contiguous" in m else "tab:blue" for m in labels]
+    ax.barh(labels[::-1], [r["gbps"] for r in rows][::-1], color=colors[::-1])
+    ax.set_xlabel(f"GB/s of moved bytes ({rows[0]['moved_bytes'] / MiB:.0f} MiB, {rows[0].get('engine', '')} engine)")
+    ax.tick_params(axis="y", labelsize=7)
+    return _save(fig, path)

@@ -1,0 +1,592 @@
+"""`defrag bench`: run the registered benchmarks, write results.json, results.md and PNG plots.
+
+Every benchmark is a plain function ``bench(device, smoke) -> list[dict]``:
+one dict per measurement, with units in the column names (``us_per_op``,
+``gbps``, ``pages_per_ms``, ...), a ``baseline_*`` column where there is a
+baseline, and the ratio to it computed in the same run. A row with ``goal``
+(text) and ``goal_met`` (True, False, or None where the goal does not apply
+to this device) states one of the issue's goals. A benchmark that cannot run
+here raises `Skip` with the reason; rows that cannot be measured carry
+``skipped`` with the reason instead of numbers.
+
+The runner never invents figures: on the emulated device it labels every row
+``emulated`` and GPU goals are reported as not applicable, not as met.
+
+Timing helpers shared by the benchmark modules live here too
+(`time_host`, `time_cuda`); see docs/benchmarks.md for what each number means.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import importlib
+import json
+import math
+import os
+import platform
+import statistics
+import sys
+import time
+import traceback
+from pathlib import Path
+
+
+class Skip(Exception):
+    """Raised by a benchmark that cannot run on this machine; the message is the reason."""
+
+
+# --------------------------------------------------------------------------- registry
+
+
+@dataclasses.dataclass(frozen=True)
+class Benchmark:
+    """One registered benchmark: `target` and `plot` are "module:function" inside defrag.benchmarks."""
+
+    name: str
+    target: str
+    what: str
+    plot: str | None = None
+
+
+REGISTRY: dict[str, Benchmark] = {b.name: b for b in [
+    Benchmark("alloc_free", "bench_pool:bench_alloc_free",
+              "alloc+free round trip: pool.empty vs torch.empty on the same device, same run (goal: pool <= 3x torch)",
+              "bench_pool:plot_alloc_free"),
+    Benchmark("copy_bandwidth", "bench_compaction:bench_copy_bandwidth",
+              "one move of N bytes in pool memory: copy engine and move kernel vs the device's own copy "
+              "(torch copy_ on a GPU, memmove on the emulated device)",
+              "bench_compaction:plot_copy_bandwidth"),
+    Benchmark("batched_launch", "runner:bench_batched_launch",
+              "many small moves: one batched_move launch vs one copy call per tensor (GPU goal: >= 10x)",
+              "runner:plot_batched_launch"),
+    Benchmark("stitching", "bench_stitching:bench_stitching",
+              "pages mapped per ms: one cuMemSetAccess per range vs per page; unmap; a stitched pool request",
+              "bench_stitching:plot_stitching"),
+    Benchmark("planner", "runner:bench_planner_adapter",
+              "planner time vs live block count, 1k to 1M (goal: < 0.5 s at 100k)",
+              "runner:plot_planner"),
+    Benchmark("compaction", "bench_compaction:bench_compaction",
+              "pool.compact() of a pool with 3 of 4 tensors per page freed, vs memmove (emulated) / torch copy_ "
+              "(GPU) of the same moves, same run (goals: emulated >= 0.7x memmove; GPU copy >= 0.9x copy_)",
+              "bench_compaction:plot_compaction"),
+    Benchmark("workloads", "bench_workloads:bench_workloads",
+              "trace replays with compaction on/off (and PyTorch's allocator on a GPU): peak live, peak reserved, "
+              "OOMs (goal: peak reserved <= 1.02x peak live + one page)",
+              "bench_workloads:plot_workloads"),
+]}
+
+
+def _resolve(spec: str):
+    module, _, attr = spec.partition(":")
+    mod = importlib.import_module(f"{__package__}.{module}" if __package__ else module)
+    return getattr(mod, attr)
+
+
+# --------------------------------------------------------------------------- device
+
+
+def resolve_device(spec: str | None) -> str:
+    """'cuda:N' when asked for (or by default when a GPU works), else 'emulated'."""
+    from defrag.driver import cuda_driver_usable
+
+    if spec in (None, "", "auto"):
+        ok, _ = cuda_driver_usable()
+        if ok:
+            import torch
+
+            if torch.cuda.is_available():
+                return "cuda:0"
+        return "emulated"
+    text = "cuda:0" if str(spec) == "cuda" else str(spec)
+    if text == "emulated":
+        return text
+    if text.startswith("cuda:") and text[5:].isdigit():
+        ok, reason = cuda_driver_usable()
+        if not ok:
+            raise ValueError(f"device {text} was asked for but no GPU is usable here ({reason}); "
+                             "use --device emulated")
+        import torch
+
+        if not torch.cuda.is_available():
+            raise ValueError(f"device {text} was asked for but torch.cuda.is_available() is False "
+                             f"(torch {torch.__version__})")
+        return text
+    raise ValueError(f"unknown device {spec!r}: expected 'emulated', 'cuda' or 'cuda:N'")
+
+
+def prepare_simulator() -> None:
+    """Turn on numba's CUDA simulator when no CUDA driver works, before numba.cuda is imported.
+
+    On a machine with a GPU the variable is left alone: kernels run for real,
+    and kernel rows on the emulated device (host memory) are skipped.
+    """
+    if "NUMBA_ENABLE_CUDASIM" in os.environ or "numba.cuda" in sys.modules:
+        return
+    from defrag.driver import cuda_driver_usable
+
+    if not cuda_driver_usable()[0]:
+        os.environ["NUMBA_ENABLE_CUDASIM"] = "1"
+
+
+def kernel_skip_reason(device: str) -> str | None:
+    """Why defrag.kernels cannot run over this device's memory here (None: they can)."""
+    try:
+        import defrag.kernels as dk
+
+        sim = dk.is_simulator()
+    except Exception as exc:  # numba missing or broken: say so in the row
+        return f"defrag.kernels unusable: {exc.__class__.__name__}: {exc}"
+    if device.startswith("cuda"):
+        return "numba.cuda is the CPU simulator (NUMBA_ENABLE_CUDASIM is set)" if sim else None
+    if not sim:
+        return ("numba.cuda is a real GPU here, and the emulated device's memory is host memory: "
+                "kernels over it need the simulator (run with NUMBA_ENABLE_CUDASIM=1)")
+    return None
+
+
+def machine_info(device: str) -> dict:
+    """What ran the benchmarks: versions, device, CPU, date."""
+    import numpy
+    import torch
+
+    info = {
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "device": device,
+        "emulated": not device.startswith("cuda"),
+        "python": sys.version.split()[0],
+        "torch": torch.__version__,
+        "numpy": numpy.__version__,
+        "platform": platform.platform(),
+        "cpu": _cpu_model(),
+        "cpu_count": os.cpu_count(),
+        "cpus_usable": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
+        "numba_cudasim": os.environ.get("NUMBA_ENABLE_CUDASIM", "") == "1",
+        # Other processes share the CPU: the load says how much (timings on a loaded machine are noisier).
+        "loadavg_1min_at_start": os.getloadavg()[0] if hasattr(os, "getloadavg") else None,
+    }
+    for dist in ("defrag", "numba", "numba-cuda", "cuda-python"):
+        info[dist.replace("-", "_")] = _version(dist)
+    if device.startswith("cuda"):
+        props = torch.cuda.get_device_properties(torch.device(device))
+        info["device_name"] = props.name
+        info["device_memory_bytes"] = int(props.total_memory)
+        info["device_sm_count"] = int(props.multi_processor_count)
+        info["cuda_runtime"] = torch.version.cuda
+    else:
+        from defrag.driver import default_emulated_driver
+
+        drv = default_emulated_driver()
+        info["device_name"] = f"emulated ({drv.name}) on {info['cpu']}"
+        info["device_memory_bytes"] = int(drv.api.capacity)
+        info["granularity_bytes"] = int(drv.granularity)
+    return info
+
+
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown CPU"
+
+
+def _version(dist: str) -> str:
+    from importlib import metadata
+
+    try:
+        return metadata.version(dist)
+    except metadata.PackageNotFoundError:
+        return "not installed"
+
+
+# --------------------------------------------------------------------------- timing
+
+
+@dataclasses.dataclass
+class Timing:
+    """Seconds per call: best and median over repeats (each repeat averages `number` calls)."""
+
+    best: float
+    median: float
+    repeats: int
+    number: int
+
+    @property
+    def best_us(self) -> float:
+        return self.best * 1e6
+
+    @property
+    def median_us(self) -> float:
+        return self.median * 1e6
+
+
+def time_host(fn, *, number: int = 1, repeat: int = 5, warmup: int = 1, setup=None) -> Timing:
+    """Wall-clock (time.perf_counter) seconds per call of fn().
+
+    `warmup` untimed calls first; then `repeat` times: `setup()` (untimed, if
+    given), `number` calls timed together. Host work only: on a GPU the caller
+    synchronizes inside fn if device work must be included.
+    """
+    for _ in range(warmup):
+        if setup is not None:
+            setup()
+        fn()
+    samples = []
+    for _ in range(repeat):
+        if setup is not None:
+            setup()
+        t0 = time.perf_counter()
+        for _ in range(number):
+            fn()
+        samples.append((time.perf_counter() - t0) / number)
+    return Timing(min(samples), statistics.median(samples), repeat, number)
+
+
+def time_host_interleaved(fns: dict, *, number: int = 1, repeat: int = 5, warmup: int = 1) -> dict:
+    """`time_host` for several functions at once, sampled in turn (A, B, A, B, ...).
+
+    On a shared or throttling machine, load changes then hit every function
+    alike, so ratios between them are fairer than from back-to-back runs.
+    Returns {name: Timing}.
+    """
+    for fn in fns.values():
+        for _ in range(warmup):
+            fn()
+    samples = {name: [] for name in fns}
+    for _ in range(repeat):
+        for name, fn in fns.items():
+            t0 = time.perf_counter()
+            for _ in range(number):
+                fn()
+            samples[name].append((time.perf_counter() - t0) / number)
+    return {name: Timing(min(s), statistics.median(s), repeat, number) for name, s in samples.items()}
+
+
+def time_cuda(fn, *, number: int = 10, repeat: int = 5, warmup: int = 3) -> Timing:
+    """Device seconds per call of fn() on torch's current stream, by torch.cuda.Event pairs.
+
+    Warm-up, synchronize, then `repeat` samples of `number` back-to-back calls
+    between two events; best and median of the samples.
+    """
+    import torch
+
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    samples = []
+    for _ in range(repeat):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(number):
+            fn()
+        end.record()
+        end.synchronize()
+        samples.append(start.elapsed_time(end) * 1e-3 / number)
+    return Timing(min(samples), statistics.median(samples), repeat, number)
+
+
+def gbps(nbytes: int, seconds: float) -> float | None:
+    """Payload gigabytes (1e9 bytes) per second."""
+    return nbytes / seconds / 1e9 if seconds and seconds > 0 else None
+
+
+# --------------------------------------------------------------------------- adapters for modules owned elsewhere
+
+
+def bench_batched_launch(device: str, smoke: bool) -> list[dict]:
+    """bench_kernels.bench_batched_vs_per_tensor, with a baseline column and the speedup.
+
+    GPU: 10,000 scattered moves of 4 KiB (100 in smoke mode): ONE batched_move
+    launch vs torch ``copy_`` per tensor, by CUDA events. Emulated: both sides
+    run under numba's simulator (64 x 512 B, 8 in smoke mode); the ratio then
+    says how much per-launch overhead the simulator has, nothing about a GPU.
+    """
+    reason = kernel_skip_reason(device)
+    if reason:
+        raise Skip(reason)
+    from . import bench_kernels
+
+    kdev = device if device.startswith("cuda") else "simulator"
+    raw = bench_kernels.bench_batched_vs_per_tensor(kdev, smoke=smoke)
+    if any("skipped" in r for r in raw):
+        raise Skip("; ".join(r["skipped"] for r in raw if "skipped" in r))
+    batched = next(r for r in raw if r["launches"] == 1)
+    per = next(r for r in raw if r["launches"] != 1)
+    gpu = device.startswith("cuda")
+    speedup = per["ms"] / batched["ms"] if batched["ms"] else None
+    return [{
+        "backend": batched["backend"],
+        "moves": batched["n_moves"],
+        "move_bytes": batched["move_bytes"],
+        "method": batched["method"],
+        "ms": batched["ms"],
+        "baseline": per["method"],
+        "baseline_ms": per["ms"],
+        "speedup_x": speedup,
+        "host_ms": batched.get("host_ms"),
+        "baseline_host_ms": per.get("host_ms"),
+        "timing": "cuda events, mean of iters" if gpu else "perf_counter, simulator",
+        "goal": "batched >= 10x faster than per-tensor copy_ (GPU)",
+        "goal_met": (speedup >= 10) if gpu and speedup is not None else None,
+    }]
+
+
+PLANNER_COUNTS = (1_000, 10_000, 100_000, 1_000_000)
+PLANNER_SMOKE_COUNTS = (1_000, 10_000)
+
+
+def bench_planner_adapter(device: str, smoke: bool) -> list[dict]:
+    """bench_planner.bench_planner (pure Python: the device does not matter), plus the 100k goal."""
+    try:
+        from .bench_planner import bench_planner
+    except ImportError as exc:
+        raise Skip(f"benchmarks/bench_planner.py is not available ({exc})") from None
+    counts = PLANNER_SMOKE_COUNTS if smoke else PLANNER_COUNTS
+    rows = [dict(r, timing="perf_counter, best of 3") for r in bench_planner(block_counts=counts, seed=0, smoke=smoke)]
+    for r in rows:
+        if r["blocks"] == 100_000:
+            r["goal"] = "plan < 0.5 s at 100k live blocks"
+            r["goal_met"] = r["seconds"] < 0.5
+    return rows
+
+
+def plot_batched_launch(rows, path) -> bool:
+    rows = [r for r in rows if "ms" in r]
+    if not rows:
+        return False
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(5, 3.2))
+    r = rows[0]
+    ax.bar([r["method"], r["baseline"]], [r["ms"], r["baseline_ms"]], color=["tab:blue", "tab:gray"])
+    ax.set_ylabel("ms (all moves)")
+    ax.set_title(f"{r['moves']} moves of {r['move_bytes']} B ({r['backend']}): {r['speedup_x']:.1f}x", fontsize=9)
+    return _save(fig, path)
+
+
+def plot_planner(rows, path) -> bool:
+    pts = sorted((r["blocks"], r["seconds"]) for r in rows if "seconds" in r)
+    if not pts:
+        return False
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(5, 3.2))
+    ax.loglog([p[0] for p in pts], [p[1] for p in pts], "o-", label="plan time")
+    ax.axhline(0.5, color="tab:red", ls="--", lw=1, label="goal at 100k: 0.5 s")
+    ax.axvline(100_000, color="tab:red", ls=":", lw=1)
+    ax.set_xlabel("live blocks")
+    ax.set_ylabel("seconds")
+    ax.legend(fontsize=8)
+    return _save(fig, path)
+
+
+# --------------------------------------------------------------------------- plotting helpers
+
+
+def _pyplot():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def _save(fig, path) -> bool:
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    _pyplot().close(fig)
+    return True
+
+
+# --------------------------------------------------------------------------- output
+
+
+def _fmt(value) -> str:
+    if value is None:
+        return ""
+    if isinstance(value, bool):
+        return "yes" if value else "**no**"
+    if isinstance(value, float):
+        if math.isnan(value) or math.isinf(value):
+            return str(value)
+        if value == 0:
+            return "0"
+        mag = abs(value)
+        if mag >= 1e5:
+            return f"{value:,.0f}"
+        if mag >= 100:
+            return f"{value:.1f}"
+        if mag >= 0.01:
+            return f"{value:.3g}"
+        return f"{value:.3e}"
+    if isinstance(value, int) and abs(value) >= 10_000:
+        return f"{value:,}"
+    return str(value).replace("|", "\\|")
+
+
+def _table(rows: list[dict]) -> list[str]:
+    cols: list[str] = []
+    for r in rows:
+        for k in r:
+            if k not in cols and k not in ("goal", "goal_met"):
+                cols.append(k)
+    lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+    for r in rows:
+        lines.append("| " + " | ".join(_fmt(r.get(c)) for c in cols) + " |")
+    return lines
+
+
+def goals_of(results: dict) -> list[dict]:
+    """Every goal row of every benchmark: name, goal, met (True/False/None), and the row's label."""
+    out = []
+    for name, res in results["benchmarks"].items():
+        for r in res.get("rows", []):
+            if "goal" in r:
+                label = ", ".join(f"{k}={_fmt(r[k])}" for k in ("workload", "method", "pattern", "size_bytes",
+                                                                  "blocks", "moves", "backend") if k in r)
+                out.append({"benchmark": name, "goal": r["goal"], "met": r.get("goal_met"), "where": label})
+    return out
+
+
+def write_markdown(results: dict, path: Path) -> None:
+    m = results["machine"]
+    kind = "emulated device" if m["emulated"] else "GPU"
+    lines = [
+        "# defrag benchmark results",
+        "",
+        f"- {kind}: **{m['device_name']}** (`{m['device']}`)",
+        f"- date {m['date']}; {'smoke' if results['smoke'] else 'full'} run; "
+        f"{m['cpus_usable']} usable CPU cores ({m['cpu']}); 1-min load average "
+        f"{_fmt(m.get('loadavg_1min_at_start'))} at start, {_fmt(m.get('loadavg_1min_at_end'))} at end",
+        f"- torch {m['torch']}, numba {m['numba']} (CUDA simulator {'on' if m['numba_cudasim'] else 'off'}), "
+        f"python {m['python']}",
+        f"- total {results['seconds']:.1f} s",
+    ]
+    if m["emulated"]:
+        lines.append("- No GPU figures here: every number below was measured on the emulated device "
+                     "(host memory; kernels, where present, under numba's CPU simulator).")
+    goals = goals_of(results)
+    if goals:
+        lines += ["", "## Goals", "", "| benchmark | goal | where | met |", "|---|---|---|---|"]
+        for g in goals:
+            met = "n/a here" if g["met"] is None else ("yes" if g["met"] else "**no**")
+            lines.append(f"| {g['benchmark']} | {g['goal']} | {g['where']} | {met} |")
+    for name, res in results["benchmarks"].items():
+        lines += ["", f"## {name}", "", res["what"], ""]
+        if res["status"] == "skipped":
+            lines.append(f"Skipped: {res['reason']}")
+            continue
+        if res["status"] == "error":
+            lines += ["Error:", "", "```", res["error"].rstrip(), "```"]
+            continue
+        lines += _table(res["rows"])
+        if res.get("plot"):
+            lines += ["", f"![{name}]({res['plot']})"]
+        lines.append("")
+        lines.append(f"({res['seconds']:.1f} s)")
+    path.write_text("\n".join(lines) + "\n")
+
+
+def _jsonable(obj):
+    if isinstance(obj, dict):
+        return {str(k): _jsonable(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_jsonable(v) for v in obj]
+    if isinstance(obj, float) and (math.isnan(obj) or math.isinf(obj)):
+        return None
+    if hasattr(obj, "item") and callable(obj.item):  # numpy / torch scalars
+        return obj.item()
+    if isinstance(obj, (str, int, float, bool)) or obj is None:
+        return obj
+    return str(obj)
+
+
+# --------------------------------------------------------------------------- running
+
+
+def run(names=None, *, device=None, smoke: bool = False, out="bench-out", progress: bool = True) -> dict:
+    """Run benchmarks (all, or `names`) and write results.json, results.md and plots into `out`.
+
+    Returns the results dict. A benchmark that raises is recorded with its
+    traceback (status "error") and the others still run.
+    """
+    prepare_simulator()
+    device = resolve_device(device)
+    names = list(REGISTRY) if not names else list(names)
+    unknown = [n for n in names if n not in REGISTRY]
+    if unknown:
+        raise ValueError(f"unknown benchmark(s) {unknown}; registered: {', '.join(REGISTRY)}")
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    results = {"machine": machine_info(device), "smoke": bool(smoke), "benchmarks": {}}
+    t_all = time.perf_counter()
+
+    from tqdm.auto import tqdm
+
+    bar = tqdm(names, desc="defrag bench", unit="bench", disable=not progress, file=sys.stderr)
+    for name in bar:
+        bar.set_postfix_str(name)
+        bench = REGISTRY[name]
+        res = {"what": bench.what, "status": "ok", "rows": [], "seconds": 0.0}
+        t0 = time.perf_counter()
+        try:
+            res["rows"] = list(_resolve(bench.target)(device, smoke))
+            if not res["rows"]:
+                res.update(status="skipped", reason="the benchmark returned no rows")
+        except Skip as exc:
+            res.update(status="skipped", reason=str(exc))
+        except Exception:  # keep going: one broken benchmark must not hide the others
+            res.update(status="error", error=traceback.format_exc())
+        res["seconds"] = time.perf_counter() - t0
+        if res["status"] == "ok" and bench.plot:
+            png = out / f"{name}.png"
+            try:
+                if _resolve(bench.plot)(res["rows"], png):
+                    res["plot"] = png.name
+            except Exception:
+                res["plot_error"] = traceback.format_exc()
+        results["benchmarks"][name] = res
+    bar.close()
+    results["seconds"] = time.perf_counter() - t_all
+    if hasattr(os, "getloadavg"):
+        results["machine"]["loadavg_1min_at_end"] = os.getloadavg()[0]
+    results = _jsonable(results)
+    (out / "results.json").write_text(json.dumps(results, indent=1) + "\n")
+    write_markdown(results, out / "results.md")
+    return results
+
+
+def summary_lines(results: dict) -> list[str]:
+    lines = []
+    for name, res in results["benchmarks"].items():
+        state = {"ok": f"{len(res['rows'])} rows", "skipped": f"skipped: {res.get('reason')}",
+                 "error": "ERROR (see results.md)"}[res["status"]]
+        lines.append(f"  {name:<15} {res['seconds']:6.1f} s  {state}")
+    for g in goals_of(results):
+        met = "n/a here" if g["met"] is None else ("met" if g["met"] else "NOT met")
+        lines.append(f"  goal [{g['benchmark']}] {g['goal']} ({g['where']}): {met}")
+    return lines
+
+
+def main(args) -> int:
+    """Entry point of `defrag bench` (args: smoke, device, out, only)."""
+    only = [n.strip() for n in (args.only or "").split(",") if n.strip()] or None
+    try:
+        results = run(only, device=args.device, smoke=args.smoke, out=args.out)
+    except ValueError as exc:
+        print(f"defrag bench: {exc}", file=sys.stderr)
+        return 2
+    m = results["machine"]
+    print(f"defrag bench ({'smoke' if results['smoke'] else 'full'}) on {m['device_name']}: "
+          f"{results['seconds']:.1f} s; results in {Path(args.out).resolve()}")
+    print("\n".join(summary_lines(results)))
+    return 1 if any(r["status"] == "error" for r in results["benchmarks"].values()) else 0
+
+
+if __name__ == "__main__":  # python -m defrag.benchmarks.runner [--smoke] [--device D] [--out DIR] [--only a,b]
+    from defrag.cli import build_parser
+
+    sys.exit(main(build_parser().parse_args(["bench", *sys.argv[1:]])))

@@ -1,0 +1,138 @@
+"""`defrag bench --smoke` and the GPU check script, end to end on the emulated device.
+
+These check that every registered benchmark produces rows (or says why it
+skipped), that the outputs exist and agree with each other, and that nothing
+claims a GPU figure where there is no GPU. They never assert on timings.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+
+import pytest
+
+from defrag import cli
+from defrag.benchmarks import runner
+from defrag.driver import cuda_driver_usable
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.fixture(scope="module")
+def smoke(tmp_path_factory):
+    out = tmp_path_factory.mktemp("bench")
+    rc = cli.main(["bench", "--smoke", "--device", "emulated", "--out", str(out)])
+    return rc, out, json.loads((out / "results.json").read_text())
+
+
+def test_every_registered_benchmark_has_rows_or_a_reason(smoke):
+    rc, out, results = smoke
+    assert rc == 0, (out / "results.md").read_text()
+    assert list(results["benchmarks"]) == list(runner.REGISTRY)
+    for name, res in results["benchmarks"].items():
+        assert res["status"] in ("ok", "skipped"), f"{name}: {res.get('error')}"
+        if res["status"] == "ok":
+            assert res["rows"], name
+            assert all(isinstance(r, dict) and r for r in res["rows"]), name
+        else:
+            assert res["reason"].strip(), name
+
+
+def test_markdown_and_plots_exist(smoke):
+    _, out, results = smoke
+    md = (out / "results.md").read_text()
+    for name, res in results["benchmarks"].items():
+        assert f"## {name}" in md
+        if res["status"] == "ok" and runner.REGISTRY[name].plot:
+            png = out / res["plot"]
+            assert png.stat().st_size > 1000, name
+            assert png.read_bytes()[:8] == PNG_MAGIC, name
+            assert f"]({res['plot']})" in md
+
+
+def test_machine_info_says_emulated(smoke):
+    _, _, results = smoke
+    m = results["machine"]
+    assert m["emulated"] is True and m["device"] == "emulated"
+    assert m["torch"] and m["date"] and "emulated" in m["device_name"]
+    assert results["smoke"] is True
+
+
+def test_no_gpu_figures_or_gpu_goals_on_the_emulated_device(smoke):
+    _, _, results = smoke
+    for name, res in results["benchmarks"].items():
+        for r in res["rows"]:
+            assert r.get("backend") != "cuda" and r.get("device") not in ("cuda", "cuda:0"), (name, r)
+            if "goal" in r:
+                assert r["goal_met"] in (True, False, None), (name, r)
+                if "GPU" in r["goal"] and "emulated" not in r["goal"]:
+                    assert r["goal_met"] is None, f"{name}: a GPU goal was judged without a GPU: {r}"
+
+
+def test_ratios_are_computed_from_the_same_rows(smoke):
+    _, _, results = smoke
+    b = results["benchmarks"]
+    for r in b["alloc_free"]["rows"]:
+        assert math.isclose(r["ratio_x"], r["us_per_op"] / r["baseline_us_per_op"], rel_tol=1e-9)
+        assert r["goal_met"] == (r["ratio_x"] <= 3.0)
+    for r in b["copy_bandwidth"]["rows"]:
+        if "gbps" in r:
+            assert math.isclose(r["ratio_x"], r["gbps"] / r["baseline_gbps"], rel_tol=1e-9)
+    comp = {r["method"]: r for r in b["compaction"]["rows"]}
+    whole = comp["pool.compact() whole call"]
+    assert whole["moved_bytes"] > 0 and whole["pages_after"] < whole["pages_before"]
+    assert whole["same_moves_every_round"] is True
+    assert math.isclose(whole["ratio_x"], whole["gbps"] / whole["baseline_gbps"], rel_tol=1e-9)
+    for r in b["workloads"]["rows"]:
+        if "peak_live_bytes" in r:
+            assert r["peak_reserved_bytes"] >= r["peak_live_bytes"] > 0, r
+            assert math.isclose(r["reserved_over_live_x"], r["peak_reserved_bytes"] / r["peak_live_bytes"])
+
+
+def test_only_filters_and_unknown_names_are_refused(tmp_path, capsys):
+    assert cli.main(["bench", "--smoke", "--device", "emulated", "--only", "stitching", "--out", str(tmp_path)]) == 0
+    results = json.loads((tmp_path / "results.json").read_text())
+    assert list(results["benchmarks"]) == ["stitching"]
+    assert cli.main(["bench", "--smoke", "--only", "no_such_bench", "--out", str(tmp_path / "x")]) == 2
+    assert "no_such_bench" in capsys.readouterr().err
+
+
+def test_a_failing_benchmark_is_reported_and_the_others_still_run(tmp_path, monkeypatch):
+    def bench_boom(device, smoke):
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(runner, "bench_boom", bench_boom, raising=False)
+    monkeypatch.setitem(runner.REGISTRY, "boom", runner.Benchmark("boom", "runner:bench_boom", "always fails"))
+    rc = cli.main(["bench", "--smoke", "--device", "emulated", "--only", "boom,stitching", "--out", str(tmp_path)])
+    assert rc == 1
+    results = json.loads((tmp_path / "results.json").read_text())
+    assert results["benchmarks"]["boom"]["status"] == "error"
+    assert "RuntimeError: boom" in results["benchmarks"]["boom"]["error"]
+    assert results["benchmarks"]["stitching"]["status"] == "ok"
+
+
+@pytest.mark.skipif(cuda_driver_usable()[0], reason="a GPU is present: this checks the no-GPU behaviour")
+def test_asking_for_a_gpu_without_one_is_a_clear_error(tmp_path, capsys):
+    assert cli.main(["bench", "--smoke", "--device", "cuda:0", "--out", str(tmp_path)]) == 2
+    assert "no GPU is usable" in capsys.readouterr().err
+    assert not (tmp_path / "results.json").exists()
+
+
+@pytest.mark.skipif(cuda_driver_usable()[0], reason="a GPU is present: this checks the no-GPU behaviour")
+def test_gpu_check_on_a_cpu_says_no_gpu_and_exits_0(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "defrag.benchmarks.gpu_check", "--out", str(tmp_path), "--smoke",
+                           "--only", "stitching"], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "NO GPU PRESENT" in proc.stdout
+    md = (tmp_path / "gpu_report.md").read_text()
+    assert "NO GPU PRESENT" in md.splitlines()[2]
+    report = json.loads((tmp_path / "gpu_report.json").read_text())
+    assert report["probe"]["gpu"] is False and report["probe"]["reason"]
+    assert report["benchmarks"]["device"] == "emulated"
+    tests = report["tests"]
+    assert tests["ran"] and tests["returncode"] == 0
+    assert tests["counts"].get("skipped", 0) > 0 and not tests["counts"].get("failed")
+    assert (tmp_path / "bench" / "results.json").exists()
