@@ -38,7 +38,7 @@ import torch
 
 from . import tensors as tz
 from .errors import CudaError
-from .planner import LiveBlock, Plan, plan_compaction
+from .planner import LiveBlock, plan_compaction
 from .units import format_bytes
 from .vmm import Transaction
 

@@ -39,7 +39,7 @@ import torch
 
 from . import tensors as tz
 from .driver import Driver, open_driver
-from .errors import CudaError, OutOfMemoryError, PoolClosedError
+from .errors import OutOfMemoryError, PoolClosedError
 from .heap import ALIGNMENT, Heap
 from .units import format_bytes, parse_size
 from .vmm import AddressSpace, Region, Transaction

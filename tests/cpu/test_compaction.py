@@ -10,13 +10,13 @@ import torch
 from cuda.bindings.driver import CUresult
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+from hypothesis.stateful import rule
 
 import defrag
 from defrag import compactor
-from defrag.driver import Driver
 
-from .conftest import KiB, MiB, check_pattern, fill_pattern
+from .conftest import KiB, check_pattern, fill_pattern
+from .test_pool import PoolMachine
 
 PAGE = 64 * KiB
 
@@ -282,77 +282,17 @@ def test_training_compacted_between_steps_is_bit_identical(make_pool):
 
 
 # ---------------------------------------------------------------- property-based
-class CompactMachine(RuleBasedStateMachine):
-    """Random alloc/free/pin sequences with compact() interleaved; every byte verified."""
+class CompactMachine(PoolMachine):
+    """The pool machine's random alloc/free/view/adopt/pin/trim sequences, with compact() interleaved."""
 
-    def __init__(self):
-        super().__init__()
-        self.driver = Driver.emulated(capacity=8 * MiB, granularity=PAGE)
-        self.pool = defrag.Pool(device=self.driver, capacity="2MiB", auto_compact=False)
-        self.tensors = {}
-        self.views = []
-        self.seed = 0
-
-    @rule(nbytes=st.one_of(st.integers(1, 8192), st.integers(8192, 3 * PAGE)))
-    def alloc(self, nbytes):
-        try:
-            t = self.pool.empty(nbytes, dtype=torch.uint8)
-        except defrag.OutOfMemoryError:
-            return
-        self.seed += 1
-        fill_pattern(t, self.seed)
-        self.tensors[self.seed] = t
-
-    @precondition(lambda self: self.tensors)
-    @rule(data=st.data())
-    def free(self, data):
-        del self.tensors[data.draw(st.sampled_from(sorted(self.tensors)))]
-
-    @precondition(lambda self: self.tensors)
-    @rule(data=st.data())
-    def view(self, data):
-        seed = data.draw(st.sampled_from(sorted(self.tensors)))
-        t = self.tensors[seed]
-        start = data.draw(st.integers(0, t.numel() - 1))
-        self.views.append((t[start:], seed, start))
-
-    @precondition(lambda self: self.tensors)
-    @rule(data=st.data())
-    def pin(self, data):
-        t = self.tensors[data.draw(st.sampled_from(sorted(self.tensors)))]
-        if data.draw(st.booleans()):
-            self.pool.pin(t)
-        else:
-            try:
-                self.pool.unpin(t)
-            except ValueError:
-                pass
-
-    @rule(verify=st.booleans())
-    def compact(self, verify):
+    @rule(verify=st.booleans(), release=st.booleans())
+    def compact(self, verify, release):
         pinned = {a.address for a in self.pool.live_tensors() if a.pinned}
-        report = self.pool.compact(verify=verify)
+        report = self.pool.compact(verify=verify, release=release)
         assert pinned == {a.address for a in self.pool.live_tensors() if a.pinned}
         assert report.pages_after <= report.pages_before
 
-    @invariant()
-    def bytes_and_invariants(self):
-        self.pool.check_invariants()
-        for seed, t in self.tensors.items():
-            assert check_pattern(t, seed)
-        for v, seed, start in self.views:
-            full = torch.empty(start + v.numel(), dtype=torch.uint8)
-            fill_pattern(full, seed)
-            assert torch.equal(v, full[start:])
 
-    def teardown(self):
-        self.tensors.clear()
-        self.views.clear()
-        self.pool.close()
-        gc.collect()
-        assert self.driver.api.state()["handles"] == 0
-
-
-CompactMachine.TestCase.settings = settings(max_examples=40, stateful_step_count=30, deadline=None,
+CompactMachine.TestCase.settings = settings(max_examples=30, stateful_step_count=25, deadline=None,
                                             suppress_health_check=[HealthCheck.too_slow])
 test_compaction_random_sequences = CompactMachine.TestCase

@@ -10,11 +10,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-import defrag
 from defrag import tensors as tz
 
 from .conftest import KiB, check_pattern, fill_pattern
-from .test_compaction import fragment
 
 PAGE = 64 * KiB
 

@@ -9,9 +9,9 @@ import threading
 import pytest
 import torch
 from cuda.bindings.driver import CUresult
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 import defrag
 from defrag.driver import Driver
