@@ -351,7 +351,8 @@ def _kernel_stream(pool):
     if pool.kind != "cuda":
         return None
     from numba import cuda
-    return cuda.external_stream(torch.cuda.current_stream(pool.device).cuda_stream)
+    handle = torch.cuda.current_stream(pool.device).cuda_stream
+    return cuda.external_stream(handle) if handle else cuda.default_stream()
 
 
 def _verify(pool, engine: str, moves: list[tuple[int, int, int]]) -> None:
