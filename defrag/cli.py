@@ -27,7 +27,8 @@ def doctor(args) -> int:
         f"defrag {_version('defrag')}  python {sys.version.split()[0]}",
         f"torch {torch.__version__}: UntypedStorage._swap_data_ptr_ "
         + ("present -> compaction can move every pool tensor" if tensors.HAS_SWAP_DATA_PTR
-           else "MISSING -> compaction and adopt need torch >= 2.12; tensors will be treated as pinned"),
+           else "MISSING (torch < 2.12) -> compaction and adopt move a storage only when the pool can prove it "
+                "knows every tensor over it; views and other holders keep a block in place"),
         f"numba {_version('numba')}, numba-cuda {_version('numba-cuda')}, cuda-python {_version('cuda-python')} "
         f"(cuda-bindings {_version('cuda-bindings')})",
     ]

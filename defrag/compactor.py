@@ -18,19 +18,33 @@ free and overlap no source, see `defrag.planner`):
 A failure in steps 1-2 of a wave (driver error, copy failure, checksum
 mismatch, any exception) drops that wave's destinations and unmaps the pages
 it mapped: every tensor keeps its old location and bytes. Earlier waves stay
-done (their tensors are valid at their new places). After the last wave the
-pages left empty are unmapped (after a synchronize) so their physical pages
-can back any later request.
+done (their tensors are valid at their new places). After the last wave, with
+`release=True` (explicit compactions' default), every mapped page that holds
+no block is unmapped (after a synchronize) and its physical page cached; with
+`release=False` (automatic compactions) emptied pages stay mapped and free.
+Either way their physical pages can back any later request (stitching).
 
-Never moved: pinned blocks, blocks whose storage the pool cannot resolve, and
-anything at all while a CUDA graph is being captured (refused with an error).
-Other pools are untouched.
+Never moved: pinned blocks; blocks of a page or more (they start on a page
+boundary and moving one cannot free a page; see `defrag.planner`); blocks
+whose storage the pool cannot resolve or (torch < 2.12) whose users it
+cannot all prove known; and anything at all while a CUDA graph is being
+captured on the current stream (refused with an error). A graph captured
+*earlier* still holds the old addresses: pin the tensors a graph uses. Other
+pools are untouched.
+
+Concurrency: the pool's lock serializes pool calls, but a compaction cannot
+see kernels another thread is about to launch on pool tensors: work queued
+between the copy and the swap would write the old location. Compact (and
+allocate with auto_compact=True) from the thread that drives the device, or
+pin what other threads use.
 """
 
 from __future__ import annotations
 
 import ctypes
+import logging
 import time
+import traceback
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -41,6 +55,8 @@ from .errors import CudaError
 from .planner import LiveBlock, plan_compaction
 from .units import format_bytes
 from .vmm import Transaction
+
+_log = logging.getLogger("defrag")
 
 ENGINES = ("memmove", "driver", "kernel")
 PROGRESS_BYTES = 256 << 20  # show a progress bar when a compaction moves more than this
@@ -199,7 +215,11 @@ def compact_pool(pool, *, verify: bool = False, progress: bool | None = None, en
         if pool._history is not None:
             pool._history.compacted(report)
     for callback in list(pool.on_compact):
-        callback(report)
+        try:
+            callback(report)
+        except Exception:  # a logging hook must not turn a finished compaction (or an allocation) into an error
+            # Formatted now: a stored exc_info would keep every frame (and tensor) of the caller alive.
+            _log.error("defrag: an on_compact callback raised; ignored\n%s", traceback.format_exc())
     return report
 
 
@@ -412,11 +432,10 @@ def auto_compact_for(pool, nbytes: int, tried: list[str]):
                      f"(min_compact_interval={pool.min_compact_interval} s)")
         return None
     pool._last_auto_compact = now
-    pool._counters["num_alloc_retries"] += 1
     try:
         report = compact_pool(pool, automatic=True, release=False)
     except (CompactionError, CudaError) as exc:
-        tried.append(f"automatic compaction failed and was rolled back ({exc})")
+        tried.append(f"automatic compaction did not run or was rolled back ({exc})")
         return None
     tried.append(f"automatic compaction (moved {report.moved_tensors} tensors, released {report.released_pages} pages)")
     from .pool import _NoSpace
@@ -427,7 +446,13 @@ def auto_compact_for(pool, nbytes: int, tried: list[str]):
         return None
 
 
-def compact(*, verify: bool = False, progress: bool | None = None) -> list[CompactionReport]:
-    """Compact every open pool of this process; returns one report per pool."""
+def compact(*, verify: bool = False, progress: bool | None = None, engine: str | None = None,
+            release: bool = True) -> list[CompactionReport]:
+    """Compact every open pool of this process (same options as `Pool.compact`); one report per pool.
+
+    Pools are compacted one after the other; an error in one propagates
+    after the pools before it were compacted (each compaction is
+    all-or-nothing per wave on its own).
+    """
     from .pool import open_pools
-    return [p.compact(verify=verify, progress=progress) for p in open_pools()]
+    return [p.compact(verify=verify, progress=progress, engine=engine, release=release) for p in open_pools()]

@@ -22,7 +22,10 @@ block stay mapped ("empty") until their physical page is needed elsewhere,
 `trim()`, a compaction or `close()`; the device is synchronized before any
 unmap.
 
-Thread safety: every public method holds the pool's lock.
+Thread safety: every public method holds the pool's lock, so pool calls from
+several threads are serialized. A compaction (explicit or automatic) cannot
+see device work that *another* thread launches on pool tensors meanwhile;
+see `defrag.compactor` for what that means.
 """
 
 from __future__ import annotations
@@ -39,7 +42,7 @@ import torch
 
 from . import tensors as tz
 from .driver import Driver, open_driver
-from .errors import OutOfMemoryError, PoolClosedError
+from .errors import CudaOutOfMemoryError, OutOfMemoryError, PoolClosedError
 from .heap import ALIGNMENT, Heap
 from .units import format_bytes, parse_size
 from .vmm import AddressSpace, Region, Transaction
@@ -70,6 +73,7 @@ class Allocation:
     alloc_stream: int = 0
     retired: bool = False  # an old location whose data has moved; released when its owner dies
     counted: bool = True  # in allocated_bytes (compaction destinations count only once swapped in)
+    pending: bool = False  # CUDA: released, waiting on stream events before reuse (active, not allocated)
     tensors: list = field(default_factory=list)  # weakrefs to the tensors the pool made (torch < 2.12 fallback)
 
 
@@ -110,6 +114,12 @@ class Pool:
     multiple of the device granularity (default: the granularity, 2 MiB on
     H100/H200). `auto_compact`: compact and retry when an allocation fails but
     enough memory is stranded in half-used pages.
+
+    `min_compact_interval`: seconds that must pass between two automatic
+    compactions (an allocation failing sooner raises instead of compacting
+    again). `virtual_factor`: the first virtual reservation spans this many
+    times the capacity (more regions are reserved when a request finds no
+    long enough run of free virtual pages).
 
     On the emulated device tensors are CPU tensors over emulated device memory
     (`pool.device` is `cpu`); on a GPU they are CUDA tensors.
@@ -208,7 +218,8 @@ class Pool:
                     events.append(event)
                 # Like PyTorch: a block waiting on stream events is active, not allocated.
                 self._bump("allocated_bytes", -alloc.size)
-                alloc.counted = False
+                alloc.counted, alloc.pending = False, True
+                self._counters["pending_bytes"] += alloc.size
                 self._pending.append((alloc, events))
                 continue
             self._free(alloc)
@@ -264,13 +275,20 @@ class Pool:
         if alloc.counted:
             self._bump("allocated_bytes", -alloc.size)
             self._counters["num_frees"] += 1
+        elif alloc.pending:
+            self._counters["pending_bytes"] -= alloc.size
+            self._counters["num_frees"] += 1
         if self._history is not None:
             self._history.block_freed(alloc)
 
     def _bump(self, key: str, delta: int) -> None:
-        self._counters[key] += delta
-        if self._counters[key] > self._peaks[key]:
-            self._peaks[key] = self._counters[key]
+        c = self._counters
+        c[key] += delta
+        if c[key] > self._peaks[key]:
+            self._peaks[key] = c[key]
+        active = c["allocated_bytes"] + c["pending_bytes"]
+        if active > self._peaks["active_bytes"]:
+            self._peaks["active_bytes"] = active
 
     # ------------------------------------------------------------------ placement
     def _round(self, nbytes: int) -> int:
@@ -348,9 +366,18 @@ class Pool:
             raise _NoSpace("no free space in mapped pages and no physical page left")
         region, page = self._first_unmapped_page()
         with Transaction() as txn:
-            self._map_into_heap(region, [page], txn)
+            self._map_new(region, [page], txn)
             address = self._heaps[region.index].allocate_at(region.address(page), size)
         return self._carve(region, address, size, nbytes)
+
+    def _map_new(self, region: Region, pages: list[int], txn: Transaction) -> None:
+        """Map pages for a placement; the device running out of memory is a placement failure."""
+        try:
+            self._map_into_heap(region, pages, txn)
+        except CudaOutOfMemoryError as exc:
+            # The GPU filled up before the pool reached its capacity (other users of
+            # the device): climb the ladder like any other shortfall.
+            raise _NoSpace(f"the device has no free memory for {len(pages)} more page(s) ({exc.name})") from exc
 
     def _first_unmapped_page(self) -> tuple[Region, int]:
         for region in self._space.regions:
@@ -386,7 +413,7 @@ class Pool:
             donors = self._empty_mapped_pages(exclude=(region.index, start, start + k))[:shortfall]
             self._unmap_empty(donors)
         with Transaction() as txn:
-            self._map_into_heap(region, to_map, txn)
+            self._map_new(region, to_map, txn)
             address = self._heaps[region.index].allocate_at(region.address(start), size)
         return self._carve(region, address, size, nbytes)
 
@@ -512,7 +539,9 @@ class Pool:
         return t.requires_grad_(requires_grad)
 
     def full(self, shape, fill_value, *, dtype=None, requires_grad=False) -> torch.Tensor:
-        """Like `empty`, filled with `fill_value`."""
+        """Like `empty`, filled with `fill_value`; without `dtype`, inferred from it as `torch.full` does."""
+        if dtype is None:
+            dtype = torch.tensor(fill_value).dtype
         t = self.empty(shape, dtype=dtype)
         with torch.no_grad():
             t.fill_(fill_value)
@@ -735,7 +764,7 @@ class Pool:
     def _stats_locked(self) -> dict:
         P = self.page_size
         allocated = self._counters["allocated_bytes"]
-        pending = sum(a.size for a, _ in self._pending)
+        pending = self._counters["pending_bytes"]
         mapped = self._space.mapped
         empty = len(self._empty_mapped_pages())
         heap_free = sum(h.free_bytes() for h in self._heaps)
@@ -749,7 +778,6 @@ class Pool:
         reserved = mapped * P
         self._peaks["reserved_bytes"] = max(self._peaks["reserved_bytes"], reserved)
         active = allocated + pending
-        self._peaks["active_bytes"] = max(self._peaks["active_bytes"], active)
         c = self._counters
         return {
             "allocated_bytes.all.current": allocated,

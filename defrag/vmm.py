@@ -190,7 +190,12 @@ class AddressSpace:
 
     def reserve(self, npages: int) -> Region:
         """Reserve a new region of `npages` pages (page-aligned)."""
-        base = self.driver.reserve(npages * self.page_size, self.page_size)
+        # Page-aligned when the page size is a power of two (the driver wants a
+        # power-of-two alignment); granularity-aligned otherwise, which is all a
+        # mapping needs.
+        ps = self.page_size
+        alignment = ps if ps & (ps - 1) == 0 else self.driver.granularity
+        base = self.driver.reserve(npages * ps, alignment)
         region = Region(len(self.regions), base, npages, self.page_size)
         self.regions.append(region)
         return region
