@@ -70,6 +70,9 @@ REGISTRY: dict[str, Benchmark] = {b.name: b for b in [
               "pool.compact() of a pool with 3 of 4 tensors per page freed, vs memmove (emulated) / torch copy_ "
               "(GPU) of the same moves, same run (goals: emulated >= 0.7x memmove; GPU copy >= 0.9x copy_)",
               "bench_compaction:plot_compaction"),
+    Benchmark("rescue", "bench_rescue:bench_rescue",
+              "automatic trigger on random adversarial traces: OOMs that compaction could make room for "
+              "(live + request <= capacity - pinned pages), and how many it rescued"),
     Benchmark("workloads", "bench_workloads:bench_workloads",
               "trace replays with compaction on/off (and PyTorch's allocator on a GPU): peak live, peak reserved, "
               "OOMs (goal: peak reserved <= 1.02x peak live + one page)",
