@@ -347,9 +347,12 @@ class Pool:
         """Pages that hold at least one block."""
         return int(sum(int((c > 0).sum()) for c in self._live_count))
 
+    def _empty_page_count(self) -> int:
+        return int(sum(int(((r.handles != 0) & (c == 0)).sum()) for r, c in zip(self._space.regions, self._live_count)))
+
     def _free_physical_pages(self) -> int:
         """Pages that could back a new request now: cached, creatable, or mapped but empty."""
-        return self._space.store.available + len(self._empty_mapped_pages())
+        return self._space.store.available + self._empty_page_count()
 
     def _place(self, nbytes: int) -> Allocation:
         size = self._round(nbytes)
@@ -374,10 +377,20 @@ class Pool:
         """Map pages for a placement; the device running out of memory is a placement failure."""
         try:
             self._map_into_heap(region, pages, txn)
+            return
         except CudaOutOfMemoryError as exc:
             # The GPU filled up before the pool reached its capacity (other users of
-            # the device): climb the ladder like any other shortfall.
-            raise _NoSpace(f"the device has no free memory for {len(pages)} more page(s) ({exc.name})") from exc
+            # the device). Pages the pool already holds, mapped but empty, can
+            # still back this request: unmap enough of them and map again.
+            error = exc
+        targets = set(pages)
+        donors = [(r, p) for r, p in self._empty_mapped_pages() if not (r is region and p in targets)]
+        need = len(pages) - len(self._space.store.cached)
+        if 0 < need <= len(donors):
+            self._unmap_empty(donors[:need])
+            self._map_into_heap(region, pages, txn)  # from cached handles only: the device is not asked
+            return
+        raise _NoSpace(f"the device has no free memory for {len(pages)} more page(s) ({error.name})") from error
 
     def _first_unmapped_page(self) -> tuple[Region, int]:
         for region in self._space.regions:
@@ -389,8 +402,9 @@ class Pool:
 
     def _place_large(self, size: int, nbytes: int) -> Allocation:
         k = -(-size // self.page_size)
-        if k > self._free_physical_pages():
-            raise _NoSpace(f"needs {k} free pages, {self._free_physical_pages()} can be had")
+        free_pages = self._free_physical_pages()
+        if k > free_pages:
+            raise _NoSpace(f"needs {k} free pages, {free_pages} can be had")
         best = None  # (run length, unmapped pages in window, region, start)
         for region in self._space.regions:
             available = self._live_count[region.index] == 0
@@ -766,7 +780,7 @@ class Pool:
         allocated = self._counters["allocated_bytes"]
         pending = self._counters["pending_bytes"]
         mapped = self._space.mapped
-        empty = len(self._empty_mapped_pages())
+        empty = self._empty_page_count()
         heap_free = sum(h.free_bytes() for h in self._heaps)
         stranded = heap_free - empty * P
         free_pages = self._space.store.available + empty

@@ -90,6 +90,18 @@ def test_a_device_smaller_than_the_pool_is_an_oom_of_the_pool(make_pool):
     pool.empty(PAGE, dtype=torch.uint8)  # a freed page is reused without asking the device
 
 
+def test_a_full_device_reuses_the_pools_empty_mapped_pages(make_pool):
+    pool = make_pool("2MiB", device_capacity=1 * MiB, auto_compact=False)
+    ts = [pool.empty(PAGE, dtype=torch.uint8) for _ in range(16)]  # the device is full
+    del ts[1::2]  # 8 empty mapped pages, no two adjacent
+    big = pool.empty(4 * PAGE, dtype=torch.uint8)  # 4 unmapped virtual pages, backed by 4 of those
+    fill_pattern(big, 2)
+    assert check_pattern(big, 2) and len(ts) == 8
+    st_ = pool.stats()
+    assert st_["num_ooms"] == 0 and st_["pages.mapped"] == 16 and st_["pages.empty"] == 4  # 4 donated
+    pool.check_invariants()
+
+
 def test_a_device_oom_is_rescued_by_compaction(make_pool):
     pool = make_pool("2MiB", device_capacity=1 * MiB)
     survivors = fragment(pool)  # all 16 device pages mapped, 3/4 stranded
