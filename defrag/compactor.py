@@ -161,9 +161,10 @@ def compact_pool(pool, *, verify: bool = False, progress: bool | None = None, en
         for region in pool._space.regions:
             blocks, storages = _collect(pool, region)
             if storages:
-                # Destinations on pages no live block touches need physical pages:
-                # cached or creatable ones, or those of empty mapped pages.
-                budget = pool._space.store.available + len(pool._empty_mapped_pages())
+                # Destinations on pages no live block touches are backed by the
+                # pool's empty mapped pages (in place, or unmapped and remapped),
+                # so a compaction never raises the number of mapped pages.
+                budget = pool._empty_page_count()
                 plan = plan_compaction(blocks, page_size=pool.page_size, span=region.size, max_new_pages=budget)
                 if not plan.empty:
                     plans.append((region, plan, storages))
@@ -320,18 +321,18 @@ def _run_wave(pool, region, wave, storages, engine, verify, report) -> None:
 
 
 def _make_physical_room(pool, region, dest_pages: set, needed: int) -> None:
-    """Make `needed` physical pages obtainable, unmapping empty pages that are not destinations.
+    """Back `needed` destination pages: unmap as many empty, non-destination pages first
+    (so mapped pages never grow), then use cached or new physical pages.
 
     Raises CompactionError (before anything is mapped) when even that is not enough.
     """
-    shortfall = needed - pool._space.store.available
-    if shortfall <= 0:
+    if needed <= 0:
         return
     donors = [(r, p) for r, p in pool._empty_mapped_pages() if not (r is region and p in dest_pages)]
-    if len(donors) < shortfall:
+    if len(donors) + pool._space.store.available < needed:
         raise CompactionError(f"the plan needs {needed} new pages but only "
                               f"{pool._space.store.available + len(donors)} physical pages are free; nothing was moved")
-    pool._unmap_empty(donors[:shortfall])
+    pool._unmap_empty(donors[:needed])
 
 
 def _drop_storages(pool, dests) -> None:

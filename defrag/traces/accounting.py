@@ -329,7 +329,7 @@ class AccountingPool:
         except _NoSpace:
             return None
 
-    def compact(self, *, automatic: bool = False) -> int:
+    def compact(self, *, automatic: bool = False, release: bool | None = None) -> int:
         """Run the pool's compaction on the model; returns the bytes moved.
 
         Raises CompactionCapacityError where the pool raises CompactionError (a
@@ -344,12 +344,11 @@ class AccountingPool:
             blocks = sorted(by_region.get(region.index, ()))
             if not blocks:
                 continue
-            # Destinations on pages no live block touches need physical pages: cached or
-            # creatable ones, or those of empty mapped pages.
+            # As the compactor: destinations on untouched pages are backed by empty mapped pages.
             plan = plan_compaction([LiveBlock(key, address - region.base, size, True)
                                     for address, size, key in blocks],
                                    page_size=self.page_size, span=region.npages * self.page_size,
-                                   max_new_pages=self._available + self._empty)
+                                   max_new_pages=self._empty)
             if not plan.empty:
                 plans.append((region, plan))
         moved = 0
@@ -359,8 +358,9 @@ class AccountingPool:
                     moved += self._run_wave(region, wave)
         finally:
             mapped_before_release = self._mapped
-            for region in self._regions:
-                self._unmap(region, self._empty_pages(region))
+            if release if release is not None else not automatic:  # the pool: automatic ones keep pages mapped
+                for region in self._regions:
+                    self._unmap(region, self._empty_pages(region))
             c = self.counters
             c["num_compactions"] += 1
             c["num_compactions.automatic" if automatic else "num_compactions.explicit"] += 1
@@ -374,15 +374,14 @@ class AccountingPool:
         # map destination pages, carve destinations (sources stay live).
         dest_pages = {p for m in wave for p in range(m.dst // P, (m.dst + m.size - 1) // P + 1)}
         to_map = sorted(p for p in dest_pages if not region.mapped[p])
-        shortfall = len(to_map) - self._available
-        if shortfall > 0:
+        if to_map:  # as the compactor: donors (empty mapped pages) first, so mapped pages never grow
             donors = [(r, p) for r in self._regions for p in self._empty_pages(r).tolist()
                       if not (r is region and p in dest_pages)]
-            if len(donors) < shortfall:
+            if len(donors) + self._available < len(to_map):
                 raise CompactionCapacityError(f"the plan needs {len(to_map)} new pages but only "
                                               f"{self._available + len(donors)} physical pages are free")
             for r in self._regions:
-                self._unmap(r, [p for d, p in donors[:shortfall] if d is r])
+                self._unmap(r, [p for d, p in donors[:len(to_map)] if d is r])
         self._map(region, to_map)
         for m in wave:
             heap.allocate_at(region.base + m.dst, m.size)

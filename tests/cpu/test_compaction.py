@@ -288,9 +288,14 @@ class CompactMachine(PoolMachine):
     @rule(verify=st.booleans(), release=st.booleans())
     def compact(self, verify, release):
         pinned = {a.address for a in self.pool.live_tensors() if a.pinned}
+        before = self.pool.stats()
         report = self.pool.compact(verify=verify, release=release)
+        after = self.pool.stats()
         assert pinned == {a.address for a in self.pool.live_tensors() if a.pinned}
         assert report.pages_after <= report.pages_before
+        # A compaction never maps more pages than were mapped before it, not even transiently.
+        assert after["reserved_bytes.all.peak"] == before["reserved_bytes.all.peak"]
+        assert after["pages.mapped"] <= before["pages.mapped"]
 
 
 CompactMachine.TestCase.settings = settings(max_examples=30, stateful_step_count=25, deadline=None,
