@@ -163,8 +163,10 @@ def compact_pool(pool, *, verify: bool = False, progress: bool | None = None, en
             if storages:
                 # Destinations on pages no live block touches are backed by the
                 # pool's empty mapped pages (in place, or unmapped and remapped),
-                # so a compaction never raises the number of mapped pages.
-                budget = pool._empty_page_count()
+                # so an explicit compaction never raises the number of mapped
+                # pages. A rescue may also use cached or creatable pages: the
+                # request it serves is about to need every free page anyway.
+                budget = pool._empty_page_count() + (pool._space.store.available if automatic else 0)
                 plan = plan_compaction(blocks, page_size=pool.page_size, span=region.size, max_new_pages=budget)
                 if not plan.empty:
                     plans.append((region, plan, storages))

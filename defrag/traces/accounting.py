@@ -344,11 +344,12 @@ class AccountingPool:
             blocks = sorted(by_region.get(region.index, ()))
             if not blocks:
                 continue
-            # As the compactor: destinations on untouched pages are backed by empty mapped pages.
+            # As the compactor: destinations on untouched pages are backed by empty mapped
+            # pages, plus cached/creatable ones for a rescue.
             plan = plan_compaction([LiveBlock(key, address - region.base, size, True)
                                     for address, size, key in blocks],
                                    page_size=self.page_size, span=region.npages * self.page_size,
-                                   max_new_pages=self._empty)
+                                   max_new_pages=self._empty + (self._available if automatic else 0))
             if not plan.empty:
                 plans.append((region, plan))
         moved = 0

@@ -293,7 +293,7 @@ class CompactMachine(PoolMachine):
         after = self.pool.stats()
         assert pinned == {a.address for a in self.pool.live_tensors() if a.pinned}
         assert report.pages_after <= report.pages_before
-        # A compaction never maps more pages than were mapped before it, not even transiently.
+        # An explicit compaction never maps more pages than were mapped before it, not even transiently.
         assert after["reserved_bytes.all.peak"] == before["reserved_bytes.all.peak"]
         assert after["pages.mapped"] <= before["pages.mapped"]
 
