@@ -380,8 +380,10 @@ class Pool:
             return
         except CudaOutOfMemoryError as exc:
             # The GPU filled up before the pool reached its capacity (other users of
-            # the device). Pages the pool already holds, mapped but empty, can
-            # still back this request: unmap enough of them and map again.
+            # the device). Stats stop counting pages the device will not give
+            # until a later creation succeeds; pages the pool already holds,
+            # mapped but empty, can back this request: unmap enough and map again.
+            self._space.store.device_full = True
             error = exc
         targets = set(pages)
         donors = [(r, p) for r, p in self._empty_mapped_pages() if not (r is region and p in targets)]
@@ -783,7 +785,8 @@ class Pool:
         empty = self._empty_page_count()
         heap_free = sum(h.free_bytes() for h in self._heaps)
         stranded = heap_free - empty * P
-        free_pages = self._space.store.available + empty
+        store = self._space.store
+        free_pages = len(store.cached) + (0 if store.device_full else store.creatable) + empty
         if free_pages >= 1:
             largest = free_pages * P
         else:

@@ -75,6 +75,7 @@ class PageStore:
         self.cached: list[int] = []  # handles not mapped anywhere
         self.total = 0  # handles alive (cached + mapped)
         self.created = 0  # cumulative cuMemCreate calls that succeeded
+        self.device_full = False  # the device refused a page below max_pages (until a creation succeeds)
 
     @property
     def creatable(self) -> int:
@@ -100,6 +101,7 @@ class PageStore:
             handles.append(self.cached.pop())
         while len(handles) < n:
             handle = self.driver.create(self.page_size)
+            self.device_full = False
             self.total += 1
             self.created += 1
             handles.append(handle)

@@ -85,8 +85,10 @@ def test_a_device_smaller_than_the_pool_is_an_oom_of_the_pool(make_pool):
         pool.empty(PAGE, dtype=torch.uint8)
     assert not isinstance(info.value, defrag.CudaError)
     assert pool.stats()["num_ooms"] == 1
+    assert pool.stats()["largest_free_bytes"] < PAGE  # no longer counts pages the device refused
     pool.check_invariants()
     del ts[0]
+    assert pool.stats()["largest_free_bytes"] == PAGE
     pool.empty(PAGE, dtype=torch.uint8)  # a freed page is reused without asking the device
 
 
