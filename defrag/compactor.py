@@ -52,7 +52,7 @@ import torch
 
 from . import tensors as tz
 from .errors import CudaError
-from .planner import LiveBlock, plan_compaction
+from .planner import LiveBlock, Plan, plan_compaction, plan_hole
 from .units import format_bytes
 from .vmm import Transaction
 
@@ -128,13 +128,15 @@ def _current_stream(pool) -> int:
 
 
 def compact_pool(pool, *, verify: bool = False, progress: bool | None = None, engine: str | None = None,
-                 automatic: bool = False, release: bool = True) -> CompactionReport:
+                 automatic: bool = False, release: bool = True, hole_for: int | None = None) -> CompactionReport:
     """Compact every region of `pool` (its lock held by the caller). See the module docstring.
 
     `release=True` unmaps the pages the compaction emptied (after a
     synchronize), so `reserved_bytes` drops; with `release=False` they stay
     mapped and empty, free for any later request (which unmaps only what it
     must), saving the unmap/remap round trip. Automatic compactions use False.
+    `hole_for=n` plans instead the single cheapest move that merges two free
+    ranges into one hole of at least n bytes (see `_hole_plan`).
     """
     engine = engine or default_engine(pool)
     if engine not in ENGINES:
@@ -160,7 +162,12 @@ def compact_pool(pool, *, verify: bool = False, progress: bool | None = None, en
         plans = []
         for region in pool._space.regions:
             blocks, storages = _collect(pool, region)
-            if storages:
+            if storages and hole_for is not None:
+                plan = _hole_plan(pool, region, blocks, hole_for)
+                if plan is not None:
+                    plans.append((region, plan, storages))
+                    break  # one hole is all the request needs
+            elif storages:
                 # Destinations on pages no live block touches are backed by the
                 # pool's empty mapped pages (in place, or unmapped and remapped),
                 # so an explicit compaction never raises the number of mapped
@@ -224,6 +231,12 @@ def compact_pool(pool, *, verify: bool = False, progress: bool | None = None, en
             # Formatted now: a stored exc_info would keep every frame (and tensor) of the caller alive.
             _log.error("defrag: an on_compact callback raised; ignored\n%s", traceback.format_exc())
     return report
+
+
+def _hole_plan(pool, region, blocks: list[LiveBlock], size: int) -> Plan | None:
+    """`defrag.planner.plan_hole` over this region's free ranges."""
+    free = [(off - region.base, sz) for off, sz in pool._heaps[region.index].free_ranges()]
+    return plan_hole(blocks, free, size, page_size=pool.page_size, span=region.size)
 
 
 def _collect(pool, region) -> tuple[list[LiveBlock], dict]:
@@ -446,6 +459,21 @@ def auto_compact_for(pool, nbytes: int, tried: list[str]):
         return pool._place(nbytes)
     except _NoSpace as exc:
         tried.append(f"placement after compaction ({exc})")
+    if size >= pool.page_size:
+        return None
+    # Every page is needed, but the free bytes are split: merge two holes.
+    if not any(_hole_plan(pool, region, _collect(pool, region)[0], size) for region in pool._space.regions):
+        tried.append("no single move merges free ranges into a large enough hole")
+        return None
+    try:
+        compact_pool(pool, automatic=True, release=False, hole_for=size)
+    except (CompactionError, CudaError) as exc:
+        tried.append(f"hole-merging compaction did not run or was rolled back ({exc})")
+        return None
+    try:
+        return pool._place(nbytes)
+    except _NoSpace as exc:
+        tried.append(f"placement after merging holes ({exc})")
         return None
 
 

@@ -97,6 +97,7 @@ __all__ = [
     "PlanError",
     "lower_bound_pages",
     "plan_compaction",
+    "plan_hole",
     "touched_pages",
     "validate_plan",
 ]
@@ -898,3 +899,42 @@ def validate_plan(
             f"plan claims pages {plan.pages_before}->{plan.pages_after}, {plan.moved_bytes} bytes moved; "
             f"actual {before}->{after}, {moved} bytes"
         )
+
+
+def plan_hole(blocks: Sequence[LiveBlock], free: Sequence[tuple[int, int]], size: int, *,
+              page_size: int, span: int) -> Plan | None:
+    """The cheapest single move that turns two free ranges into one hole of ``size`` bytes.
+
+    For a sub-page request when no page can be emptied (the live bytes need
+    every page) but the free bytes are split: a movable block lying exactly
+    between two free ranges, whose sum with it reaches ``size``, moves (best
+    fit) into a third free range. ``free`` are the free ranges (offset, size)
+    in address order, relative to the region like the blocks' offsets. One
+    wave; no page the blocks do not already touch is needed unless the chosen
+    free range lies on one. Returns None when no such block exists. Does not
+    consider moving two blocks, or blocks next to unmapped space.
+    """
+    by_offset = {b.offset: b for b in blocks}
+    by_size = sorted((sz, off) for off, sz in free)
+    best = None  # (bytes moved, block, destination)
+    for (a_off, a_sz), (b_off, b_sz) in zip(free, free[1:]):
+        block = by_offset.get(a_off + a_sz)
+        if block is None or not block.movable or a_off + a_sz + block.size != b_off:
+            continue
+        if a_sz + block.size + b_sz < size or (best is not None and block.size >= best[0]):
+            continue
+        i = bisect_left(by_size, (block.size, -1))
+        while i < len(by_size) and by_size[i][1] in (a_off, b_off):
+            i += 1
+        if i < len(by_size):
+            best = (block.size, block, by_size[i][1])
+    if best is None:
+        return None
+    _, block, dst = best
+    move = Move(block.key, block.offset, dst, block.size)
+    before = [(b.offset, b.size) for b in blocks]
+    after = [(dst, b.size) if b.key == block.key else (b.offset, b.size) for b in blocks]
+    plan = Plan(waves=((move,),), page_size=page_size, pages_before=touched_pages(before, page_size),
+                pages_after=touched_pages(after, page_size), moved_bytes=block.size)
+    validate_plan(blocks, plan, span=span)
+    return plan

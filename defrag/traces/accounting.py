@@ -38,7 +38,7 @@ import numpy as np
 from sortedcontainers import SortedDict, SortedList
 
 from ..heap import ALIGNMENT, Heap
-from ..planner import LiveBlock, plan_compaction
+from ..planner import LiveBlock, plan_compaction, plan_hole
 
 _REGION_STRIDE = 1 << 52  # fake, disjoint base addresses for the regions' heaps
 
@@ -327,7 +327,27 @@ class AccountingPool:
         try:
             return self._place(size)
         except _NoSpace:
+            pass
+        if size >= self.page_size:
             return None
+        # As the pool: every page is needed but the free bytes are split; merge two holes.
+        for region in self._regions:
+            blocks = [LiveBlock(key, address - region.base, bsize, True)
+                      for key, (index, address, bsize, _) in self._blocks.items() if index == region.index]
+            free = [(off - region.base, sz) for off, sz in self._heaps[region.index].free_ranges()]
+            plan = plan_hole(blocks, free, size, page_size=self.page_size, span=region.npages * self.page_size)
+            if plan is None:
+                continue
+            moved = self._run_wave(region, plan.waves[0])
+            c = self.counters
+            c["num_compactions"] += 1
+            c["num_compactions.automatic"] += 1
+            c["compaction.moved_bytes"] += moved
+            try:
+                return self._place(size)
+            except _NoSpace:
+                return None
+        return None
 
     def compact(self, *, automatic: bool = False, release: bool | None = None) -> int:
         """Run the pool's compaction on the model; returns the bytes moved.

@@ -235,3 +235,25 @@ def test_every_rescuable_oom_is_rescued(block, keep, pins, seed):
         live.clear()
         pool.close()
         gc.collect()
+
+
+def test_split_free_bytes_are_merged_into_a_hole(make_pool):
+    """Every page is needed, but each page's free bytes are two 1 KiB holes around a 1 KiB block:
+    no page can be emptied, yet moving one block makes a 3 KiB hole."""
+    pool = make_pool("1MiB")
+    pool.auto_compact = False
+    ts = [pool.empty(1024, dtype=torch.uint8) for _ in range(1024)]  # 64 per page, 16 pages: full
+    ts.sort(key=lambda t: t.data_ptr())
+    for i, t in enumerate(ts):
+        fill_pattern(t, i)
+    survivors = {i: t for i, t in enumerate(ts) if i % 64 not in (1, 3)}
+    del ts, t
+    with pytest.raises(defrag.OutOfMemoryError):
+        pool.empty(2560, dtype=torch.uint8)
+    pool.auto_compact = True
+    hole = pool.empty(2560, dtype=torch.uint8)
+    fill_pattern(hole, -5)
+    st_ = pool.stats()
+    assert st_["compaction.moved_tensors"] == 1 and st_["pages.mapped"] == 16
+    assert check_pattern(hole, -5) and all(check_pattern(t, s) for s, t in survivors.items())
+    pool.check_invariants()

@@ -470,3 +470,23 @@ def test_lower_bound_counts_forced_pages_and_live_bytes():
     assert lower_bound_pages(pinned_everywhere, page_size=page) == 5
     packed = [LiveBlock(i, i * 2048, 2048, True) for i in range(5)]  # 10 KiB
     assert lower_bound_pages(packed, page_size=page) == 3
+
+
+def test_plan_hole_merges_two_free_ranges_with_one_move():
+    from defrag.planner import plan_hole
+
+    page = 64 * 1024
+    # One page: blocks of 1 KiB everywhere except two 1 KiB holes around the block at 2 KiB,
+    # and a 1 KiB hole at the end where that block can go.
+    offsets = [o for o in range(0, page, 1024) if o not in (1024, 3072, page - 1024)]
+    blocks = [LiveBlock(o, o, 1024, True) for o in offsets]
+    free = [(1024, 1024), (3072, 1024), (page - 1024, 1024)]
+    plan = plan_hole(blocks, free, 3072, page_size=page, span=page)
+    assert plan is not None and len(plan.moves) == 1
+    move = plan.moves[0]
+    assert (move.src, move.dst, move.size) == (2048, page - 1024, 1024)
+    assert plan.pages_after == plan.pages_before == 1
+    # Pinned in the middle, or holes too small together: no plan.
+    pinned = [LiveBlock(b.key, b.offset, b.size, b.offset != 2048) for b in blocks]
+    assert plan_hole(pinned, free, 3072, page_size=page, span=page) is None
+    assert plan_hole(blocks, free, 3584, page_size=page, span=page) is None
