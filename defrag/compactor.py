@@ -284,7 +284,8 @@ def _run_wave(pool, region, wave, storages, engine, verify, report) -> None:
                 # abandoned; after the swap it owns the *old* range instead.
                 new.retired = True
                 dests.append((move, old, new, pool._storage_for(new)))
-            txn.on_rollback(_drop_storages, pool, dests)
+            # Rollback abandons the destination storages; their owners release the new ranges.
+            txn.on_rollback(dests.clear)
 
         # 2. copy, then wait for it; 2b. verify.
         with _Timer(phases, "copy"):
@@ -343,16 +344,11 @@ def _make_physical_room(pool, region, dest_pages: set, needed: int) -> None:
     """
     if needed <= 0:
         return
-    donors = [(r, p) for r, p in pool._empty_mapped_pages() if not (r is region and p in dest_pages)]
+    donors = pool._empty_mapped_pages(region, dest_pages)
     if len(donors) + pool._space.store.available < needed:
         raise CompactionError(f"the plan needs {needed} new pages but only "
                               f"{pool._space.store.available + len(donors)} physical pages are free; nothing was moved")
     pool._unmap_empty(donors[:needed])
-
-
-def _drop_storages(pool, dests) -> None:
-    """Rollback: abandon the destination storages; their owners release the new ranges."""
-    dests.clear()
 
 
 def _copy(pool, engine: str, moves: list[tuple[int, int, int]]) -> None:

@@ -294,12 +294,14 @@ class Pool:
     def _round(self, nbytes: int) -> int:
         return -(-nbytes // ALIGNMENT) * ALIGNMENT
 
-    def _empty_mapped_pages(self, exclude: tuple[int, int, int] | None = None) -> list[tuple[Region, int]]:
+    def _empty_mapped_pages(self, keep: Region | None = None, keep_pages=()) -> list[tuple[Region, int]]:
+        """Mapped pages that hold no block, except `keep_pages` of region `keep`
+        (a request's or a wave's own destination pages, when looking for donors)."""
         out = []
         for region in self._space.regions:
             mask = (region.handles != 0) & (self._live_count[region.index] == 0)
-            if exclude is not None and exclude[0] == region.index:
-                mask[exclude[1]:exclude[2]] = False
+            if region is keep:
+                mask[np.fromiter(keep_pages, dtype=np.int64)] = False
             out.extend((region, int(p)) for p in np.flatnonzero(mask))
         return out
 
@@ -385,8 +387,7 @@ class Pool:
             # mapped but empty, can back this request: unmap enough and map again.
             self._space.store.device_full = True
             error = exc
-        targets = set(pages)
-        donors = [(r, p) for r, p in self._empty_mapped_pages() if not (r is region and p in targets)]
+        donors = self._empty_mapped_pages(region, pages)
         need = len(pages) - len(self._space.store.cached)
         if 0 < need <= len(donors):
             self._unmap_empty(donors[:need])
@@ -426,7 +427,7 @@ class Pool:
         shortfall = len(to_map) - self._space.store.available
         if shortfall > 0:
             # Stitching: take physical pages from empty mapped pages elsewhere.
-            donors = self._empty_mapped_pages(exclude=(region.index, start, start + k))[:shortfall]
+            donors = self._empty_mapped_pages(region, window)[:shortfall]
             self._unmap_empty(donors)
         with Transaction() as txn:
             self._map_new(region, to_map, txn)
@@ -581,6 +582,10 @@ class Pool:
     def _owns_address(self, ptr: int) -> bool:
         return any(r.contains(ptr) for r in self._space.regions)
 
+    def _other_owner(self, ptr: int) -> "Pool | None":
+        """The other open pool whose address space holds `ptr`, if any."""
+        return next((p for p in open_pools() if p is not self and p._owns_address(ptr)), None)
+
     def _require_own(self, tensor, what: str) -> Allocation:
         if not isinstance(tensor, torch.Tensor):
             raise TypeError(f"{what} needs a tensor, got {type(tensor).__name__}")
@@ -588,9 +593,8 @@ class Pool:
             raise ValueError(f"{what}: tensor is on {tensor.device}, this pool's tensors are on {self.device}")
         alloc = self._find(tensor)
         if alloc is None:
-            for other in open_pools():
-                if other is not self and other._owns_address(tensor.untyped_storage().data_ptr()):
-                    raise ValueError(f"{what}: tensor belongs to pool #{other.id}, not pool #{self.id}")
+            if (other := self._other_owner(tensor.untyped_storage().data_ptr())) is not None:
+                raise ValueError(f"{what}: tensor belongs to pool #{other.id}, not pool #{self.id}")
             raise ValueError(f"{what}: tensor is not in pool #{self.id} (use pool.adopt to move it in)")
         return alloc
 
@@ -660,9 +664,8 @@ class Pool:
                 s = t.untyped_storage()
                 if s.nbytes() == 0 or self._find(t) is not None:
                     continue
-                for other in open_pools():
-                    if other is not self and other._owns_address(s.data_ptr()):
-                        raise ValueError(f"adopt: a tensor belongs to pool #{other.id}; it cannot be adopted by pool #{self.id}")
+                if (other := self._other_owner(s.data_ptr())) is not None:
+                    raise ValueError(f"adopt: a tensor belongs to pool #{other.id}; it cannot be adopted by pool #{self.id}")
                 if s.data_ptr() in storages:
                     if not tz.HAS_SWAP_DATA_PTR:
                         raise ValueError("adopt: two tensors share a storage; torch < 2.12 can only adopt a storage "
