@@ -6,7 +6,8 @@ pool stitches free pages into one virtual range for a large request.
 """
 
 from .compactor import CompactionError, CompactionReport, compact
-from .errors import CudaError, CudaOutOfMemoryError, OutOfMemoryError, PoolClosedError
+from .errors import (ConcurrencyError, CudaError, CudaOutOfMemoryError, OutOfMemoryError, PoolClosedError,
+                     StaleAccessError)
 from .pool import LiveTensor, Pool, open_pools
 from .retry import retry_on_oom
 from .stats import save_snapshot
@@ -16,6 +17,6 @@ __version__ = "0.1.0"
 
 __all__ = [
     "Pool", "compact", "retry_on_oom", "save_snapshot", "CompactionReport", "CompactionError", "LiveTensor", "open_pools",
-    "CudaError", "CudaOutOfMemoryError", "OutOfMemoryError", "PoolClosedError",
+    "ConcurrencyError", "CudaError", "CudaOutOfMemoryError", "OutOfMemoryError", "PoolClosedError", "StaleAccessError",
     "parse_size", "format_bytes",
 ]

@@ -128,7 +128,8 @@ def _current_stream(pool) -> int:
 
 
 def compact_pool(pool, *, verify: bool = False, progress: bool | None = None, engine: str | None = None,
-                 automatic: bool = False, release: bool = True, hole_for: int | None = None) -> CompactionReport:
+                 automatic: bool = False, release: bool = True, hole_for: int | None = None,
+                 scope=None) -> CompactionReport:
     """Compact every region of `pool` (its lock held by the caller). See the module docstring.
 
     `release=True` unmaps the pages the compaction emptied (after a
@@ -136,8 +137,12 @@ def compact_pool(pool, *, verify: bool = False, progress: bool | None = None, en
     mapped and empty, free for any later request (which unmaps only what it
     must), saving the unmap/remap round trip. Automatic compactions use False.
     `hole_for=n` plans instead the single cheapest move that merges two free
-    ranges into one hole of at least n bytes (see `_hole_plan`).
+    ranges into one hole of at least n bytes (see `_hole_plan`). `scope`
+    (from `Pool._scope`) says which threads' blocks may move: by default,
+    what a compaction from the calling thread may move.
     """
+    if scope is None:
+        scope = pool._scope(None)
     engine = engine or default_engine(pool)
     if engine not in ENGINES:
         raise ValueError(f"unknown copy engine {engine!r}; expected one of {ENGINES}")
@@ -161,7 +166,7 @@ def compact_pool(pool, *, verify: bool = False, progress: bool | None = None, en
     with _Timer(phases, "plan"):
         plans = []
         for region in pool._space.regions:
-            blocks, storages = _collect(pool, region)
+            blocks, storages = _collect(pool, region, scope)
             if storages and hole_for is not None:
                 plan = _hole_plan(pool, region, blocks, hole_for)
                 if plan is not None:
@@ -239,7 +244,7 @@ def _hole_plan(pool, region, blocks: list[LiveBlock], size: int) -> Plan | None:
     return plan_hole(blocks, free, size, page_size=pool.page_size, span=region.size)
 
 
-def _collect(pool, region) -> tuple[list[LiveBlock], dict]:
+def _collect(pool, region, scope) -> tuple[list[LiveBlock], dict]:
     """The region's blocks for the planner, and a strong reference to each movable storage.
 
     A storage whose reference cannot be taken (or, on torch < 2.12, whose
@@ -249,7 +254,7 @@ def _collect(pool, region) -> tuple[list[LiveBlock], dict]:
     for alloc in pool._blocks.values():
         if alloc.region is not region:
             continue
-        movable, _ = pool._movable(alloc)
+        movable, _ = pool._movable(alloc, scope)
         if movable:
             storage = tz.strong_storage(alloc.storage_ref)
             rebind = None if tz.HAS_SWAP_DATA_PTR or storage is None else pool._rebindable(alloc, storage)
@@ -321,6 +326,7 @@ def _run_wave(pool, region, wave, storages, engine, verify, report) -> None:
             new.retired, new.counted = False, True
             old.counted = False
             new.dtype, new.shape, new.pins, new.streams = old.dtype, old.shape, old.pins, old.streams
+            new.owner, new.shared = old.owner, old.shared
             new.alloc_stream = old.alloc_stream
             old.retired = True
             if pool._history is not None:
@@ -423,10 +429,13 @@ def auto_compact_for(pool, nbytes: int, tried: list[str]):
         tried.append("automatic compaction is off (auto_compact=False)")
         return None
     size = pool._round(nbytes)
-    pinned_pages, movable = pool._packing_floor()
+    scope = pool._scope(None)  # the allocating thread's blocks, or all when it is the only one
+    pinned_pages, movable = pool._packing_floor(scope)
     if size < pool.page_size:
-        # A sub-page request needs a hole, not a page: packed, the free bytes gather.
-        slack = pool.capacity - pinned_pages * pool.page_size - movable
+        # A sub-page request needs a hole, not a page. Movable blocks can also fill
+        # holes in pages that blocks which cannot move keep (other threads' blocks
+        # are spread over every page), so only the live bytes bound what packing frees.
+        slack = pool.capacity - pool._counters["allocated_bytes"]
         if size > slack:
             tried.append(f"compaction cannot help: even packed, only {format_bytes(max(slack, 0))} would be free")
             return None
@@ -445,7 +454,7 @@ def auto_compact_for(pool, nbytes: int, tried: list[str]):
         return None
     pool._last_auto_compact = now
     try:
-        report = compact_pool(pool, automatic=True, release=False)
+        report = compact_pool(pool, automatic=True, release=False, scope=scope)
     except (CompactionError, CudaError) as exc:
         tried.append(f"automatic compaction did not run or was rolled back ({exc})")
         return None
@@ -458,11 +467,11 @@ def auto_compact_for(pool, nbytes: int, tried: list[str]):
     if size >= pool.page_size:
         return None
     # Every page is needed, but the free bytes are split: merge two holes.
-    if not any(_hole_plan(pool, region, _collect(pool, region)[0], size) for region in pool._space.regions):
+    if not any(_hole_plan(pool, region, _collect(pool, region, scope)[0], size) for region in pool._space.regions):
         tried.append("no single move merges free ranges into a large enough hole")
         return None
     try:
-        compact_pool(pool, automatic=True, release=False, hole_for=size)
+        compact_pool(pool, automatic=True, release=False, hole_for=size, scope=scope)
     except (CompactionError, CudaError) as exc:
         tried.append(f"hole-merging compaction did not run or was rolled back ({exc})")
         return None
@@ -474,7 +483,7 @@ def auto_compact_for(pool, nbytes: int, tried: list[str]):
 
 
 def compact(*, verify: bool = False, progress: bool | None = None, engine: str | None = None,
-            release: bool = True) -> list[CompactionReport]:
+            release: bool = True, threads: str | None = None) -> list[CompactionReport]:
     """Compact every open pool of this process (same options as `Pool.compact`); one report per pool.
 
     Pools are compacted one after the other; an error in one propagates
@@ -482,4 +491,5 @@ def compact(*, verify: bool = False, progress: bool | None = None, engine: str |
     all-or-nothing per wave on its own).
     """
     from .pool import open_pools
-    return [p.compact(verify=verify, progress=progress, engine=engine, release=release) for p in open_pools()]
+    return [p.compact(verify=verify, progress=progress, engine=engine, release=release, threads=threads)
+            for p in open_pools()]

@@ -53,3 +53,19 @@ class OutOfMemoryError(torch.OutOfMemoryError):
 
 class PoolClosedError(RuntimeError):
     """An operation was attempted on a pool after `close()`."""
+
+
+class ConcurrencyError(RuntimeError):
+    """A pool call would break the thread contract (see `Pool`): for instance
+    `compact(threads="all")` while other threads that use the pool still run.
+    Raised before anything changes."""
+
+
+class StaleAccessError(ConcurrencyError):
+    """Memory of the pool's device was read or written after its page was unmapped.
+
+    Raised (once per detection) by the next pool call on the emulated device,
+    where such an access is recorded instead of crashing the process; on a GPU
+    the same access is an illegal-address error raised by CUDA itself. The pool
+    itself is intact; the stale access read zeros and its writes were dropped.
+    """

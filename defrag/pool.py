@@ -22,10 +22,26 @@ block stay mapped ("empty") until their physical page is needed elsewhere,
 `trim()`, a compaction or `close()`; the device is synchronized before any
 unmap.
 
-Thread safety: every public method holds the pool's lock, so pool calls from
-several threads are serialized. A compaction (explicit or automatic) cannot
-see device work that *another* thread launches on pool tensors meanwhile;
-see `defrag.compactor` for what that means.
+Threads (the contract; `defrag.threads` has the mechanism). Every public
+method holds the pool's lock, so pool calls from several threads are
+serialized. Every block belongs to the thread that allocated, adopted or
+claimed it, and a compaction, explicit or automatic, moves a block only when
+no other thread can be using it: blocks of the calling thread; blocks of
+threads that are waiting inside a call to this pool (they run none of their
+own code until the compaction is over); and, only when no other thread that
+used the pool is running, every unpinned block (shared ones and those of
+ended threads included). A tensor made by one thread and used by another
+must be handed over: `pool.claim(t)` in the thread that takes it over, or
+`pool.share(t)` when several threads use it (a shared block moves only when
+no other thread that used the pool runs). The pool's own methods (`zeros`,
+`full`, `adopt`, ...) finish writing a tensor before returning, and the
+block is the caller's meanwhile, so no other thread's compaction sees it
+half-made. `compact(threads="own")` moves only the caller's blocks;
+`compact(threads="all")` insists on moving everything and raises
+`ConcurrencyError` while another thread that used the pool still runs.
+What the pool cannot see: a tensor handed to another thread without
+`claim`/`share` (its owner's compactions may move it under the other
+thread), and raw `data_ptr()`s kept by any thread (pin those tensors).
 """
 
 from __future__ import annotations
@@ -41,8 +57,9 @@ import numpy as np
 import torch
 
 from . import tensors as tz
+from . import threads
 from .driver import Driver, open_driver
-from .errors import CudaOutOfMemoryError, OutOfMemoryError, PoolClosedError
+from .errors import ConcurrencyError, CudaOutOfMemoryError, OutOfMemoryError, PoolClosedError, StaleAccessError
 from .heap import ALIGNMENT, Heap
 from .units import format_bytes, parse_size
 from .vmm import AddressSpace, Region, Transaction
@@ -75,6 +92,8 @@ class Allocation:
     counted: bool = True  # in allocated_bytes (compaction destinations count only once swapped in)
     pending: bool = False  # CUDA: released, waiting on stream events before reuse (active, not allocated)
     tensors: list = field(default_factory=list)  # weakrefs to the tensors the pool made (torch < 2.12 fallback)
+    owner: object = None  # weakref to the ThreadToken of the thread that allocated, adopted or claimed it
+    shared: bool = False  # declared used by several threads (pool.share): no thread owns it
 
 
 @dataclass(frozen=True)
@@ -89,6 +108,19 @@ class LiveTensor:
     pinned: bool
     movable: bool
     reason: str  # why not movable ("" when movable)
+    owner: str = ""  # "thread 'name'", "an ended thread" or "shared"
+
+
+@dataclass(frozen=True)
+class _Scope:
+    """Which blocks one compaction may move (see `Pool._scope`)."""
+
+    mine: object  # the caller's owner reference (defrag.threads.owner_ref())
+    idle: frozenset  # token ids of other threads parked at the pool's gate: their blocks may move
+    everything: bool  # no other thread that used the pool is running: every unpinned block may move
+
+
+THREAD_MODES = (None, "own", "all")
 
 
 class _NoSpace(Exception):
@@ -123,6 +155,12 @@ class Pool:
 
     On the emulated device tensors are CPU tensors over emulated device memory
     (`pool.device` is `cpu`); on a GPU they are CUDA tensors.
+
+    Threads: a compaction moves only tensors no other thread can be using (the
+    calling thread's, those of threads waiting inside a pool call, and every
+    unpinned one when no other thread that used the pool runs); hand a tensor
+    to another thread with `claim` (one new user) or `share` (several). The
+    module docstring states the whole contract.
     """
 
     def __init__(self, device=None, capacity="8GiB", page_size=None, auto_compact=True, *,
@@ -149,12 +187,13 @@ class Pool:
         self.device = torch.device("cpu") if self.kind == "emulated" else torch.device("cuda", self.driver.ordinal)
         self.on_compact: list = []  # callbacks(report) after every compaction
 
-        self._lock = threading.RLock()
+        self._gate = threads.Gate()  # the pool's lock; knows which threads wait at it (see _scope)
         self._released: collections.deque[Allocation] = collections.deque()
         self._space = AddressSpace(self.driver, page_size, self.capacity_pages)
         self._heaps: list[Heap] = []
         self._live_count: list[np.ndarray] = []  # per region: live (or retired) blocks touching each page
         self._blocks: dict[int, Allocation] = {}  # block address -> Allocation (live and retired)
+        self._threads: dict[int, object] = {}  # token id -> owner ref of every thread that used the pool
         self._pending: list[tuple[Allocation, list]] = []  # CUDA: released, waiting on events
         self._closed = False
         self._counters = collections.Counter()
@@ -185,6 +224,14 @@ class Pool:
     def _check_open(self) -> None:
         if self._closed:
             raise PoolClosedError(f"pool #{self.id} is closed")
+        touched = self.driver.touched_unmapped()
+        if touched:
+            raise StaleAccessError(
+                f"{format_bytes(touched)} of unmapped {self.kind} device memory was read or written since the "
+                f"last pool call: a thread kept using an address after a compaction moved what was there and "
+                f"its page was unmapped (on a GPU: an illegal-address error). Those reads saw zeros and those "
+                f"writes were dropped; the pool's tensors are intact. Usual cause: a tensor handed to another "
+                f"thread without pool.claim(t) or pool.share(t), or a raw data_ptr() kept (pin such tensors).")
 
     def _add_region(self, npages: int) -> Region:
         region = self._space.reserve(npages)
@@ -192,13 +239,60 @@ class Pool:
         self._live_count.append(np.zeros(npages, dtype=np.int64))
         return region
 
+    # ------------------------------------------------------------------ threads
+    def _user(self):
+        """The calling thread's owner reference, remembering that this thread used the pool."""
+        token = threads.current_token()
+        if token.id not in self._threads:
+            self._threads[token.id] = token.ref
+        return token.ref
+
+    def _other_live_threads(self, mine) -> list:
+        """Owner references of the other threads that used the pool and still run (forgets ended ones)."""
+        others = []
+        for tid, ref in list(self._threads.items()):
+            if not threads.is_alive(ref):
+                del self._threads[tid]
+            elif ref is not mine:
+                others.append(ref)
+        return others
+
+    def _scope(self, mode) -> _Scope:
+        """What a compaction called from this thread may move now (the gate is held).
+
+        A thread is *busy* when it used the pool, still runs, and is not
+        parked at this pool's gate (see `defrag.threads.Gate`). None: the
+        caller's blocks and those of parked threads, plus blocks of ended
+        threads and shared blocks when no other thread is busy; "own": the
+        caller's blocks only; "all": every unpinned block, refused with
+        ConcurrencyError while another thread is busy.
+        """
+        if mode not in THREAD_MODES:
+            raise ValueError(f"threads must be None, 'own' or 'all', got {mode!r}")
+        mine = self._user()
+        if mode == "own":
+            return _Scope(mine, frozenset(), everything=False)
+        idle, busy = set(), []
+        for ref in self._other_live_threads(mine):
+            if self._gate.parked(ref):
+                idle.add(ref().id)
+            else:
+                busy.append(ref)
+        if mode == "all" and busy:
+            names = ", ".join(threads.describe(r) for r in busy[:5]) + (" ..." if len(busy) > 5 else "")
+            raise ConcurrencyError(
+                f"compact(threads='all') needs every other thread that used pool #{self.id} to have ended "
+                f"(or to wait inside a pool call), but {len(busy)} still run ({names}): join them first, "
+                f"or call pool.compact() in each thread to move its own tensors")
+        return _Scope(mine, frozenset(idle), everything=not busy)
+
     # ------------------------------------------------------------------ release queue
     def _on_release(self, alloc: Allocation) -> None:
         """Runs when torch drops a block's owner: any thread, any time. Only queues,
         except after close, when nothing else will come to drain the queue."""
         self._released.append(alloc)
         if self._closed:
-            with self._lock:
+            with self._gate:
                 self._drain()
                 self._release_if_idle()
 
@@ -259,7 +353,7 @@ class Pool:
             counts[first:end] += delta
 
     def _carve(self, region: Region, address: int, size: int, nbytes: int, *, counted: bool = True) -> Allocation:
-        alloc = Allocation(address, size, nbytes, region, counted=counted)
+        alloc = Allocation(address, size, nbytes, region, counted=counted, owner=self._user())
         self._blocks[address] = alloc
         self._account(alloc, +1)
         if counted:
@@ -479,33 +573,54 @@ class Pool:
                 f"{format_bytes(a.nbytes)} {str(a.dtype).replace('torch.', '') if a.dtype else ''}"
                 f"{list(a.shape) if a.shape is not None else ''}{' (pinned)' if a.pins else ''}".strip()
                 for a in largest))
-        free_after_compaction = self.capacity - self._pages_needed_if_packed() * self.page_size
-        if nbytes <= free_after_compaction and not self.auto_compact:
-            lines.append("  suggestion: pool.compact() (or auto_compact=True) would make room for this request.")
-        elif pinned:
-            lines.append("  suggestion: unpin tensors you no longer need to keep in place, free tensors, "
-                         "or create the pool with a larger capacity.")
-        else:
-            lines.append("  suggestion: free tensors you no longer need or create the pool with a larger capacity.")
+        lines.append("  suggestion: " + self._oom_suggestion(nbytes, st["allocated_bytes.all.current"], pinned))
         return OutOfMemoryError("\n".join(lines), requested=nbytes, capacity=self.capacity,
                                 live=st["allocated_bytes.all.current"], stranded=st["stranded_bytes"],
                                 pinned=pinned, tried=tried)
 
-    def _packing_floor(self) -> tuple[int, int]:
-        """(pages touched by blocks that cannot move, bytes of blocks that can)."""
+    def _oom_suggestion(self, nbytes: int, live: int, pinned: int) -> str:
+        """What would really make room for `nbytes`: only advice that is true of this pool and device."""
+        device_total = self.driver.total_memory
+        device_limited = self._space.store.device_full or self.capacity > device_total
+        if nbytes > self.capacity:
+            advice = f"the request is larger than the pool's capacity ({format_bytes(self.capacity)})"
+            if nbytes > device_total:
+                return advice + f" and than the whole device ({format_bytes(device_total)}): split the tensor."
+            return advice + f": create the pool with capacity >= {format_bytes(nbytes)}."
+        if device_limited and self._space.store.device_full:
+            return (f"the device is the limit, not the pool: it has {format_bytes(device_total)} in all and gave "
+                    f"no more pages (other pools, PyTorch's caching allocator or other processes hold the rest), "
+                    f"so a larger capacity would not help; free memory held outside this pool "
+                    f"(torch.cuda.empty_cache(), other pools' trim()) or ask for less.")
+        free_after_compaction = self.capacity - self._pages_needed_if_packed(self._scope(None)) * self.page_size
+        if nbytes <= free_after_compaction and not self.auto_compact:
+            return "pool.compact() (or auto_compact=True) would make room for this request."
+        steps = []
+        if pinned:
+            steps.append("unpin tensors you no longer need to keep in place")
+        if live:
+            steps.append("free tensors you no longer need")
+        if self.capacity < device_total:
+            steps.append(f"create the pool with a larger capacity (the device has {format_bytes(device_total)})")
+        elif not steps:
+            steps.append("ask for less: the pool already spans the whole device")
+        return ", ".join(steps[:-1]) + (" or " if len(steps) > 1 else "") + steps[-1] + "."
+
+    def _packing_floor(self, scope: _Scope) -> tuple[int, int]:
+        """(pages touched by blocks that cannot move, bytes of blocks that can) for a compaction of `scope`."""
         pinned_pages = set()
         movable = 0
         for a in self._blocks.values():
-            if a.pins or not self._movable(a)[0]:
+            if a.pins or not self._movable(a, scope)[0]:
                 first, end = self._pages_of(a)
                 pinned_pages.update((a.region.index, p) for p in range(first, end))
             else:
                 movable += a.size
         return len(pinned_pages), movable
 
-    def _pages_needed_if_packed(self) -> int:
+    def _pages_needed_if_packed(self, scope: _Scope) -> int:
         """Lower bound of pages after a perfect compaction: movable bytes packed, plus pinned pages."""
-        pinned_pages, movable = self._packing_floor()
+        pinned_pages, movable = self._packing_floor(scope)
         return pinned_pages + -(-movable // self.page_size)
 
     # ------------------------------------------------------------------ public: creation
@@ -520,7 +635,7 @@ class Pool:
         shape = tz.check_shape(shape)
         dtype = tz.check_dtype(dtype if dtype is not None else torch.get_default_dtype())
         nbytes = math.prod(shape) * dtype.itemsize
-        with self._lock:
+        with self._gate:
             self._check_open()
             self._drain()
             if nbytes == 0:
@@ -600,7 +715,7 @@ class Pool:
 
     def owns(self, tensor: torch.Tensor) -> bool:
         """Whether `tensor`'s storage is a live block of this pool."""
-        with self._lock:
+        with self._gate:
             self._drain()
             return isinstance(tensor, torch.Tensor) and tensor.device == self.device and self._find(tensor) is not None
 
@@ -611,14 +726,14 @@ class Pool:
         Pins count: each `pin` needs an `unpin`. Pinning a tensor that is not
         in this pool raises ValueError and changes nothing.
         """
-        with self._lock:
+        with self._gate:
             self._check_open()
             self._drain()
             self._require_own(tensor, "pin").pins += 1
 
     def unpin(self, tensor: torch.Tensor) -> None:
         """Undo one `pin`. ValueError if the tensor is not pinned."""
-        with self._lock:
+        with self._gate:
             self._check_open()
             self._drain()
             alloc = self._require_own(tensor, "unpin")
@@ -626,11 +741,41 @@ class Pool:
                 raise ValueError("unpin: tensor is not pinned")
             alloc.pins -= 1
 
+    def share(self, tensor: torch.Tensor) -> None:
+        """Declare that several threads use `tensor`: no thread owns its block any more.
+
+        A shared block is never moved by a compaction that other running
+        threads could overlap (the default, or `threads="own"`); it moves only
+        with `compact(threads="all")`, which first checks that every other
+        thread that used the pool has ended. Use it for tensors handed to
+        other threads that keep using them (weights read by worker threads, a
+        cache filled by one thread and read by another). `claim` undoes it.
+        """
+        with self._gate:
+            self._check_open()
+            self._drain()
+            alloc = self._require_own(tensor, "share")
+            self._user()
+            alloc.owner, alloc.shared = None, True
+
+    def claim(self, tensor: torch.Tensor) -> None:
+        """Make the calling thread the only user of `tensor`: its own compactions may move it.
+
+        For hand-offs: a batch made by a loader thread and from now on used only
+        by this one, or a shared tensor no other thread touches any more. The
+        previous owner's compactions stop moving it.
+        """
+        with self._gate:
+            self._check_open()
+            self._drain()
+            alloc = self._require_own(tensor, "claim")
+            alloc.owner, alloc.shared = self._user(), False
+
     def record_stream(self, tensor: torch.Tensor, stream) -> None:
         """Declare that `tensor` is used on `stream`: its block is reused only after
         that stream's work queued before the free has completed (CUDA). A no-op
         on the emulated device, where every operation is synchronous."""
-        with self._lock:
+        with self._gate:
             self._check_open()
             self._drain()
             alloc = self._require_own(tensor, "record_stream")
@@ -655,7 +800,7 @@ class Pool:
         Returns `obj`.
         """
         tensors = self._adoptable(obj)
-        with self._lock:
+        with self._gate:
             self._check_open()
             self._drain()
             storages = {}
@@ -728,11 +873,21 @@ class Pool:
         raise TypeError(f"adopt takes a tensor, an nn.Module or an optimizer, got {type(obj).__name__}")
 
     # ------------------------------------------------------------------ inspection
-    def _movable(self, alloc: Allocation) -> tuple[bool, str]:
+    def _movable(self, alloc: Allocation, scope: _Scope) -> tuple[bool, str]:
         if alloc.pins:
             return False, "pinned"
         if alloc.retired:
             return False, "retired (awaiting release)"
+        if scope.everything or alloc.owner is scope.mine:
+            pass
+        elif alloc.shared:
+            return False, "shared between threads (pool.share), and another thread that used the pool is running"
+        elif not threads.is_alive(alloc.owner):
+            return False, ("its thread has ended, and another thread that used the pool is running (it may have "
+                           "been handed the tensor: pool.claim(t) there makes it that thread's)")
+        elif alloc.owner().id not in scope.idle:
+            return False, (f"owned by {threads.describe(alloc.owner)}, which is running and may be using it: "
+                           f"that thread's own compactions move it")
         if alloc.storage_ref is None or alloc.storage_ref.expired():
             return False, "its storage is being released"
         if not tz.HAS_SWAP_DATA_PTR and self._rebindable(alloc) is None:
@@ -753,16 +908,18 @@ class Pool:
         return known if tz.rebind_proof(storage, known) else None
 
     def live_tensors(self) -> list[LiveTensor]:
-        """Every live block, in address order, as the compactor sees it."""
-        with self._lock:
+        """Every live block, in address order, as a `compact()` called from this thread sees it."""
+        with self._gate:
             self._drain()
+            scope = self._scope(None)
             out = []
             for _, alloc in sorted(self._blocks.items()):
                 if alloc.retired:
                     continue
-                movable, reason = self._movable(alloc)
+                movable, reason = self._movable(alloc, scope)
                 out.append(LiveTensor(alloc.address, alloc.nbytes, alloc.size, alloc.dtype, alloc.shape,
-                                      alloc.pins > 0, movable, reason))
+                                      alloc.pins > 0, movable, reason,
+                                      "shared" if alloc.shared else threads.describe(alloc.owner)))
             return out
 
     def stats(self) -> dict:
@@ -776,7 +933,7 @@ class Pool:
         `largest_free_bytes`: the largest request that succeeds now without
         compaction; `fragmentation`: stranded / reserved.
         """
-        with self._lock:
+        with self._gate:
             self._drain()
             return self._stats_locked()
 
@@ -842,7 +999,7 @@ class Pool:
         allocated + free-inside-mapped == mapped bytes; page live counts match
         the blocks; heaps are internally consistent.
         """
-        with self._lock:
+        with self._gate:
             prev_end = None
             counts = [np.zeros_like(c) for c in self._live_count]
             for address, alloc in sorted(self._blocks.items()):
@@ -874,7 +1031,7 @@ class Pool:
         Returns the number of bytes handed back to the driver. Live tensors are
         never touched.
         """
-        with self._lock:
+        with self._gate:
             self._check_open()
             self._drain()
             self._wait_pending()
@@ -888,7 +1045,7 @@ class Pool:
         live tensors stay mapped until the last of those tensors dies, then
         everything is released automatically. Idempotent.
         """
-        with self._lock:
+        with self._gate:
             if self._closed:
                 return
             self._drain()
@@ -909,8 +1066,15 @@ class Pool:
 
     # ------------------------------------------------------------------ compaction
     def compact(self, *, verify: bool = False, progress: bool | None = None, engine: str | None = None,
-                release: bool = True):
+                release: bool = True, threads: str | None = None):
         """Move live tensors so that the pages they strand become free; see `defrag.compactor`.
+
+        `threads` says whose tensors may move (the class docstring has the
+        contract): None (default) moves the calling thread's own tensors, and
+        every unpinned tensor when no other thread that used the pool still
+        runs; "own" only the caller's; "all" every unpinned one, shared ones
+        included, and raises ConcurrencyError (changing nothing) while another
+        thread that used the pool still runs.
 
         `verify`: compare checksums of every moved block; `progress`: a progress
         bar (None: only for large compactions); `engine`: "kernel" (GPU
@@ -919,10 +1083,11 @@ class Pool:
         Returns a `CompactionReport`.
         """
         from .compactor import compact_pool
-        with self._lock:
+        with self._gate:
             self._check_open()
+            scope = self._scope(threads)
             return compact_pool(self, verify=verify, progress=progress, engine=engine, automatic=False,
-                                release=release)
+                                release=release, scope=scope)
 
     # ------------------------------------------------------------------ observability
     def layout(self) -> dict:
@@ -933,7 +1098,7 @@ class Pool:
         address, size (rounded), nbytes, region index, pinned, dtype, shape and
         state ("live" or "retired"); plus page_size, capacity and cached pages.
         """
-        with self._lock:
+        with self._gate:
             self._drain()
             regions = []
             for region in self._space.regions:
@@ -955,13 +1120,13 @@ class Pool:
     def record_history(self, enabled: bool = True, *, max_entries: int = 100_000) -> None:
         """Start (or stop) recording alloc/free/map/unmap/compaction events for `snapshot()`."""
         from .stats import HistoryRecorder
-        with self._lock:
+        with self._gate:
             self._history = HistoryRecorder(self, max_entries=max_entries) if enabled else None
 
     def snapshot(self) -> dict:
         """The pool in the format of `torch.cuda.memory._snapshot()` (segments and device_traces)."""
         from .stats import snapshot
-        with self._lock:
+        with self._gate:
             self._drain()
             return snapshot(self)
 

@@ -265,7 +265,7 @@ def snapshot(pool) -> dict:
     Takes the pool's lock; while recording, appends a `snapshot` entry to the
     history first (as PyTorch does).
     """
-    with pool._lock:
+    with pool._gate:
         layout = pool.layout()
         stats = pool._stats_locked()
         history = pool._history

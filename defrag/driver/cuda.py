@@ -149,6 +149,13 @@ class Driver:
         self.make_current()
         _check("cuCtxSynchronize", self._api.cuCtxSynchronize())
 
+    def touched_unmapped(self) -> int:
+        """Bytes of unmapped memory accessed since the last call: the emulated device records
+        stale accesses (see `EmulatedCuda.touched_unmapped`); a real GPU reports them itself,
+        as an illegal-address error, so this is 0 there."""
+        probe = getattr(self.faults._api, "touched_unmapped", None)
+        return probe() if probe is not None else 0
+
     def is_capturing(self, stream: int = 0) -> bool:
         """Whether `stream` is capturing a CUDA graph (mapping or moving then is unsafe)."""
         status = _check("cuStreamIsCapturing", self._api.cuStreamIsCapturing(cu.CUstream(int(stream))))

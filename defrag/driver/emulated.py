@@ -12,8 +12,10 @@ It is an emulation of the mechanism, not a mock of the results:
 - a reservation (`cuMemAddressReserve`) is a PROT_NONE, MAP_NORESERVE mapping,
   over-reserved and trimmed to the requested alignment;
 - `cuMemMap` maps the memfd MAP_SHARED|MAP_FIXED into the reservation with no
-  access; `cuMemSetAccess` is mprotect; `cuMemUnmap` maps PROT_NONE anonymous
-  memory back over the range;
+  access; `cuMemSetAccess` is mprotect; `cuMemUnmap` maps a shared "tombstone"
+  memfd over each unmapped granule, so that a stale access is recorded
+  (`touched_unmapped()`) instead of killing the process (a GPU reports it as
+  an illegal address; a host would segfault);
 - copies are memmove, memset is memset, and the "device" is always idle, so
   synchronization is a no-op.
 
@@ -68,6 +70,10 @@ _libc.mmap.restype = ctypes.c_void_p
 _libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
 _libc.munmap.restype = ctypes.c_int
 _libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+_libc.fallocate.restype = ctypes.c_int
+_libc.fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_long, ctypes.c_long]
+_FALLOC_PUNCH_HOLE = 0x01 | 0x02  # FALLOC_FL_KEEP_SIZE | FALLOC_FL_PUNCH_HOLE
+TOMBSTONE_NAME = "defrag-emulated-unmapped"
 _libc.mprotect.restype = ctypes.c_int
 _libc.mprotect.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
 
@@ -140,6 +146,7 @@ class EmulatedCuda:
         self._map_starts: list[int] = []
         self._contexts: dict[int, int] = {}  # context id -> retain count
         self.calls: dict[str, int] = {}
+        self._tombstone: int | None = None  # memfd mapped over every unmapped granule (see _bury)
 
     # ---------------------------------------------------------------- helpers
     def _count(self, name: str) -> None:
@@ -374,6 +381,9 @@ class EmulatedCuda:
             _os_check(_libc.munmap(ptr, size), "munmap")
             del self._reservations[ptr]
             self._res_starts.remove(ptr)
+            if not self._reservations and self._tombstone is not None:
+                os.close(self._tombstone)  # no granule of it is mapped any more
+                self._tombstone = None
             return (R.CUDA_SUCCESS,)
 
     def cuMemMap(self, ptr, size, offset, handle, flags):
@@ -401,7 +411,7 @@ class EmulatedCuda:
             # One unmap may cover several whole mappings but never split one.
             if maps is None or maps[0].va != ptr or maps[-1].va + maps[-1].size != ptr + size:
                 return (R.CUDA_ERROR_INVALID_VALUE,)
-            _os_mmap(ptr, size, _PROT_NONE, _MAP_PRIVATE | _MAP_ANONYMOUS | _MAP_NORESERVE | _MAP_FIXED)
+            self._bury(ptr, size)
             for m in maps:
                 del self._mappings[m.va]
                 self._map_starts.remove(m.va)
@@ -472,6 +482,41 @@ class EmulatedCuda:
                 return (R.CUDA_ERROR_INVALID_VALUE,)
             ctypes.memset(dst, int(value) & 0xFF, nbytes)
             return (R.CUDA_SUCCESS,)
+
+    # ---------------------------------------------------------------- unmapped pages
+    def _bury(self, ptr: int, size: int) -> None:
+        """Unmap [ptr, ptr+size): map the tombstone over each granule instead of PROT_NONE.
+
+        A real GPU turns an access to an unmapped page into an illegal-address
+        error; a host would segfault, killing the process. So an unmapped
+        granule of the emulated device is backed by one shared, never-written
+        memfd: a stale read or write (a kernel still using a tensor's old
+        address) lands there harmlessly and allocates a host page in it, which
+        `touched_unmapped()` reports. The driver itself still treats the range
+        as unmapped (copies, memsets and SetAccess refuse it).
+        """
+        g = self.granularity
+        if self._tombstone is None:
+            fd = os.memfd_create(TOMBSTONE_NAME, os.MFD_CLOEXEC)
+            os.ftruncate(fd, g)
+            self._tombstone = fd
+        for va in range(ptr, ptr + size, g):
+            _os_mmap(va, g, _PROT_RW, _MAP_SHARED | _MAP_FIXED, self._tombstone, 0)
+
+    def touched_unmapped(self) -> int:
+        """Bytes of unmapped device memory read or written since the last call (host pages), then reset.
+
+        0 unless something accessed an address whose page was unmapped: on a
+        GPU that access would have been an illegal-address error.
+        """
+        with self._lock:
+            fd = self._tombstone
+            if fd is None:
+                return 0
+            touched = os.fstat(fd).st_blocks * 512
+            if touched:
+                _os_check(_libc.fallocate(fd, _FALLOC_PUNCH_HOLE, 0, self.granularity), "fallocate")
+            return touched
 
     # ---------------------------------------------------------------- inspection
     def is_accessible(self, ptr: int, size: int, write: bool = True) -> bool:
