@@ -251,14 +251,15 @@ def _collect(pool, region, scope) -> tuple[list[LiveBlock], dict]:
     users cannot all be proven known) is passed to the planner as unmovable.
     """
     blocks, storages = [], {}
+    swap = pool._can_swap
     for alloc in pool._blocks.values():
         if alloc.region is not region:
             continue
         movable, _ = pool._movable(alloc, scope)
         if movable:
             storage = tz.strong_storage(alloc.storage_ref)
-            rebind = None if tz.HAS_SWAP_DATA_PTR or storage is None else pool._rebindable(alloc, storage)
-            if storage is None or (not tz.HAS_SWAP_DATA_PTR and rebind is None):
+            rebind = None if swap or storage is None else pool._rebindable(alloc, storage)
+            if storage is None or (not swap and rebind is None):
                 movable = False
             else:
                 storages[alloc.address] = (storage, rebind)

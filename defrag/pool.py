@@ -49,7 +49,6 @@ from __future__ import annotations
 import collections
 import itertools
 import math
-import threading
 import weakref
 from dataclasses import dataclass, field
 
@@ -91,7 +90,7 @@ class Allocation:
     retired: bool = False  # an old location whose data has moved; released when its owner dies
     counted: bool = True  # in allocated_bytes (compaction destinations count only once swapped in)
     pending: bool = False  # CUDA: released, waiting on stream events before reuse (active, not allocated)
-    tensors: list = field(default_factory=list)  # weakrefs to the tensors the pool made (torch < 2.12 fallback)
+    tensors: list = field(default_factory=list)  # weakrefs to the tensors the pool made ("rebind" mode only)
     owner: object = None  # weakref to the ThreadToken of the thread that allocated, adopted or claimed it
     shared: bool = False  # declared used by several threads (pool.share): no thread owns it
 
@@ -186,6 +185,10 @@ class Pool:
         self.kind = self.driver.kind
         self.device = torch.device("cpu") if self.kind == "emulated" else torch.device("cuda", self.driver.ordinal)
         self.on_compact: list = []  # callbacks(report) after every compaction
+        # How a moved storage takes its new memory, fixed for the pool's life: torch's
+        # _swap_data_ptr_, else defrag's small extension (built here on first use, once
+        # per machine), else rebinding the tensors the pool knows (views pin blocks).
+        self._can_swap = tz.can_swap_storages()
 
         self._gate = threads.Gate()  # the pool's lock; knows which threads wait at it (see _scope)
         self._released: collections.deque[Allocation] = collections.deque()
@@ -650,7 +653,8 @@ class Pool:
             if self._history is not None:
                 self._history.block_allocated(alloc)
         tensor = tz.tensor_over(storage, dtype, shape, self.device)
-        alloc.tensors.append(weakref.ref(tensor))
+        if not self._can_swap:  # "rebind" mode only: otherwise no weakref on users' tensors (swap_tensors works)
+            alloc.tensors.append(weakref.ref(tensor))
         if requires_grad:
             tensor.requires_grad_(True)
         return tensor
@@ -812,11 +816,11 @@ class Pool:
                 if (other := self._other_owner(s.data_ptr())) is not None:
                     raise ValueError(f"adopt: a tensor belongs to pool #{other.id}; it cannot be adopted by pool #{self.id}")
                 if s.data_ptr() in storages:
-                    if not tz.HAS_SWAP_DATA_PTR:
+                    if not self._can_swap:
                         raise ValueError("adopt: two tensors share a storage; torch < 2.12 can only adopt a storage "
                                          "whose one tensor is known (needs UntypedStorage._swap_data_ptr_)")
                     continue
-                if not tz.HAS_SWAP_DATA_PTR and tz.storage_use_count(s) != 2:  # `t` and `s` alone
+                if not self._can_swap and tz.storage_use_count(s) != 2:  # `t` and `s` alone
                     raise ValueError(f"adopt: torch {torch.__version__} lacks UntypedStorage._swap_data_ptr_, and other "
                                      "tensors or views share this tensor's storage, so they could not follow it")
                 storages[s.data_ptr()] = (s, t)
@@ -835,13 +839,13 @@ class Pool:
             for (alloc, s, _), new in zip(placed, fresh):
                 new.copy_(s)
             for (alloc, s, t), new in zip(placed, fresh):
-                if tz.HAS_SWAP_DATA_PTR:
+                if self._can_swap:
                     tz.swap_data(s, new)
                     alloc.storage_ref = tz.weak_storage(s)
                 else:
                     tz.rebind([t], new)  # proven above: `t` is the storage's only tensor
                     alloc.storage_ref = tz.weak_storage(new)
-                alloc.tensors.append(weakref.ref(t))
+                    alloc.tensors.append(weakref.ref(t))
                 if self._history is not None:
                     self._history.block_allocated(alloc)
             del fresh, s, t, new  # the old memory goes back to its own allocator now
@@ -890,7 +894,7 @@ class Pool:
                            f"that thread's own compactions move it")
         if alloc.storage_ref is None or alloc.storage_ref.expired():
             return False, "its storage is being released"
-        if not tz.HAS_SWAP_DATA_PTR and self._rebindable(alloc) is None:
+        if not self._can_swap and self._rebindable(alloc) is None:
             return False, ("torch < 2.12 lacks UntypedStorage._swap_data_ptr_, and views or other references "
                            "to this storage exist that the pool cannot rewrite")
         return True, ""

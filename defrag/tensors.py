@@ -10,23 +10,44 @@ uses it. When the last one dies, PyTorch drops the owner and a
 - CUDA: the owner exposes `__cuda_array_interface__`; `torch.as_tensor` makes
   a CUDA storage that holds the owner.
 
-Moving a storage (compaction, adopt) uses `UntypedStorage._swap_data_ptr_`
-(torch >= 2.12): the user's storage takes the new pointer and the new owner,
-and a temporary storage takes the old ones, so every tensor and view of the
+Moving a storage (compaction, adopt) exchanges its memory with a temporary
+storage's (`swap_data`): the user's storage takes the new pointer and the new
+owner, and the temporary takes the old ones, so every tensor and view of the
 user's storage follows and the old block is freed when the temporary dies.
-This module does not decide what may move; the pool does.
+How, is `swap_mode()`:
+
+- "native": `UntypedStorage._swap_data_ptr_` (torch >= 2.12);
+- "extension": older torch; a one-function C++ extension does the same
+  exchange (`defrag.storage_ext`, built on first need, never at import);
+- "rebind": neither (no compiler, or `DEFRAG_NO_STORAGE_EXT=1`): a storage
+  moves only when the pool knows every tensor over it (`rebind_proof`), and
+  those are re-pointed with `set_` (`rebind`); views pin their blocks.
+
+`DEFRAG_FORCE_NO_SWAP_DATA_PTR=1` ignores the native method (tests of the
+old-torch paths). This module does not decide what may move; the pool does.
 """
 
 from __future__ import annotations
 
 import ctypes
+import logging
 import math
+import os
+import threading
 import weakref
 
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
-HAS_SWAP_DATA_PTR = hasattr(torch.UntypedStorage, "_swap_data_ptr_")
+from . import storage_ext
+
+_log = logging.getLogger("defrag")
+
+# Whether this torch has `UntypedStorage._swap_data_ptr_` (>= 2.12). A fact about
+# torch, not a policy: ask `swap_mode()` / `can_swap_storages()` what the pool may do.
+NATIVE_SWAP_DATA_PTR = hasattr(torch.UntypedStorage, "_swap_data_ptr_")
+# Deprecated alias of NATIVE_SWAP_DATA_PTR, kept while callers move to can_swap_storages().
+HAS_SWAP_DATA_PTR = NATIVE_SWAP_DATA_PTR
 
 # dtypes a pool hands out: anything with a fixed item size that torch can view
 # raw bytes as. Quantized and sparse layouts are refused with a clear error.
@@ -128,7 +149,7 @@ def storage_use_count(storage: torch.UntypedStorage) -> int:
 
 
 def rebind_proof(storage: torch.UntypedStorage, known: list[torch.Tensor]) -> bool:
-    """Whether `known` are provably the only tensors over `storage` (the torch < 2.12 fallback).
+    """Whether `known` are provably the only tensors over `storage` (the "rebind" fallback).
 
     True iff the StorageImpl's use count is exactly one per known tensor plus
     the caller's own `storage` reference: then no view, autograd-saved copy or
@@ -140,7 +161,7 @@ def rebind_proof(storage: torch.UntypedStorage, known: list[torch.Tensor]) -> bo
 def rebind(tensors: list[torch.Tensor], new: torch.UntypedStorage) -> None:
     """Point each tensor at `new` (same offset, size, stride), keeping its autograd version.
 
-    The fallback for torch without `_swap_data_ptr_`. The version counter is
+    The fallback when `swap_mode()` is "rebind". The version counter is
     restored so autograd does not mistake the move for an in-place change.
     """
     for t in tensors:
@@ -158,12 +179,79 @@ def _set_version(t: torch.Tensor, version: int) -> None:
         setter(t, version)
 
 
+def _env_flag(name: str) -> bool:
+    return os.environ.get(name, "").strip().lower() not in ("", "0", "false", "no", "off")
+
+
+_modes: dict[tuple[bool, bool], str] = {}  # (force old torch, extension forbidden) -> mode
+_modes_lock = threading.Lock()
+
+
+def swap_mode() -> str:
+    """How storages are moved here: "native", "extension" or "rebind" (see the module doc).
+
+    Computed on the first call (on torch < 2.12 that builds the extension,
+    about 10-30 s once per machine and torch version, then well under a
+    second per process) and cached; thread-safe. Re-evaluated when
+    DEFRAG_FORCE_NO_SWAP_DATA_PTR or DEFRAG_NO_STORAGE_EXT change, so tests can
+    switch paths with the environment. Logs one WARNING when it is "rebind".
+    """
+    key = (_env_flag("DEFRAG_FORCE_NO_SWAP_DATA_PTR"), _env_flag("DEFRAG_NO_STORAGE_EXT"))
+    mode = _modes.get(key)
+    if mode is not None:
+        return mode
+    with _modes_lock:
+        if (mode := _modes.get(key)) is not None:
+            return mode
+        force_old, forbidden = key
+        why_old = (f"torch {torch.__version__} lacks UntypedStorage._swap_data_ptr_" if not NATIVE_SWAP_DATA_PTR
+                   else "DEFRAG_FORCE_NO_SWAP_DATA_PTR is set")
+        if NATIVE_SWAP_DATA_PTR and not force_old:
+            mode = "native"
+        elif forbidden:
+            mode = "rebind"
+            _log.warning("defrag: %s and the storage-swap extension is disabled (DEFRAG_NO_STORAGE_EXT); compaction "
+                         "falls back to rebinding: views and autograd-saved tensors pin their blocks. To fix: unset "
+                         "DEFRAG_NO_STORAGE_EXT, or use torch >= 2.12", why_old)
+        elif storage_ext.load() is not None:
+            mode = "extension"
+        else:
+            mode = "rebind"
+            _log.warning("defrag: %s and the storage-swap extension could not be built (%s); compaction falls back to "
+                         "rebinding: views and autograd-saved tensors pin their blocks. To fix: install what is missing "
+                         "(g++, ninja, setuptools), or use torch >= 2.12", why_old, storage_ext.failure())
+        _modes[key] = mode
+        return mode
+
+
+def can_swap_storages() -> bool:
+    """Whether any storage can be moved with all its views following (`swap_data` works)."""
+    return swap_mode() != "rebind"
+
+
+def _forget_swap_mode() -> None:
+    """Tests: recompute `swap_mode()` (and log again) on its next call; a built extension stays loaded."""
+    with _modes_lock:
+        _modes.clear()
+
+
 def swap_data(user: torch.UntypedStorage, other: torch.UntypedStorage) -> None:
     """Exchange data pointers (and deleters/owners) of two same-size storages.
 
     Every tensor and view over `user` sees `other`'s memory afterwards and vice
-    versa. Cannot fail half-way: it is one C++ call that only exchanges fields.
+    versa; sizes, version counters and autograd state are untouched. Cannot
+    fail half-way: one C++ call that only exchanges fields ("native" or
+    "extension" mode). RuntimeError in "rebind" mode: use `rebind` there.
+    Not safe while another thread uses either storage's memory.
     """
     if user.nbytes() != other.nbytes():
         raise ValueError(f"cannot swap storages of {user.nbytes()} and {other.nbytes()} bytes")
-    user._swap_data_ptr_(other)
+    if user.device != other.device:
+        raise ValueError(f"cannot swap storages on {user.device} and {other.device}")
+    mode = swap_mode()
+    if mode == "native":
+        user._swap_data_ptr_(other)
+    elif mode == "extension":
+        storage_ext.swap(user, other)
+    else:
+        raise RuntimeError("storages cannot be swapped here (swap_mode() is 'rebind'); rebind the tensors instead")
