@@ -92,13 +92,20 @@ class CompactionReport:
     def __str__(self) -> str:
         kind = "automatic" if self.automatic else "explicit"
         phases = ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in self.phases.items())
+        if self.moved_tensors:
+            moved = (f"moved {self.moved_tensors} tensors ({format_bytes(self.moved_bytes)}) in {self.waves} "
+                     f"wave{'s' if self.waves != 1 else ''}")
+        else:
+            moved = "moved nothing"
+        freed = (f"pages holding live data {self.pages_before} -> {self.pages_after}"
+                 + (f" ({self.released_pages} freed, {format_bytes(self.released_pages * self.page_size)})"
+                    if self.released_pages else ""))
+        unmapped = (f"; {self.unmapped_pages} empty pages unmapped (their physical memory is kept for the next "
+                    f"request; trim() returns it)" if self.unmapped_pages else "")
         return (
-            f"Compaction ({kind}, engine={self.engine}{', verified' if self.verified else ''}): "
-            f"moved {self.moved_tensors} tensors / {format_bytes(self.moved_bytes)} in {self.waves} wave(s), "
-            f"released {self.released_pages} pages ({format_bytes(self.released_pages * self.page_size)}; "
-            f"{self.unmapped_pages} unmapped), pages holding live data {self.pages_before} -> {self.pages_after}, "
-            f"fragmentation {self.fragmentation_before:.1%} -> {self.fragmentation_after:.1%} "
-            f"(stranded {format_bytes(self.stranded_before)} -> {format_bytes(self.stranded_after)}), "
+            f"Compaction ({kind}, engine={self.engine}{', verified' if self.verified else ''}): {moved}; "
+            f"{freed}{unmapped}; fragmentation {self.fragmentation_before:.1%} -> {self.fragmentation_after:.1%} "
+            f"(stranded {format_bytes(self.stranded_before)} -> {format_bytes(self.stranded_after)}); "
             f"{self.seconds * 1e3:.1f} ms [{phases}]"
         )
 

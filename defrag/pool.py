@@ -48,7 +48,9 @@ from __future__ import annotations
 
 import collections
 import itertools
+import logging
 import math
+import traceback
 import weakref
 from dataclasses import dataclass, field
 
@@ -63,6 +65,7 @@ from .heap import ALIGNMENT, Heap
 from .units import format_bytes, parse_size
 from .vmm import AddressSpace, Region, Transaction
 
+_log = logging.getLogger("defrag")
 _open_pools: "weakref.WeakSet[Pool]" = weakref.WeakSet()
 _pool_ids = itertools.count(1)
 
@@ -185,6 +188,7 @@ class Pool:
         self.kind = self.driver.kind
         self.device = torch.device("cpu") if self.kind == "emulated" else torch.device("cuda", self.driver.ordinal)
         self.on_compact: list = []  # callbacks(report) after every compaction
+        self.on_oom: list = []  # callbacks(OutOfMemoryError) before an allocation raises it
         # How a moved storage takes its new memory, fixed for the pool's life: torch's
         # _swap_data_ptr_, else defrag's small extension (built here on first use, once
         # per machine), else rebinding the tensors the pool knows (views pin blocks).
@@ -553,7 +557,13 @@ class Pool:
         self._counters["num_ooms"] += 1
         if self._history is not None:
             self._history.oom(nbytes)
-        raise self._oom_error(nbytes, tried)
+        error = self._oom_error(nbytes, tried)
+        for observer in list(self.on_oom):
+            try:
+                observer(error)
+            except Exception:  # an observer must not replace the OOM the caller is about to get
+                _log.error("defrag: an on_oom observer raised; ignored\n%s", traceback.format_exc())
+        raise error
 
     def _rescue(self, nbytes: int, tried: list[str]) -> Allocation | None:
         """Automatic compaction (see defrag.compactor); None when it cannot help."""
@@ -636,13 +646,28 @@ class Pool:
         if len(shape) == 1 and not isinstance(shape[0], int):
             shape = shape[0]
         shape = tz.check_shape(shape)
+        return self._new_tensor(shape, tz.contiguous_strides(shape), dtype, requires_grad)
+
+    def empty_strided(self, size, stride, *, dtype: torch.dtype | None = None,
+                      requires_grad: bool = False) -> torch.Tensor:
+        """Like `torch.empty_strided`: an uninitialized tensor of `size` with `stride`, over one pool block
+        just large enough for the elements those strides reach."""
+        size = tz.check_shape(size)
+        stride = tz.check_shape(stride)
+        if len(stride) != len(size):
+            raise ValueError(f"empty_strided: {len(size)} sizes but {len(stride)} strides")
+        return self._new_tensor(size, stride, dtype, requires_grad)
+
+    def _new_tensor(self, shape: tuple, stride: tuple, dtype, requires_grad: bool) -> torch.Tensor:
         dtype = tz.check_dtype(dtype if dtype is not None else torch.get_default_dtype())
-        nbytes = math.prod(shape) * dtype.itemsize
+        elements = 0 if 0 in shape else 1 + sum((n - 1) * st for n, st in zip(shape, stride))
+        nbytes = elements * dtype.itemsize
         with self._gate:
             self._check_open()
             self._drain()
             if nbytes == 0:
-                return torch.empty(shape, dtype=dtype, device=self.device, requires_grad=requires_grad)
+                return torch.empty_strided(shape, stride, dtype=dtype, device=self.device,
+                                           requires_grad=requires_grad)
             alloc = self._allocate(nbytes)
             try:
                 storage = self._storage_for(alloc)
@@ -652,7 +677,7 @@ class Pool:
             alloc.dtype, alloc.shape = dtype, shape
             if self._history is not None:
                 self._history.block_allocated(alloc)
-        tensor = tz.tensor_over(storage, dtype, shape, self.device)
+        tensor = tz.tensor_over(storage, dtype, shape, self.device, stride)
         if not self._can_swap:  # "rebind" mode only: otherwise no weakref on users' tensors (swap_tensors works)
             alloc.tensors.append(weakref.ref(tensor))
         if requires_grad:
@@ -688,6 +713,41 @@ class Pool:
         if not isinstance(other, torch.Tensor):
             raise TypeError(f"empty_like needs a tensor, got {type(other).__name__}")
         return self.empty(tuple(other.shape), dtype=dtype or other.dtype, requires_grad=requires_grad)
+
+    def zeros_like(self, other: torch.Tensor, *, dtype=None, requires_grad=False) -> torch.Tensor:
+        """A contiguous zero-filled tensor with `other`'s shape (and dtype unless given)."""
+        t = self.empty_like(other, dtype=dtype)
+        with torch.no_grad():
+            t.zero_()
+        return t.requires_grad_(requires_grad)
+
+    def resize_(self, tensor: torch.Tensor, *shape) -> torch.Tensor:
+        """Resize a pool tensor in place, as `tensor.resize_(*shape)` does, growing it inside the pool.
+
+        torch's own `resize_` (and `out=` into a too-small pool tensor) cannot
+        grow a pool tensor: its storage is memory the pool lent, which torch
+        cannot reallocate ("Trying to resize storage that is not resizable").
+        Here a shape that fits the storage is applied by torch; a larger one
+        gets a new pool block holding the old bytes (the rest uninitialized),
+        and `tensor` (the same Python object) is set to it. Other views of the
+        old storage keep the old memory, which is freed when they die.
+        Returns `tensor`.
+        """
+        if len(shape) == 1 and not isinstance(shape[0], int):
+            shape = shape[0]
+        shape = tz.check_shape(shape)
+        with self._gate:
+            self._require_own(tensor, "resize_")
+        need = (tensor.storage_offset() + math.prod(shape)) * tensor.element_size()
+        if need <= tensor.untyped_storage().nbytes():
+            with torch.no_grad():
+                return tensor.resize_(shape)
+        fresh = self.empty(shape, dtype=tensor.dtype)
+        old = tensor.detach().reshape(-1) if tensor.is_contiguous() else tensor.detach().contiguous().reshape(-1)
+        with torch.no_grad():
+            fresh.view(-1)[:old.numel()].copy_(old)
+            tensor.set_(fresh.untyped_storage(), 0, shape, tz.contiguous_strides(shape))
+        return tensor
 
     # ------------------------------------------------------------------ lookup
     def _find(self, tensor: torch.Tensor) -> Allocation | None:
@@ -795,7 +855,9 @@ class Pool:
         - an `nn.Module`: its parameters (the same Parameter objects), buffers
           and existing `.grad`s;
         - an optimizer: its state tensors (on this pool's device; others, such
-          as Adam's CPU `step` next to CUDA parameters, stay where they are).
+          as Adam's CPU `step` next to CUDA parameters, stay where they are);
+        - a list, tuple or dict (a state dict, a KV cache) of any of these,
+          nested as deep as you like.
 
         All or nothing: every block is placed before any storage is rewritten,
         so an out-of-memory error leaves every tensor where it was. Storages
@@ -874,7 +936,11 @@ class Pool:
                     if isinstance(value, torch.Tensor) and value.device == self.device and value.layout == torch.strided:
                         found.append(value)
             return found
-        raise TypeError(f"adopt takes a tensor, an nn.Module or an optimizer, got {type(obj).__name__}")
+        if isinstance(obj, (list, tuple, dict)):
+            items = obj.values() if isinstance(obj, dict) else obj
+            return [t for item in items for t in self._adoptable(item)]
+        raise TypeError(f"adopt takes a tensor, an nn.Module, an optimizer, or a list, tuple or dict of them, "
+                        f"got {type(obj).__name__}")
 
     # ------------------------------------------------------------------ inspection
     def _movable(self, alloc: Allocation, scope: _Scope) -> tuple[bool, str]:
@@ -925,6 +991,16 @@ class Pool:
                                       alloc.pins > 0, movable, reason,
                                       "shared" if alloc.shared else threads.describe(alloc.owner)))
             return out
+
+    def reset_peak_stats(self) -> None:
+        """Reset every `*.peak` statistic to its current value (like `torch.cuda.reset_peak_memory_stats`)."""
+        with self._gate:
+            self._drain()
+            c = self._counters
+            self._peaks.clear()
+            self._peaks.update({"allocated_bytes": c["allocated_bytes"], "pending_bytes": c["pending_bytes"],
+                                "active_bytes": c["allocated_bytes"] + c["pending_bytes"],
+                                "reserved_bytes": self._space.mapped * self.page_size})
 
     def stats(self) -> dict:
         """Counters and gauges; PyTorch's key grammar where PyTorch has the key.
@@ -1121,11 +1197,18 @@ class Pool:
                     "capacity": self.capacity, "cached_pages": len(self._space.store.cached),
                     "regions": regions, "blocks": blocks}
 
-    def record_history(self, enabled: bool = True, *, max_entries: int = 100_000) -> None:
-        """Start (or stop) recording alloc/free/map/unmap/compaction events for `snapshot()`."""
+    def record_history(self, enabled: bool = True, *, max_entries: int = 100_000, stacks: bool = True) -> None:
+        """Start (or stop) recording alloc/free/map/unmap/compaction events for `snapshot()`.
+
+        `stacks`: record the Python frames that led to each allocation and OOM
+        (the caller's frames, not defrag's), as `torch.cuda.memory.
+        _record_memory_history(stacks="python")` does; they show in the
+        trace entries and in the snapshot's blocks. Costs a few microseconds
+        per allocation while recording.
+        """
         from .stats import HistoryRecorder
         with self._gate:
-            self._history = HistoryRecorder(self, max_entries=max_entries) if enabled else None
+            self._history = HistoryRecorder(self, max_entries=max_entries, stacks=stacks) if enabled else None
 
     def snapshot(self) -> dict:
         """The pool in the format of `torch.cuda.memory._snapshot()` (segments and device_traces)."""

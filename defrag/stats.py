@@ -20,7 +20,9 @@ Mapping of pool concepts onto PyTorch's snapshot format:
   `requested_size` the storage's bytes); free space inside mapped pages is an
   `inactive` block; an old location whose data a compaction has moved but whose
   owner has not been released yet is `active_pending_free`;
-- `stream` is 0 and `frames` is empty everywhere: the pool records no stacks.
+- `stream` is 0 everywhere; `frames` hold the Python stack of each
+  allocation and OOM while `record_history(stacks=True)` records (the
+  default), and are empty otherwise.
 
 Nothing here changes the pool, except that `snapshot()` appends one `snapshot`
 entry to the history while recording (as PyTorch does).
@@ -31,6 +33,7 @@ from __future__ import annotations
 import collections
 import os
 import pickle
+import sys
 import time
 import weakref
 
@@ -45,6 +48,23 @@ PICKLE_PROTOCOL = 4
 
 def _now_us() -> int:
     return time.time_ns() // 1000
+
+
+_PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
+MAX_FRAMES = 32
+
+
+def python_frames(limit: int = MAX_FRAMES) -> list[dict]:
+    """The calling Python stack, innermost first, without defrag's own frames, as PyTorch
+    records frames (`filename`, `line`, `name`)."""
+    frames = []
+    f = sys._getframe(1)
+    while f is not None and len(frames) < limit:
+        filename = f.f_code.co_filename
+        if not filename.startswith(_PACKAGE_DIR):
+            frames.append({"filename": filename, "line": f.f_lineno, "name": f.f_code.co_name})
+        f = f.f_back
+    return frames
 
 
 def _runs(pages) -> list[tuple[int, int]]:
@@ -63,7 +83,7 @@ class HistoryRecorder:
 
     The pool calls the hooks below with its lock held; each appends entries
     shaped like PyTorch's (`action`, `addr`, `size`, `stream` 0, `time_us`,
-    `frames` []; an `oom` entry carries `device_free` instead of `addr`, as in
+    `frames`; an `oom` entry carries `device_free` instead of `addr`, as in
     PyTorch). Sizes of block entries are the requested bytes (the storage's
     size), as PyTorch records them. Only the newest `max_entries` entries are
     kept; older ones are dropped, which PyTorch's tools handle since they
@@ -75,15 +95,21 @@ class HistoryRecorder:
     moved, never appears as a spurious free); map/unmap entries name only
     pages whose state really changed.
 
-    Not recorded: stack frames (always []), physical pages created or
+    Frames: with `stacks=True`, `alloc` and `oom` entries carry the caller's
+    Python frames (innermost first, defrag's own frames left out), kept for
+    each live block so that snapshots show them too.
+
+    Not recorded: physical pages created or
     released (they have no virtual address), and the unmaps done by
     `Pool.close()`.
     """
 
-    def __init__(self, pool, max_entries: int = 100_000):
+    def __init__(self, pool, max_entries: int = 100_000, stacks: bool = True):
         if int(max_entries) < 1:
             raise ValueError(f"max_entries must be >= 1, got {max_entries}")
         self.max_entries = int(max_entries)
+        self.stacks = bool(stacks)
+        self.frames: dict[int, list[dict]] = {}  # live block address -> frames of its allocation
         self.page_size = pool.page_size
         self.device = int(getattr(pool.driver, "ordinal", 0))
         self._pool = weakref.ref(pool)  # no cycle: the pool holds the recorder
@@ -107,7 +133,7 @@ class HistoryRecorder:
         entry = {"action": action}
         if addr is not None:
             entry["addr"] = int(addr)
-        entry.update(size=int(size), stream=0, time_us=_now_us(), frames=[], **extra)
+        entry.update(size=int(size), stream=0, time_us=_now_us(), frames=extra.pop("frames", []), **extra)
         self._entries.append(entry)
         self.recorded += 1
 
@@ -115,7 +141,10 @@ class HistoryRecorder:
     def block_allocated(self, alloc) -> None:
         """A block now owned by a user storage (`empty`, `adopt`, ...): one `alloc` entry."""
         self._tracked[alloc.address] = alloc.nbytes
-        self._add("alloc", alloc.address, alloc.nbytes)
+        frames = python_frames() if self.stacks else []
+        if frames:
+            self.frames[alloc.address] = frames
+        self._add("alloc", alloc.address, alloc.nbytes, frames=frames)
 
     def block_freed(self, alloc) -> None:
         """A block went back to the heap: `free_requested` then `free_completed`.
@@ -123,6 +152,7 @@ class HistoryRecorder:
         Ignored for blocks the trace never saw allocated (see the class doc).
         """
         nbytes = self._tracked.pop(alloc.address, None)
+        self.frames.pop(alloc.address, None)
         if nbytes is None:
             return
         self._free(alloc.address, nbytes)
@@ -146,7 +176,10 @@ class HistoryRecorder:
         nbytes = self._tracked.pop(old.address, old.nbytes)
         self._free(old.address, nbytes)
         self._tracked[new.address] = new.nbytes
-        self._add("alloc", new.address, new.nbytes)
+        frames = self.frames.pop(old.address, [])
+        if frames:
+            self.frames[new.address] = frames
+        self._add("alloc", new.address, new.nbytes, frames=frames)
 
     def pages_mapped(self, region, pages) -> None:
         """Pages of `region` were mapped: one `segment_map` per run of consecutive pages."""
@@ -172,7 +205,7 @@ class HistoryRecorder:
         if pool is not None:
             st = pool._stats_locked()
             free = st["capacity_bytes"] - st["allocated_bytes.all.current"]
-        self._add("oom", None, nbytes, device_free=int(free))
+        self._add("oom", None, nbytes, device_free=int(free), frames=python_frames() if self.stacks else [])
 
     def compacted(self, report) -> None:
         """A compaction finished. Its moves and unmaps are already in the trace;
@@ -247,6 +280,16 @@ def segments_from_layout(layout: dict, device: int = 0) -> list[dict]:
     return out
 
 
+def _with_frames(segments: list[dict], history) -> list[dict]:
+    """Give each live block the Python frames recorded at its allocation (when recording stacks)."""
+    if history is not None and history.frames:
+        for seg in segments:
+            for block in seg["blocks"]:
+                if block["state"] == "active_allocated":
+                    block["frames"] = list(history.frames.get(block["address"], []))
+    return segments
+
+
 def _block(address: int, size: int, requested: int, state: str) -> dict:
     return {"address": address, "size": size, "requested_size": requested, "state": state, "frames": []}
 
@@ -277,7 +320,7 @@ def snapshot(pool) -> dict:
             traces[device] = history.entries
             compactions = [dict(c) for c in history.compactions]
     return {
-        "segments": segments_from_layout(layout, device),
+        "segments": _with_frames(segments_from_layout(layout, device), history),
         "device_traces": traces,
         "defrag": {"pools": [{
             "pool": pool.id, "kind": pool.kind, "device": str(pool.device), "device_index": device,

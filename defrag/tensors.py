@@ -126,9 +126,10 @@ def check_dtype(dtype) -> torch.dtype:
 
 
 def tensor_over(storage: torch.UntypedStorage, dtype: torch.dtype, shape: tuple[int, ...],
-                device: torch.device) -> torch.Tensor:
-    """A contiguous tensor of `shape`/`dtype` over `storage` from byte 0 (no autograd base)."""
-    return torch.empty(0, dtype=dtype, device=device).set_(storage, 0, shape, contiguous_strides(shape))
+                device: torch.device, stride: tuple[int, ...] | None = None) -> torch.Tensor:
+    """A tensor of `shape`/`dtype` over `storage` from byte 0 (contiguous unless `stride`; no autograd base)."""
+    return torch.empty(0, dtype=dtype, device=device).set_(
+        storage, 0, shape, contiguous_strides(shape) if stride is None else stride)
 
 
 def weak_storage(storage: torch.UntypedStorage) -> StorageWeakRef:
