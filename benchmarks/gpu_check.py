@@ -1,205 +1,994 @@
-"""The GPU check: one command that runs tests/gpu and every benchmark, and writes one report.
+"""The GPU check: one command for a GPU machine, from a bare checkout, installing nothing.
 
-    python -m defrag.benchmarks.gpu_check --out DIR [--smoke] [--only a,b] [--no-tests]
+    python3 benchmarks/gpu_check.py [--smoke] --out DIR
+    python -m defrag.benchmarks.gpu_check [--smoke] --out DIR    # the same, where defrag is installed
 
-Steps:
+It imports the checkout it lives in (benchmarks/_bare_checkout.py: no pip, no
+network; an installed copy of defrag is ignored) and runs in stages, each a
+subprocess with its own timeout inside one overall budget (``--budget``;
+default 165 s with ``--smoke``, 450 s without), so a hang costs one stage:
 
-1. probe: is a CUDA driver with a GPU usable here (`cuda_driver_usable`, and
-   ``torch.cuda.is_available()``)? `defrag doctor`'s text goes in the report.
-2. tests: ``python -m pytest tests/gpu`` in a subprocess, from the source
-   checkout this module belongs to (its log in ``DIR/gpu_tests.log``, JUnit
-   XML in ``DIR/gpu_tests.xml``). Without a GPU they skip, with the reason.
-3. benchmarks: the `defrag bench` runner on ``cuda:0``, or, without a GPU, on
-   the emulated device (``DIR/bench/``: results.json, results.md, plots).
-4. report: ``DIR/gpu_report.md`` and ``DIR/gpu_report.json``.
+1. ``env``: python, torch (its CUDA, ``UntypedStorage._swap_data_ptr_``),
+   numba / numba-cuda / cuda-bindings, where defrag, defrag.kernels and
+   defrag.benchmarks were imported from, the GPU and the driver's CUDA
+   version, ``nvidia-smi``'s read-only view, and libNVVM: which one numba
+   loads (path, and how cuda.pathfinder found it), the PTX ISA version it
+   emits for the GPU against the newest the driver accepts, whether the
+   driver loads that PTX, and one real launch of defrag.kernels. When the PTX
+   is too new it looks for a libNVVM no newer than the driver and, if it finds
+   one, uses it for every later stage (``DEFRAG_LIBNVVM`` + ``CUDA_HOME``).
+2. ``tests``: ``pytest tests/gpu`` (JUnit XML, and the figures the tests
+   measured). Without a GPU they skip, or with ``--rehearse`` run as the GPU
+   rehearsal on the emulated device (``DEFRAG_GPU_REHEARSAL=1``).
+3. ``bench:NAME``: one stage per GPU benchmark of `defrag bench`
+   (``--only`` picks others) on ``cuda:0``; without a GPU, on the emulated
+   device. Benchmarks that measure only the emulated device or the host
+   (rescue, planner; workloads, whose full run is mostly CPU-bound dry
+   replays) are not run unless named in ``--only``.
 
-Without a GPU the report says so in its first line, contains no GPU figure,
-and the command exits 0 when everything it could run worked. Exit 1: a GPU
-test failed or a benchmark raised; 2: bad arguments.
+The report, ``DIR/gpu_report.md`` and ``DIR/gpu_report.json``, is written
+before and after every stage, so a run killed at any point still leaves one;
+each stage has its log in ``DIR/stage-<name>.log``, benchmark tables and plots
+are in ``DIR/bench/``. Without a GPU the report's first line says so, no GPU
+figure is reported, and the command exits 0 when what could run worked.
+Exit 1: a stage failed or timed out; 2: bad arguments.
+
+This file imports only the standard library at the top: the parent process
+never imports torch, numba or defrag, so a broken environment still gets a
+report.
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import datetime
-import io
+import glob
+import importlib.util
 import json
+import os
 import re
-import shutil
+import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
 
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+BOOTSTRAP = HERE / "_bare_checkout.py"
+# A source checkout (defrag/, kernels/, tests/ beside benchmarks/), or an installed defrag.benchmarks?
+IS_CHECKOUT = (ROOT / "defrag" / "__init__.py").is_file() and (ROOT / "kernels" / "__init__.py").is_file()
 
-def probe() -> dict:
-    """Whether a GPU is usable, and why not; plus nvidia-smi's one-line view when it exists."""
-    from defrag.driver import cuda_driver_usable
+# GPU benchmarks (runner.REGISTRY names) and each one's timeout in seconds: (smoke, full).
+GPU_BENCHMARKS = {
+    "copy_bandwidth": (45, 90),
+    "batched_launch": (45, 60),
+    "stitching": (45, 60),
+    "alloc_free": (None, 60),  # None: not in the smoke run
+    "compaction": (None, 120),
+}
+OTHER_BENCH_TIMEOUT = (60, 150)
+ENV_TIMEOUT = 120
+TEST_TIMEOUT = (120, 240)
+DEFAULT_BUDGET = (165, 450)  # a stopped stage may take 10 s more: under 3 and 8 minutes
+MIN_STAGE_SECONDS = 10
 
-    ok, reason = cuda_driver_usable()
-    info = {"gpu": False, "reason": reason, "device_name": None, "nvidia_smi": None}
-    if ok:
-        import torch
-
-        if torch.cuda.is_available():
-            info.update(gpu=True, device_name=torch.cuda.get_device_name(0), torch_cuda=torch.version.cuda)
-        else:
-            info["reason"] = (f"the CUDA driver works ({reason}) but torch {torch.__version__} cannot use it "
-                              "(torch.cuda.is_available() is False: a CPU-only torch build?)")
-    smi = shutil.which("nvidia-smi")
-    if smi:  # read-only query; never changes any setting
-        try:
-            out = subprocess.run([smi, "--query-gpu=name,driver_version,memory.total,clocks.sm,clocks.max.sm",
-                                  "--format=csv,noheader"], capture_output=True, text=True, timeout=30)
-            info["nvidia_smi"] = (out.stdout or out.stderr).strip()
-        except (OSError, subprocess.TimeoutExpired) as exc:
-            info["nvidia_smi"] = f"nvidia-smi failed: {exc}"
-    return info
-
-
-def doctor_text() -> str:
-    from defrag.cli import doctor
-
-    buf = io.StringIO()
-    with contextlib.redirect_stdout(buf):
-        doctor(None)
-    return buf.getvalue().strip()
+# Newest PTX ISA each CUDA driver version accepts (from the PTX ISA release notes).
+PTX_ISA_BY_CUDA = {
+    (11, 0): (7, 0), (11, 1): (7, 1), (11, 2): (7, 2), (11, 3): (7, 3), (11, 4): (7, 4), (11, 5): (7, 5),
+    (11, 6): (7, 6), (11, 7): (7, 7), (11, 8): (7, 8), (12, 0): (8, 0), (12, 1): (8, 1), (12, 2): (8, 2),
+    (12, 3): (8, 3), (12, 4): (8, 4), (12, 5): (8, 5), (12, 6): (8, 5), (12, 8): (8, 7), (12, 9): (8, 8),
+    (13, 0): (9, 0),
+}
 
 
-def tests_dir() -> Path | None:
-    """tests/gpu of the source checkout (this file is benchmarks/gpu_check.py in it), or of the cwd."""
-    for root in (Path(__file__).resolve().parents[1], Path.cwd()):
-        if (root / "tests" / "gpu").is_dir():
-            return root
+# =========================================================================== small helpers (stdlib only)
+
+
+def max_ptx_isa(driver_version: int) -> tuple[int, int] | None:
+    """Newest PTX ISA version a driver of `driver_version` (cuDriverGetVersion, e.g. 13000) loads."""
+    if not driver_version or driver_version <= 0:
+        return None
+    cuda = (driver_version // 1000, (driver_version % 1000) // 10)
+    if cuda in PTX_ISA_BY_CUDA:
+        return PTX_ISA_BY_CUDA[cuda]
+    if cuda[0] >= 13:  # 13.x emits and accepts PTX 9.x
+        return (cuda[0] - 4, cuda[1])
+    older = [v for k, v in PTX_ISA_BY_CUDA.items() if k <= cuda]
+    return max(older) if older else None
+
+
+def parse_ptx_version(ptx: str) -> tuple[int, int] | None:
+    m = re.search(r"^\s*\.version\s+(\d+)\.(\d+)", ptx, re.M)
+    return (int(m.group(1)), int(m.group(2))) if m else None
+
+
+def fmt_version(v) -> str:
+    return ".".join(str(x) for x in v) if v else "?"
+
+
+def toolkit_root(lib_path: str) -> str | None:
+    """The CUDA toolkit folder a libnvvm belongs to: the nearest parent holding an ``nvvm/`` folder."""
+    p = Path(lib_path).resolve()
+    for parent in p.parents:
+        if (parent / "nvvm").is_dir():
+            return str(parent)
     return None
 
 
-def run_gpu_tests(out: Path, timeout: float) -> dict:
-    """pytest tests/gpu in a subprocess; returns counts, exit code and the summary line."""
-    root = tests_dir()
-    if root is None:
-        return {"ran": False, "reason": "tests/gpu not found: run from a source checkout of defrag"}
-    log, xml = out / "gpu_tests.log", out / "gpu_tests.xml"
-    cmd = [sys.executable, "-m", "pytest", "tests/gpu", "-q", "-rA", "-p", "no:cacheprovider", f"--junitxml={xml}"]
+def libnvvm_candidates() -> list[str]:
+    """Every libnvvm.so this machine has in the usual places (toolkits, CUDA_HOME/CUDA_PATH, NVIDIA wheels)."""
+    roots = [os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH"), *sorted(glob.glob("/usr/local/cuda*")),
+             "/opt/cuda", "/usr/lib/cuda", *sorted(glob.glob("/opt/nvidia/*"))]
+    dirs = []
+    for r in filter(None, roots):
+        dirs += [Path(r) / "nvvm" / "lib64", Path(r) / "lib64", Path(r) / "lib"]
+    for entry in sys.path:
+        if entry and Path(entry).is_dir():
+            dirs += [Path(entry) / "nvidia" / sub / "lib" for sub in ("cu13", "cu12")]
+            dirs.append(Path(entry) / "nvidia" / "cuda_nvcc" / "nvvm" / "lib64")
+    dirs.append(Path("/usr/lib/x86_64-linux-gnu"))
+    found, seen = [], set()
+    for d in dirs:
+        for name in ("libnvvm.so.4", "libnvvm.so"):
+            f = d / name
+            if f.is_file():
+                real = os.path.realpath(f)
+                if real not in seen:
+                    seen.add(real)
+                    found.append(str(f))
+                break
+    return found
+
+
+def nvvm_probe(arch: str = "compute_90", *, load_in_driver: bool = False) -> dict:
+    """Which libNVVM loads here and the PTX it emits for `arch`; optionally whether the driver loads that PTX.
+
+    Uses cuda.pathfinder and cuda.bindings.nvvm, as numba-cuda does, so a
+    libNVVM preloaded from $DEFRAG_LIBNVVM is the one reported.
+    """
+    out: dict = {"arch": arch}
+    try:
+        from cuda import pathfinder
+
+        lib = pathfinder.load_nvidia_dynamic_lib("nvvm")
+        out.update(path=lib.abs_path, found_via=lib.found_via, realpath=os.path.realpath(lib.abs_path))
+    except Exception as exc:  # no libNVVM at all: numba cannot compile for a GPU
+        out["error"] = f"{exc.__class__.__name__}: {exc}"
+        return out
+    try:
+        from cuda.bindings import nvvm
+
+        out["nvvm_version"] = list(nvvm.version())
+        major, minor, dmajor, dminor = nvvm.ir_version()
+        out["ir_version"] = [major, minor, dmajor, dminor]
+        ir = (
+            'target triple = "nvptx64-unknown-cuda"\n'
+            'target datalayout = "e-p:64:64:64-i1:8:8-i8:8:8-i16:16:16-i32:32:32-i64:64:64-i128:128:128-'
+            'f32:32:32-f64:64:64-v16:16:16-v32:32:32-v64:64:64-v128:128:128-n16:32:64"\n'
+            "define void @defrag_probe() {\nentry:\n  ret void\n}\n"
+            "!nvvm.annotations = !{!0}\n"
+            '!0 = !{void ()* @defrag_probe, !"kernel", i32 1}\n'
+            "!nvvmir.version = !{!1}\n"
+            f"!1 = !{{i32 {major}, i32 {minor}, i32 {dmajor}, i32 {dminor}}}\n"
+        ).encode()
+        prog = nvvm.create_program()
+        try:
+            nvvm.add_module_to_program(prog, ir, len(ir), "defrag_probe.ll")
+            opts = [f"-arch={arch}"]
+            nvvm.compile_program(prog, len(opts), opts)
+            buf = bytearray(nvvm.get_compiled_result_size(prog))
+            nvvm.get_compiled_result(prog, buf)
+        finally:
+            nvvm.destroy_program(prog)
+        ptx = bytes(buf).rstrip(b"\0").decode(errors="replace")
+        out["ptx_version"] = list(parse_ptx_version(ptx) or ())
+        out["ptx_head"] = [ln for ln in ptx.splitlines() if ln.startswith((".version", ".target"))]
+    except Exception as exc:
+        out["error"] = f"{exc.__class__.__name__}: {exc}"
+        return out
+    if load_in_driver:
+        out["driver_load"] = driver_loads_ptx(ptx)
+    return out
+
+
+def driver_loads_ptx(ptx: str) -> str:
+    """'ok', or the CUresult name the driver answers cuModuleLoadData with (needs a GPU)."""
+    try:
+        from cuda.bindings import driver as cu
+
+        def check(res):
+            err = res[0]
+            if err != cu.CUresult.CUDA_SUCCESS:
+                raise RuntimeError(cu.CUresult(int(err)).name)
+            return res[1] if len(res) > 1 else None
+
+        check(cu.cuInit(0))
+        dev = check(cu.cuDeviceGet(0))
+        ctx = check(cu.cuDevicePrimaryCtxRetain(dev))
+        try:
+            check(cu.cuCtxSetCurrent(ctx))
+            err, module = cu.cuModuleLoadData(ptx.encode() + b"\0")
+            if err != cu.CUresult.CUDA_SUCCESS:
+                return cu.CUresult(int(err)).name
+            cu.cuModuleUnload(module)
+            return "ok"
+        finally:
+            cu.cuDevicePrimaryCtxRelease(dev)
+    except Exception as exc:
+        return f"{exc.__class__.__name__}: {exc}"
+
+
+def quick_gpu_probe() -> tuple[bool, str]:
+    """Is a CUDA driver with a GPU usable (cuda.bindings only; no torch)? Mirrors defrag's cuda_driver_usable."""
+    try:
+        from cuda.bindings import driver as cu
+    except Exception as exc:
+        return False, f"cuda.bindings unavailable ({exc.__class__.__name__}: {exc})"
+    try:
+        err, = cu.cuInit(0)
+    except RuntimeError as exc:
+        return False, f"no CUDA driver library ({exc.__class__.__name__}: {exc})"
+    if err != cu.CUresult.CUDA_SUCCESS:
+        return False, f"cuInit failed: {cu.CUresult(int(err)).name}"
+    err, count = cu.cuDeviceGetCount()
+    if err != cu.CUresult.CUDA_SUCCESS or count < 1:
+        return False, "the CUDA driver reports no devices"
+    return True, f"{count} CUDA device(s)"
+
+
+def registered_benchmarks() -> list[str]:
+    """runner.REGISTRY's names, read from its source (the parent never imports defrag)."""
+    try:
+        return re.findall(r'Benchmark\(\s*"(\w+)"', (HERE / "runner.py").read_text())
+    except OSError:
+        return []
+
+
+def _tail(text: str, n: int = 4000) -> str:
+    return text if len(text) <= n else "...\n" + text[-n:]
+
+
+# =========================================================================== stages run in a child process
+
+
+def stage_env(args) -> dict:
+    """Everything about this machine that decides whether the GPU path can work (see the module docstring)."""
+    import platform
+    from importlib import metadata
+
+    info: dict = {"python": sys.version.split()[0], "executable": sys.executable, "platform": platform.platform(),
+                  "checkout": str(ROOT), "problems": [], "warnings": []}
+    spec = importlib.util.spec_from_file_location("_defrag_bare_checkout_env", BOOTSTRAP)
+    boot = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(boot)
+    info["imported_from"] = boot.imported_from()
+    for name, where in info["imported_from"].items():
+        if not str(Path(str(where)).resolve()).startswith(str(ROOT)):
+            info["problems"].append(f"{name} was imported from {where}, not from this checkout ({ROOT})")
+
+    def version(dist):
+        try:
+            return metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            return None
+
+    info["versions"] = {d: version(d) for d in ("numpy", "numba", "numba-cuda", "cuda-bindings",
+                                                "cuda-python", "cuda-pathfinder", "llvmlite", "pytest")}
+    import torch
+
+    from defrag import tensors
+    from defrag.driver import cuda_driver_usable
+
+    native = bool(getattr(tensors, "NATIVE_SWAP_DATA_PTR", tensors.HAS_SWAP_DATA_PTR))
+    info["torch"] = {"version": torch.__version__, "cuda_build": torch.version.cuda, "swap_data_ptr": native}
+    if hasattr(tensors, "swap_mode"):
+        # How storages move here. On torch < 2.12 the first call builds the storage-swap extension
+        # (10-30 s, once per machine): done here, so the test and benchmark stages find it built.
+        t0 = time.perf_counter()
+        try:
+            info["torch"]["swap_mode"] = tensors.swap_mode()
+        except Exception as exc:
+            info["torch"]["swap_mode"] = f"error: {exc.__class__.__name__}: {exc}"
+        info["torch"]["swap_mode_seconds"] = round(time.perf_counter() - t0, 2)
+    mode = info["torch"].get("swap_mode", "native" if native else "rebind")
+    if mode != "native":
+        info["warnings"].append(
+            f"torch {torch.__version__} has no UntypedStorage._swap_data_ptr_ (torch < 2.12); storages move by "
+            + ("the storage-swap extension" if mode == "extension" else
+               f"rebinding ({mode}): storages with views the pool did not make stay in place during compaction"))
+    ok, reason = cuda_driver_usable()
+    gpu = {"driver_usable": ok, "reason": reason}
+    try:
+        from cuda.bindings import driver as cu
+
+        err, v = cu.cuDriverGetVersion()
+        if err == cu.CUresult.CUDA_SUCCESS:
+            gpu["driver_cuda_version"] = f"{v // 1000}.{(v % 1000) // 10}"
+            gpu["driver_max_ptx"] = list(max_ptx_isa(v) or ())
+    except Exception as exc:  # no libcuda: fine on a CPU machine
+        gpu["driver_cuda_version"] = None
+        gpu["driver_error"] = f"{exc.__class__.__name__}: {exc}"
+    gpu["torch_cuda_available"] = bool(torch.cuda.is_available()) if ok else False
+    if ok and gpu["torch_cuda_available"]:
+        props = torch.cuda.get_device_properties(0)
+        gpu.update(name=props.name, capability=list(torch.cuda.get_device_capability(0)),
+                   memory_bytes=int(props.total_memory), sm_count=int(props.multi_processor_count))
+    elif ok:
+        info["problems"].append(f"the CUDA driver works ({reason}) but torch {torch.__version__} cannot use it "
+                                "(torch.cuda.is_available() is False: a CPU-only torch build?)")
+    info["gpu"] = gpu
+    info["is_gpu"] = bool(ok and gpu["torch_cuda_available"])
+    info["nvidia_smi"] = nvidia_smi()
+
+    # libNVVM: which one, which PTX, does the driver take it
+    cc = gpu.get("capability") or [9, 0]
+    arch = f"compute_{cc[0]}{cc[1]}"
+    nv = nvvm_probe(arch, load_in_driver=info["is_gpu"])
+    nv["DEFRAG_LIBNVVM"] = os.environ.get("DEFRAG_LIBNVVM")
+    nv["CUDA_HOME"] = os.environ.get("CUDA_HOME")
+    nv["candidates"] = libnvvm_candidates()
+    limit = tuple(gpu.get("driver_max_ptx") or ())
+    ptx = tuple(nv.get("ptx_version") or ())
+    nv["ptx_ok"] = None if not (limit and ptx) else ptx <= limit
+    if nv.get("error"):
+        (info["problems"] if info["is_gpu"] else info["warnings"]).append(f"libNVVM: {nv['error']}")
+    if nv["ptx_ok"] is False or (nv.get("driver_load") not in (None, "ok")):
+        nv["advice"] = (f"numba's libNVVM ({nv.get('path')}, found via {nv.get('found_via')}) emits PTX "
+                        f"{fmt_version(ptx)}, but the driver (CUDA {gpu.get('driver_cuda_version')}) accepts PTX up to "
+                        f"{fmt_version(limit)} (cuModuleLoadData: {nv.get('driver_load')}). Use the libNVVM of a "
+                        "toolkit no newer than the driver: DEFRAG_LIBNVVM=<toolkit>/nvvm/lib64/libnvvm.so.4 "
+                        "CUDA_HOME=<toolkit> (gpu_check does so itself when it finds one). CUDA_HOME alone is not "
+                        "enough when the newer libNVVM sits in site-packages or on the loader path: cuda.pathfinder "
+                        "searches those first.")
+        info["problems"].append(nv["advice"])
+        if limit:
+            nv["fix"] = best_libnvvm(nv["candidates"], arch, limit, skip=nv.get("realpath"))
+    info["libnvvm"] = nv
+
+    if info["is_gpu"]:
+        info["kernel_probe"] = kernel_probe()
+        if not info["kernel_probe"].get("ok"):
+            info["problems"].append(f"defrag.kernels on the GPU: {info['kernel_probe'].get('error')}")
+    try:
+        import contextlib
+        import io
+
+        from defrag.cli import doctor
+
+        buf = io.StringIO()
+        with contextlib.redirect_stdout(buf):
+            doctor(None)
+        info["doctor"] = buf.getvalue().strip()
+    except Exception as exc:
+        info["doctor"] = f"defrag doctor failed: {exc.__class__.__name__}: {exc}"
+    return info
+
+
+def nvidia_smi() -> str | None:
+    import shutil
+
+    smi = shutil.which("nvidia-smi")
+    if not smi:
+        return None
+    try:  # a read-only query; never changes any setting
+        out = subprocess.run([smi, "--query-gpu=name,driver_version,memory.total,clocks.sm,clocks.max.sm",
+                              "--format=csv,noheader"], capture_output=True, text=True, timeout=30)
+        return (out.stdout or out.stderr).strip()
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return f"nvidia-smi failed: {exc}"
+
+
+def best_libnvvm(candidates: list[str], arch: str, limit: tuple, skip: str | None = None) -> dict | None:
+    """Probe each candidate libNVVM in its own process; the newest whose PTX the driver accepts, or None."""
+    best = None
+    for path in candidates:
+        if skip and os.path.realpath(path) == skip:
+            continue
+        try:
+            proc = subprocess.run([sys.executable, str(HERE / "gpu_check.py"), "--nvvm-probe", path, "--arch", arch,
+                                   "--driver-load"], capture_output=True, text=True, timeout=60)
+            res = json.loads(proc.stdout.strip().splitlines()[-1])
+        except Exception:
+            continue
+        ptx = tuple(res.get("ptx_version") or ())
+        if not ptx or ptx > limit or res.get("driver_load") not in (None, "ok"):
+            continue
+        if best is None or ptx > tuple(best["ptx_version"]):
+            best = {"DEFRAG_LIBNVVM": path, "CUDA_HOME": toolkit_root(path), "ptx_version": list(ptx),
+                    "driver_load": res.get("driver_load")}
+    return best
+
+
+def kernel_probe() -> dict:
+    """Compile and run defrag.kernels' move and checksum once on the GPU; check the bytes."""
     t0 = time.perf_counter()
     try:
-        proc = subprocess.run(cmd, cwd=root, capture_output=True, text=True, timeout=timeout)
-        text, code = proc.stdout + proc.stderr, proc.returncode
-    except subprocess.TimeoutExpired as exc:
-        text = (exc.stdout or b"").decode(errors="replace") if isinstance(exc.stdout, bytes) else (exc.stdout or "")
-        text += f"\n[gpu_check] pytest timed out after {timeout:.0f} s\n"
-        code = None
-    log.write_text(text)
-    lines = [ln for ln in text.strip().splitlines() if ln.strip()]
-    summary = next((ln.strip("= ").strip() for ln in reversed(lines)
-                    if re.search(r"\b(passed|failed|skipped|error|no tests ran)\b", ln)), lines[-1] if lines else "")
-    counts = {k: int(n) for n, k in re.findall(r"(\d+) (passed|failed|skipped|errors?|xfailed|xpassed)", summary)}
-    skip_reasons = sorted({m.strip() for m in re.findall(r"SKIPPED \[\d+\] [^:]+(?::\d+)?: (.*)", text)})
-    return {"ran": True, "command": "python " + " ".join(cmd[1:]), "cwd": str(root), "returncode": code,
-            "seconds": time.perf_counter() - t0, "summary": summary, "counts": counts,
-            "skip_reasons": skip_reasons, "log": log.name, "junit": xml.name}
+        import numpy as np
+        import torch
+
+        import defrag.kernels as dk
+
+        if dk.is_simulator():
+            return {"ok": False, "error": "numba.cuda is the CPU simulator (NUMBA_ENABLE_CUDASIM is set)"}
+        half = 1 << 18
+        buf = torch.randint(0, 256, (2 * half,), dtype=torch.uint8, device="cuda")
+        arena = dk.device_arena(buf.data_ptr(), buf.numel())
+        dk.batched_move(arena, np.array([[0, half, half]], dtype=np.int64))
+        torch.cuda.synchronize()
+        same = bool(torch.equal(buf[:half], buf[half:]))
+        sums = dk.checksum(arena, [[0, half], [half, half]])
+        ok = same and int(sums[0]) == int(sums[1])
+        return {"ok": ok, "seconds_with_compile": time.perf_counter() - t0,
+                **({} if ok else {"error": "the move kernel's bytes or checksums are wrong"})}
+    except Exception as exc:
+        return {"ok": False, "seconds_with_compile": time.perf_counter() - t0,
+                "error": f"{exc.__class__.__name__}: {str(exc)[:2000]}"}
 
 
-def write_report(report: dict, out: Path) -> None:
-    (out / "gpu_report.json").write_text(json.dumps(report, indent=1, default=str) + "\n")
-    p, t, b = report["probe"], report["tests"], report["benchmarks"]
+def stage_bench(args, name: str) -> dict:
+    """One benchmark through `defrag bench`'s runner; merged into DIR/bench/results.json and results.md."""
+    from defrag.benchmarks import runner
+
+    out = Path(args.out)
+    bench_dir = out / "bench"
+    stage_dir = bench_dir / "stages" / name
+    results = runner.run([name], device=args.device, smoke=args.smoke, out=stage_dir, progress=False)
+    res = results["benchmarks"][name]
+    if res.get("plot"):
+        res["plot"] = f"stages/{name}/{res['plot']}"
+    merged_path = bench_dir / "results.json"
+    merged = json.loads(merged_path.read_text()) if merged_path.exists() else None
+    if not merged or merged.get("machine", {}).get("device") != results["machine"]["device"]:
+        merged = {"machine": results["machine"], "smoke": results["smoke"], "benchmarks": {}, "seconds": 0.0}
+    merged["benchmarks"][name] = res
+    merged["seconds"] = sum(r.get("seconds", 0.0) for r in merged["benchmarks"].values())
+    merged_path.write_text(json.dumps(merged, indent=1) + "\n")
+    runner.write_markdown(merged, bench_dir / "results.md")
+    return {"benchmark": name, "device": results["machine"]["device"], "status": res["status"],
+            "rows": len(res.get("rows", [])), "reason": res.get("reason"),
+            "error": _tail(res.get("error") or "", 1500) or None,
+            "goals": runner.goals_of({"benchmarks": {name: res}}), "seconds": res.get("seconds"),
+            "figures": res.get("rows", [])[:40]}
+
+
+def run_child_stage(args) -> int:
+    """`--stage NAME`: run one stage in this process and write its JSON to --stage-out."""
+    t0 = time.perf_counter()
+    try:
+        if args.stage == "env":
+            data = stage_env(args)
+        elif args.stage.startswith("bench:"):
+            data = stage_bench(args, args.stage.split(":", 1)[1])
+        else:
+            raise SystemExit(f"unknown stage {args.stage!r}")
+        data["ok"] = True
+    except Exception:
+        import traceback
+
+        data = {"ok": False, "error": traceback.format_exc()}
+    data["seconds"] = time.perf_counter() - t0
+    Path(args.stage_out).write_text(json.dumps(data, indent=1, default=str) + "\n")
+    print(json.dumps({k: v for k, v in data.items() if k in ("ok", "status", "error", "is_gpu")}, default=str))
+    return 0 if data["ok"] else 1
+
+
+# =========================================================================== the parent: stages, budget, report
+
+
+class Check:
+    """The parent process: runs the stages as subprocesses and keeps the report up to date."""
+
+    def __init__(self, args):
+        self.args = args
+        self.out = Path(args.out).resolve()
+        self.t0 = time.monotonic()
+        self.budget = float(args.budget if args.budget is not None else DEFAULT_BUDGET[0 if args.smoke else 1])
+        self.env = dict(os.environ)
+        # Stages decide for themselves (a stray NUMBA_ENABLE_CUDASIM=1 would hide a real GPU from numba).
+        self.env.pop("NUMBA_ENABLE_CUDASIM", None)
+        if args.libnvvm:
+            self.env["DEFRAG_LIBNVVM"] = args.libnvvm
+            root = toolkit_root(args.libnvvm)
+            if root and "CUDA_HOME" not in os.environ:
+                self.env["CUDA_HOME"] = root
+        self.env["PYTHONUNBUFFERED"] = "1"
+        gpu, reason = quick_gpu_probe()
+        self.report: dict = {
+            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]) if sys.argv else "",
+            "checkout": str(ROOT), "smoke": bool(args.smoke), "budget_s": self.budget,
+            "probe": {"gpu": gpu, "reason": reason, "device_name": None},
+            "env": None, "stages": [], "tests": {"ran": False, "reason": "not run yet"},
+            "benchmarks": {"device": "cuda:0" if gpu else "emulated", "smoke": bool(args.smoke), "seconds": 0.0,
+                           "results": {}, "goals": []},
+            "complete": False, "verdict": "incomplete: the check is still running (or was killed)",
+        }
+
+    # ------------------------------------------------------------------ budget
+    def elapsed(self) -> float:
+        return time.monotonic() - self.t0
+
+    def left(self) -> float:
+        return self.budget - self.elapsed()
+
+    # ------------------------------------------------------------------ one subprocess stage
+    def run_stage(self, name: str, cmd: list[str], timeout: float, env: dict | None = None) -> dict:
+        stage = {"name": name, "status": "running", "seconds": 0.0, "timeout_s": None, "returncode": None,
+                 "log": f"stage-{_safe(name)}.log", "summary": "", "output_tail": ""}
+        self.report["stages"].append(stage)
+        left = self.left()
+        if left < MIN_STAGE_SECONDS:
+            stage.update(status="skipped", summary=f"no time left in the {self.budget:.0f} s budget")
+            self.write()
+            return stage
+        timeout = max(1.0, min(timeout, left))
+        stage["timeout_s"] = round(timeout, 1)
+        self.write()  # a report that shows this stage running, should the whole run be killed now
+        print(f"[gpu_check] {name} (timeout {timeout:.0f} s) ...", flush=True)
+        log_path = self.out / stage["log"]
+        t0 = time.monotonic()
+        with open(log_path, "w") as log:
+            log.write("$ " + " ".join(cmd) + "\n")
+            log.flush()
+            # Its own process group (not session): a timeout stops the stage and everything it started,
+            # and whoever stops this whole command still reaches the stage too.
+            proc = subprocess.Popen(cmd, cwd=ROOT, env=env or self.env, stdout=log, stderr=subprocess.STDOUT,
+                                    preexec_fn=os.setpgrp)
+            try:
+                rc = proc.wait(timeout=timeout)
+                stage["status"] = "passed" if rc == 0 else "failed"
+            except subprocess.TimeoutExpired:
+                _kill_group(proc)
+                rc = None
+                stage["status"] = "timed out"
+            except BaseException:
+                _kill_group(proc)
+                raise
+        stage["returncode"] = rc
+        stage["seconds"] = round(time.monotonic() - t0, 2)
+        stage["output_tail"] = _tail(log_path.read_text(errors="replace"))
+        return stage
+
+    def child(self, stage: str, extra: list[str] = ()) -> list[str]:
+        out_file = self.out / f"stage-{_safe(stage)}.json"
+        if out_file.exists():
+            out_file.unlink()
+        launch = ([str(BOOTSTRAP), str(HERE / "gpu_check.py")] if IS_CHECKOUT
+                  else ["-m", "defrag.benchmarks.gpu_check"])  # an installed defrag: no checkout to bootstrap
+        return [sys.executable, *launch, "--stage", stage, "--stage-out", str(out_file), "--out", str(self.out),
+                *extra]
+
+    def child_data(self, stage: str) -> dict | None:
+        f = self.out / f"stage-{_safe(stage)}.json"
+        try:
+            return json.loads(f.read_text())
+        except (OSError, ValueError):
+            return None
+
+    # ------------------------------------------------------------------ stages
+    def do_env(self, label: str = "env") -> None:
+        st = self.run_stage(label, self.child("env"), min(ENV_TIMEOUT, max(60.0, self.left() * 0.5)))
+        data = self.child_data("env")
+        if data is None or not data.get("ok"):
+            st["summary"] = "the environment probe failed" + (f": {data['error'].strip().splitlines()[-1]}"
+                                                              if data and data.get("error") else "")
+            if st["status"] == "passed":
+                st["status"] = "failed"
+            self.write()
+            return
+        self.report["env"] = data
+        p = self.report["probe"]
+        gpu = data["gpu"]
+        reason = gpu.get("reason")
+        if gpu.get("driver_usable") and not data["is_gpu"]:
+            reason = f"the CUDA driver works but torch {data['torch']['version']} cannot use it"
+        p.update(gpu=bool(data["is_gpu"]), reason=reason,
+                 device_name=gpu.get("name"), torch_cuda=data["torch"]["cuda_build"],
+                 driver_cuda=gpu.get("driver_cuda_version"), nvidia_smi=data.get("nvidia_smi"))
+        self.report["benchmarks"]["device"] = "cuda:0" if data["is_gpu"] else "emulated"
+        self.report["doctor"] = data.get("doctor")
+        nv = data.get("libnvvm") or {}
+        parts = [f"torch {data['torch']['version']}" + (f"+CUDA {data['torch']['cuda_build']}"
+                                                        if data["torch"]["cuda_build"] else ""),
+                 "_swap_data_ptr_ " + ("yes" if data["torch"]["swap_data_ptr"] else "NO")
+                 + (f" (swap: {data['torch']['swap_mode']})" if data["torch"].get("swap_mode") else "")]
+        if gpu.get("driver_cuda_version"):
+            parts.append(f"driver CUDA {gpu['driver_cuda_version']} (PTX <= {fmt_version(gpu.get('driver_max_ptx'))})")
+        if nv.get("ptx_version"):
+            parts.append(f"libNVVM emits PTX {fmt_version(nv['ptx_version'])}"
+                         + ("" if nv.get("ptx_ok") is not False else " (TOO NEW)"))
+        if "kernel_probe" in data:
+            parts.append("kernels " + ("ok" if data["kernel_probe"].get("ok") else "FAILED"))
+        st["summary"] = "; ".join(parts)
+        if data["problems"] and data["is_gpu"]:
+            st["status"] = "failed"
+        st["figures"] = {"problems": data["problems"], "warnings": data["warnings"]}
+        self.write()
+
+    def maybe_fix_nvvm(self) -> None:
+        env = self.report.get("env") or {}
+        fix = (env.get("libnvvm") or {}).get("fix")
+        if not fix or self.args.libnvvm or "DEFRAG_LIBNVVM" in os.environ:
+            return
+        self.env["DEFRAG_LIBNVVM"] = fix["DEFRAG_LIBNVVM"]
+        if fix.get("CUDA_HOME"):
+            self.env["CUDA_HOME"] = fix["CUDA_HOME"]
+        self.report["nvvm_fix"] = fix
+        print(f"[gpu_check] using {fix['DEFRAG_LIBNVVM']} (PTX {fmt_version(fix['ptx_version'])}) for the next stages",
+              flush=True)
+        self.do_env("env (with DEFRAG_LIBNVVM)")
+
+    def do_tests(self) -> None:
+        args = self.args
+        if not (ROOT / "tests" / "gpu").is_dir():
+            self.report["stages"].append({"name": "tests", "status": "skipped", "seconds": 0.0, "returncode": None,
+                                          "log": None, "output_tail": "",
+                                          "summary": "tests/gpu not found: run from a source checkout of defrag"})
+            self.report["tests"] = {"ran": False, "reason": "tests/gpu not found: run from a source checkout of defrag"}
+            self.write()
+            return
+        xml = self.out / "gpu_tests.xml"
+        figures = self.out / "gpu_test_figures.jsonl"
+        for f in (xml, figures):
+            if f.exists():
+                f.unlink()
+        env = dict(self.env, DEFRAG_GPU_FIGURES=str(figures))
+        gpu = self.report["probe"]["gpu"]
+        rehearsal = not gpu and (args.rehearse or os.environ.get("DEFRAG_GPU_REHEARSAL") == "1")
+        if rehearsal:
+            env["DEFRAG_GPU_REHEARSAL"] = "1"
+        else:
+            env.pop("DEFRAG_GPU_REHEARSAL", None)
+        # -v: one line per test in the log, so a stage killed at its timeout still shows what ran
+        cmd = [sys.executable, str(BOOTSTRAP), "-m", "pytest", "tests/gpu", "-v", "-rfEs", "-p", "no:cacheprovider",
+               f"--junitxml={xml}"]
+        timeout = args.test_timeout or TEST_TIMEOUT[0 if args.smoke else 1]
+        st = self.run_stage("tests", cmd, timeout, env)
+        t = {"ran": st["status"] != "skipped", "mode": "cuda" if gpu else ("rehearsal" if rehearsal else "skipped"),
+             "command": "python3 benchmarks/_bare_checkout.py -m pytest tests/gpu" + (
+                 " (DEFRAG_GPU_REHEARSAL=1)" if rehearsal else ""),
+             "cwd": str(ROOT), "returncode": st["returncode"], "seconds": st["seconds"], "log": st["log"],
+             "junit": xml.name}
+        t.update(parse_junit(xml) or parse_verbose_log(self.out / st["log"]))
+        text = st["output_tail"]
+        lines = [ln for ln in text.strip().splitlines() if ln.strip()]
+        t["summary"] = next((ln.strip("= ").strip() for ln in reversed(lines)
+                             if re.search(r"\b(passed|failed|skipped|error|no tests ran)\b", ln)),
+                            st["status"])
+        if not t.get("counts"):
+            t["counts"] = {k: int(n) for n, k in re.findall(r"(\d+) (passed|failed|skipped|errors?)", t["summary"])}
+        t["figures"] = read_jsonl(figures)
+        if not t["ran"]:
+            t["reason"] = st["summary"]
+        self.report["tests"] = t
+        if st["status"] == "failed" and st["returncode"] == 5:  # no tests collected
+            st["status"] = "passed"
+        c = t.get("counts", {})
+        label = {"cuda": "on the GPU", "rehearsal": "REHEARSAL on the emulated device",
+                 "skipped": "no GPU (not rehearsed)"}[t["mode"]]
+        st["summary"] = f"{label}: " + (", ".join(f"{n} {k}" for k, n in c.items() if n) if c else t["summary"])
+        st["figures"] = {f["name"]: f"{_num(f['value'])} {f['unit']}" for f in t["figures"]}
+        self.write()
+
+    def bench_names(self) -> list[str]:
+        if self.args.only:
+            return [n.strip() for n in self.args.only.split(",") if n.strip()]
+        return [n for n, (smoke, full) in GPU_BENCHMARKS.items() if (smoke if self.args.smoke else full)]
+
+    def do_bench(self, name: str) -> None:
+        device = self.report["benchmarks"]["device"]
+        limits = GPU_BENCHMARKS.get(name, OTHER_BENCH_TIMEOUT)
+        timeout = limits[0 if self.args.smoke else 1] or OTHER_BENCH_TIMEOUT[0 if self.args.smoke else 1]
+        extra = ["--device", device] + (["--smoke"] if self.args.smoke else [])
+        st = self.run_stage(f"bench:{name}", self.child(f"bench:{name}", extra), timeout)
+        data = self.child_data(f"bench:{name}")
+        b = self.report["benchmarks"]
+        if data and data.get("ok"):
+            b["results"][name] = {"status": data["status"], "rows": data["rows"], "reason": data.get("reason")}
+            b["goals"] = [g for g in b["goals"] if g["benchmark"] != name] + data["goals"]
+            b["seconds"] += data.get("seconds") or 0.0
+            if data["status"] == "error":
+                st["status"] = "failed"
+                last = (data.get("error") or "").strip().splitlines()
+                st["summary"] = "error: " + (last[-1] if last else "see the stage log")
+            else:
+                st["summary"] = (f"{data['rows']} rows on {data['device']}" if data["status"] == "ok"
+                                 else f"skipped: {data.get('reason')}")
+                st["figures"] = data.get("figures")
+                if data["status"] == "skipped":
+                    st["status"] = "skipped"
+        else:
+            b["results"][name] = {"status": "error" if st["status"] != "skipped" else "skipped", "rows": 0,
+                                  "reason": st["status"]}
+            if data and data.get("error"):
+                st["summary"] = data["error"].strip().splitlines()[-1]
+        self.write()
+
+    # ------------------------------------------------------------------ verdict and report
+    def finish(self) -> int:
+        stages = self.report["stages"]
+        out_of_time = [s for s in stages if s["status"] == "skipped" and "no time left" in s["summary"]]
+        bad = [s for s in stages if s["status"] in ("failed", "timed out")] + out_of_time
+        gpu = self.report["probe"]["gpu"]
+        if gpu:
+            verdict = ("GPU check passed: every stage passed." if not bad else
+                       "GPU check FAILED: " + "; ".join(f"{s['name']} {s['status']}" for s in bad) + ".")
+        else:
+            verdict = ("No GPU present: no GPU test ran on a GPU and no GPU figure is reported. What could run here "
+                       + ("ran without errors." if not bad else
+                          "had errors: " + "; ".join(f"{s['name']} {s['status']}" for s in bad) + "."))
+        self.report.update(verdict=verdict, complete=True, seconds=round(self.elapsed(), 1))
+        self.write()
+        print(verdict)
+        print(f"report: {self.out / 'gpu_report.md'}")
+        return 1 if bad else 0
+
+    def write(self) -> None:
+        self.report["seconds"] = round(self.elapsed(), 1)
+        tmp = self.out / "gpu_report.json.tmp"
+        tmp.write_text(json.dumps(self.report, indent=1, default=str) + "\n")
+        tmp.replace(self.out / "gpu_report.json")
+        tmp = self.out / "gpu_report.md.tmp"
+        tmp.write_text(render_markdown(self.report))
+        tmp.replace(self.out / "gpu_report.md")
+
+
+def _kill_group(proc) -> None:
+    """Stop a stage's process group (it was started in a group of its own), politely first."""
+    for sig, wait in ((signal.SIGTERM, 5), (signal.SIGKILL, 5)):
+        try:
+            os.killpg(proc.pid, sig)
+        except (ProcessLookupError, PermissionError):
+            return
+        try:
+            proc.wait(timeout=wait)
+            return
+        except subprocess.TimeoutExpired:
+            continue
+
+
+def _safe(name: str) -> str:
+    return re.sub(r"[^A-Za-z0-9_.-]+", "-", name).strip("-")
+
+
+def _num(v) -> str:
+    return f"{v:.4g}" if isinstance(v, float) else str(v)
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    try:
+        return [json.loads(ln) for ln in path.read_text().splitlines() if ln.strip()]
+    except (OSError, ValueError):
+        return []
+
+
+def parse_verbose_log(path: Path) -> dict:
+    """Counts and failures from ``pytest -v`` lines (when a killed run left no JUnit XML)."""
+    try:
+        text = path.read_text(errors="replace")
+    except OSError:
+        return {}
+    found = re.findall(r"^(\S+::\S+) (PASSED|FAILED|SKIPPED|ERROR)", text, re.M)
+    if not found:
+        return {}
+    counts = {"passed": 0, "failed": 0, "errors": 0, "skipped": 0}
+    key = {"PASSED": "passed", "FAILED": "failed", "SKIPPED": "skipped", "ERROR": "errors"}
+    for _, outcome in found:
+        counts[key[outcome]] += 1
+    return {"counts": counts, "failures": [{"test": n, "message": o} for n, o in found if o in ("FAILED", "ERROR")],
+            "skip_reasons": []}
+
+
+def parse_junit(path: Path) -> dict:
+    """Counts, failures and skip reasons from pytest's JUnit XML (empty when there is none)."""
+    import xml.etree.ElementTree as ET
+
+    try:
+        root = ET.parse(path).getroot()
+    except (OSError, ET.ParseError):
+        return {}
+    counts = {"passed": 0, "failed": 0, "errors": 0, "skipped": 0}
+    failures, skips = [], set()
+    for case in root.iter("testcase"):
+        name = f"{case.get('classname', '')}::{case.get('name', '')}"
+        kinds = {child.tag for child in case}
+        if "failure" in kinds:
+            counts["failed"] += 1
+            msg = next(c.get("message", "") for c in case if c.tag == "failure")
+            failures.append({"test": name, "message": (msg or "")[:500]})
+        elif "error" in kinds:
+            counts["errors"] += 1
+            msg = next(c.get("message", "") for c in case if c.tag == "error")
+            failures.append({"test": name, "message": "error: " + (msg or "")[:500]})
+        elif "skipped" in kinds:
+            counts["skipped"] += 1
+            skips.add(next(c.get("message", "") for c in case if c.tag == "skipped"))
+        else:
+            counts["passed"] += 1
+    return {"counts": counts, "failures": failures, "skip_reasons": sorted(s for s in skips if s)}
+
+
+def render_markdown(r: dict) -> str:
+    p = r["probe"]
     lines = ["# defrag GPU check", ""]
-    if p["gpu"]:
-        lines.append(f"**GPU: {p['device_name']}** (torch CUDA {p.get('torch_cuda')}); {report['date']}")
+    if p.get("gpu"):
+        lines.append(f"**GPU: {p.get('device_name') or 'present'}** (torch CUDA {p.get('torch_cuda')}, driver CUDA "
+                     f"{p.get('driver_cuda')}); {r['date']}; {'smoke' if r['smoke'] else 'full'} run")
     else:
-        lines += [f"**NO GPU PRESENT** ({p['reason']}).",
-                  "",
-                  "Nothing in this report was measured on a GPU: the GPU tests skip, and the benchmarks below ran "
-                  "on the emulated device (host memory, kernels under numba's CPU simulator). "
-                  f"{report['date']}"]
+        lines.append(f"**NO GPU PRESENT** ({p.get('reason')}). Nothing in this report was measured on a GPU; "
+                     f"benchmark figures, if any, are from the emulated device. {r['date']}")
     if p.get("nvidia_smi"):
         lines += ["", f"nvidia-smi: `{p['nvidia_smi']}`"]
-    lines += ["", "## defrag doctor", "", "```", report["doctor"], "```", "", "## tests/gpu", ""]
+    lines += ["", f"**Verdict:** {r['verdict']}", "",
+              f"Checkout `{r['checkout']}`; `{r['command']}`; {r['seconds']} s of a {r['budget_s']:.0f} s budget.", "",
+              "## Stages", "", "| stage | status | seconds | summary |", "|---|---|---|---|"]
+    for s in r["stages"]:
+        status = s["status"] if s["status"] in ("passed", "skipped", "running") else f"**{s['status']}**"
+        summary = str(s.get("summary") or "").replace("|", "\\|").replace("\n", " ")
+        lines.append(f"| {s['name']} | {status} | {s['seconds']} | {summary} |")
+    env = r.get("env")
+    if env:
+        lines += ["", "## Environment", ""]
+        t, g, nv = env["torch"], env["gpu"], env.get("libnvvm") or {}
+        lines.append(f"- python {env['python']} ({env['executable']}); {env['platform']}")
+        lines.append(f"- torch {t['version']} (CUDA build {t['cuda_build']}); `UntypedStorage._swap_data_ptr_`: "
+                     + ("present" if t["swap_data_ptr"] else "**missing** (torch < 2.12)")
+                     + (f"; storages move by: {t['swap_mode']} ({t.get('swap_mode_seconds')} s to decide)"
+                        if t.get("swap_mode") else ""))
+        v = env["versions"]
+        lines.append("- " + ", ".join(f"{k} {v[k]}" for k in v if v[k]))
+        lines.append(f"- driver: {'CUDA ' + g['driver_cuda_version'] if g.get('driver_cuda_version') else 'none'}"
+                     + (f", accepts PTX up to {fmt_version(g.get('driver_max_ptx'))}" if g.get("driver_max_ptx") else "")
+                     + f"; GPU: {g.get('name') or 'none'} ({g.get('reason')})")
+        if nv.get("path"):
+            lines.append(f"- libNVVM: `{nv['path']}` (found via {nv.get('found_via')}), NVVM {fmt_version(nv.get('nvvm_version'))}, "
+                         f"IR {fmt_version(nv.get('ir_version'))}; emits PTX {fmt_version(nv.get('ptx_version'))} "
+                         f"for {nv.get('arch')}" + ({True: " (ok for this driver)", False: " (**too new for this driver**)",
+                                                     None: ""}[nv.get("ptx_ok")])
+                         + (f"; cuModuleLoadData: {nv['driver_load']}" if nv.get("driver_load") else ""))
+        elif nv.get("error"):
+            lines.append(f"- libNVVM: not usable ({nv['error']})")
+        if nv.get("DEFRAG_LIBNVVM") or nv.get("CUDA_HOME"):
+            lines.append(f"- DEFRAG_LIBNVVM={nv.get('DEFRAG_LIBNVVM')} CUDA_HOME={nv.get('CUDA_HOME')}")
+        if nv.get("candidates"):
+            lines.append("- libNVVMs on this machine: " + ", ".join(f"`{c}`" for c in nv["candidates"]))
+        if r.get("nvvm_fix"):
+            fx = r["nvvm_fix"]
+            lines.append(f"- **used for the later stages**: DEFRAG_LIBNVVM={fx['DEFRAG_LIBNVVM']} "
+                         f"CUDA_HOME={fx.get('CUDA_HOME')} (PTX {fmt_version(fx['ptx_version'])})")
+        if "kernel_probe" in env:
+            k = env["kernel_probe"]
+            lines.append("- defrag.kernels on the GPU: " + (f"ok ({k.get('seconds_with_compile', 0):.1f} s with compile)"
+                                                             if k.get("ok") else f"**failed**: {k.get('error')}"))
+        lines.append("- imported from: " + ", ".join(f"{k} `{w}`" for k, w in env["imported_from"].items()))
+        for x in env.get("problems", []):
+            lines.append(f"- **problem**: {x}")
+        for x in env.get("warnings", []):
+            lines.append(f"- warning: {x}")
+    t = r["tests"]
+    lines += ["", "## tests/gpu", ""]
     if not t.get("ran"):
         lines.append(f"Not run: {t.get('reason')}")
     else:
-        state = "timed out" if t["returncode"] is None else f"exit {t['returncode']}"
-        lines.append(f"`{t['command']}` ({state}, {t['seconds']:.1f} s): **{t['summary']}**")
-        for reason in t["skip_reasons"][:5]:
+        mode = {"cuda": "on the GPU", "rehearsal": "REHEARSAL on the emulated device (2 MiB pages), not on a GPU",
+                "skipped": "no GPU: the tests skip (add --rehearse to rehearse them on the emulated device)"}[t["mode"]]
+        lines.append(f"`{t['command']}` ({mode}; exit {t['returncode']}, {t['seconds']} s): **{t.get('summary')}**")
+        for f in t.get("failures", [])[:20]:
+            lines.append(f"- FAILED `{f['test']}`: {f['message'].splitlines()[0] if f['message'] else ''}")
+        for reason in t.get("skip_reasons", [])[:8]:
             lines.append(f"- skipped: {reason}")
-        lines.append(f"\nFull log: [{t['log']}]({t['log']})")
-    lines += ["", f"## Benchmarks ({b['device']}, {'smoke' if b['smoke'] else 'full'} run, {b['seconds']:.1f} s)", ""]
+        if t.get("figures"):
+            where = "GPU" if t["mode"] == "cuda" else "emulated device: not GPU figures"
+            lines += ["", f"Measured by the tests ({where}; never asserted on):", "",
+                      "| test | measurement | value | unit | details |", "|---|---|---|---|---|"]
+            for f in t["figures"]:
+                extra = ", ".join(f"{k}={_num(v)}" for k, v in f.items()
+                                  if k not in ("test", "name", "value", "unit", "backend"))
+                lines.append(f"| {f['test']} | {f['name']} | {_num(f['value'])} | {f['unit']} | {extra} |")
+        lines.append(f"\nLog: [{t['log']}]({t['log']})")
+    b = r["benchmarks"]
+    lines += ["", f"## Benchmarks ({b['device']}, {'smoke' if b['smoke'] else 'full'} sizes)", ""]
+    if not b["results"]:
+        lines.append("None ran.")
     for name, res in b["results"].items():
-        state = {"ok": f"{res['rows']} rows", "skipped": f"skipped: {res.get('reason')}",
-                 "error": "**error** (see bench/results.md)"}[res["status"]]
+        state = {"ok": f"{res['rows']} rows", "skipped": f"skipped: {res.get('reason')}"}.get(
+            res["status"], f"**{res['status']}** ({res.get('reason') or 'see its stage log'})")
         lines.append(f"- {name}: {state}")
     if b["goals"]:
         lines += ["", "| benchmark | goal | where | met |", "|---|---|---|---|"]
         for g in b["goals"]:
             met = "n/a on this device" if g["met"] is None else ("yes" if g["met"] else "**no**")
             lines.append(f"| {g['benchmark']} | {g['goal']} | {g['where']} | {met} |")
-    lines += ["", "Tables and plots: [bench/results.md](bench/results.md)", ""]
-    lines += ["## Verdict", "", report["verdict"], ""]
-    (out / "gpu_report.md").write_text("\n".join(lines))
+    if b["results"]:
+        lines += ["", "Tables and plots: [bench/results.md](bench/results.md)"]
+    failed = [s for s in r["stages"] if s["status"] in ("failed", "timed out")]
+    if failed:
+        lines += ["", "## Output of failed stages", ""]
+        for s in failed:
+            lines += [f"### {s['name']} ({s['status']}; log: {s['log']})", "", "```", s["output_tail"][-3000:], "```", ""]
+    return "\n".join(lines) + "\n"
+
+
+# =========================================================================== entry point
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="python3 benchmarks/gpu_check.py", description=__doc__.splitlines()[0])
+    ap.add_argument("--out", help="folder for gpu_report.md/.json, the stage logs and bench/")
+    ap.add_argument("--smoke", action="store_true", help="small sizes and fewer benchmarks: under 3 minutes on an H200")
+    ap.add_argument("--only", default=None, help="comma-separated benchmark names (default: the GPU benchmarks)")
+    ap.add_argument("--no-tests", action="store_true", help="do not run tests/gpu")
+    ap.add_argument("--no-bench", action="store_true", help="do not run benchmarks")
+    ap.add_argument("--rehearse", action="store_true",
+                    help="without a GPU, run tests/gpu as the rehearsal on the emulated device (DEFRAG_GPU_REHEARSAL=1)")
+    ap.add_argument("--budget", type=float, default=None,
+                    help=f"seconds for the whole check (default {DEFAULT_BUDGET[0]} with --smoke, {DEFAULT_BUDGET[1]} "
+                         "without); each stage's timeout is cut to what is left")
+    ap.add_argument("--test-timeout", type=float, default=None,
+                    help=f"seconds for tests/gpu (default {TEST_TIMEOUT[0]} with --smoke, {TEST_TIMEOUT[1]} without)")
+    ap.add_argument("--libnvvm", default=None, help="the libnvvm.so numba must use (sets DEFRAG_LIBNVVM and CUDA_HOME)")
+    # internal: one stage in this process (the parent runs these through benchmarks/_bare_checkout.py)
+    ap.add_argument("--stage", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--stage-out", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--device", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--nvvm-probe", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--arch", default="compute_90", help=argparse.SUPPRESS)
+    ap.add_argument("--driver-load", action="store_true", help=argparse.SUPPRESS)
+    return ap
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m defrag.benchmarks.gpu_check", description=__doc__.splitlines()[0])
-    ap.add_argument("--out", required=True, help="folder for gpu_report.md/.json, the test log and bench/")
-    ap.add_argument("--smoke", action="store_true", help="benchmarks at smoke sizes")
-    ap.add_argument("--only", default=None, help="comma-separated benchmark names (default: all)")
-    ap.add_argument("--no-tests", action="store_true", help="do not run tests/gpu")
-    ap.add_argument("--test-timeout", type=float, default=900.0, help="seconds allowed for tests/gpu (default 900)")
+    ap = build_parser()
     args = ap.parse_args(argv)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
+    if args.nvvm_probe:  # internal: which PTX does this libNVVM emit (own process: one libNVVM per process)
+        import ctypes
 
-    from . import runner
+        try:
+            ctypes.CDLL(args.nvvm_probe, mode=os.RTLD_NOW | os.RTLD_GLOBAL)
+            res = nvvm_probe(args.arch, load_in_driver=args.driver_load)
+        except OSError as exc:
+            res = {"error": f"OSError: {exc}"}
+        print(json.dumps(res, default=str))
+        return 0
+    if not args.out:
+        ap.error("--out is required")
+    if args.stage:
+        return run_child_stage(args)
+    names = []
+    if args.only:
+        known = registered_benchmarks()
+        names = [n.strip() for n in args.only.split(",") if n.strip()]
+        unknown = [n for n in names if known and n not in known]
+        if unknown:
+            print(f"gpu_check: unknown benchmark(s) {unknown}; registered: {', '.join(known)}", file=sys.stderr)
+            return 2
+    Path(args.out).mkdir(parents=True, exist_ok=True)
+    check = Check(args)
 
-    runner.prepare_simulator()  # only when no GPU works; before anything imports numba.cuda
-    t0 = time.perf_counter()
-    info = probe()
-    print("GPU: " + (info["device_name"] if info["gpu"] else f"NO GPU PRESENT ({info['reason']})"), flush=True)
-    report = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-              "probe": info, "doctor": doctor_text()}
+    def on_term(signum, frame):  # killed from outside: the report says how far it got
+        check.report["verdict"] = f"incomplete: stopped by signal {signum} after {check.elapsed():.0f} s"
+        check.write()
+        raise SystemExit(128 + signum)
 
-    if args.no_tests:
-        report["tests"] = {"ran": False, "reason": "--no-tests"}
-    else:
-        print("tests/gpu ...", flush=True)
-        report["tests"] = run_gpu_tests(out, args.test_timeout)
-        print(f"tests/gpu: {report['tests'].get('summary') or report['tests'].get('reason')}", flush=True)
-
-    device = "cuda:0" if info["gpu"] else "emulated"
-    only = [n.strip() for n in (args.only or "").split(",") if n.strip()] or None
-    try:
-        results = runner.run(only, device=device, smoke=args.smoke, out=out / "bench")
-    except ValueError as exc:
-        print(f"gpu_check: {exc}", file=sys.stderr)
-        return 2
-    report["benchmarks"] = {
-        "device": device, "smoke": results["smoke"], "seconds": results["seconds"],
-        "machine": results["machine"], "goals": runner.goals_of(results),
-        "results": {n: {"status": r["status"], "rows": len(r["rows"]), "reason": r.get("reason")}
-                    for n, r in results["benchmarks"].items()},
-    }
-    bench_errors = [n for n, r in results["benchmarks"].items() if r["status"] == "error"]
-    t = report["tests"]
-    tests_failed = t.get("ran") and t.get("returncode") not in (0, 5)  # 5: no tests collected
-    if info["gpu"]:
-        verdict = ("GPU check passed: tests/gpu passed and every benchmark ran."
-                   if not tests_failed and not bench_errors else
-                   f"GPU check FAILED: tests {'failed' if tests_failed else 'passed'}; "
-                   f"benchmark errors: {', '.join(bench_errors) or 'none'}.")
-    else:
-        verdict = ("No GPU present: GPU tests and GPU benchmarks were not run and no GPU figure is reported. "
-                   "What could run here (the emulated benchmarks"
-                   + (", tests/gpu collection and skips" if t.get("ran") else "") + ") "
-                   + ("ran without errors." if not bench_errors and not tests_failed else
-                      f"had errors: benchmarks {', '.join(bench_errors) or 'none'}; tests "
-                      f"{'failed' if tests_failed else 'ok'}."))
-    report["verdict"] = verdict
-    report["seconds"] = time.perf_counter() - t0
-    write_report(report, out)
-    print(verdict)
-    print(f"report: {(out / 'gpu_report.md').resolve()}")
-    return 1 if (tests_failed or bench_errors) else 0
+    signal.signal(signal.SIGTERM, on_term)
+    p = check.report["probe"]
+    print("[gpu_check] " + ("GPU present" if p["gpu"] else f"NO GPU PRESENT ({p['reason']})")
+          + f"; checkout {ROOT}; budget {check.budget:.0f} s", flush=True)
+    check.write()
+    check.do_env()
+    check.maybe_fix_nvvm()
+    p = check.report["probe"]
+    print("[gpu_check] " + (f"GPU: {p.get('device_name')}" if p["gpu"] else f"NO GPU PRESENT ({p['reason']})"),
+          flush=True)
+    if not args.no_tests:
+        check.do_tests()
+        print(f"[gpu_check] tests/gpu: {check.report['tests'].get('summary')}", flush=True)
+    if not args.no_bench:
+        for name in check.bench_names():
+            check.do_bench(name)
+            print(f"[gpu_check] bench {name}: {check.report['stages'][-1]['summary']}", flush=True)
+    return check.finish()
 
 
 if __name__ == "__main__":

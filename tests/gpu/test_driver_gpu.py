@@ -1,9 +1,11 @@
 """The driver-level checks of tests/cpu/test_driver.py, on a real GPU through `Driver.cuda(0)`.
 
 Bytes move through the driver (memset, DtoD copy) and are checked on the host
-with cuMemcpyHtoD / cuMemcpyDtoH. On machines without a working CUDA driver,
-tests/gpu/conftest.py skips every test here with the reason; nothing at import
-time touches the driver, so collection never fails.
+with cuMemcpyHtoD / cuMemcpyDtoH. In a rehearsal (DEFRAG_GPU_REHEARSAL=1, no
+GPU) the same checks run on an emulated device with the GPU's 2 MiB pages,
+host copies through ctypes after checking the range is mapped with access;
+without either, tests/gpu/conftest.py skips every test here with the reason.
+Nothing at import time touches the driver, so collection never fails.
 
 Deliberately not done on a GPU: copies into unmapped or no-access memory (an
 illegal address there is a sticky error that poisons the context for every later
@@ -24,6 +26,8 @@ from cuda.bindings import driver as cu
 from defrag.driver import Driver
 from defrag.errors import CudaError, CudaOutOfMemoryError
 
+from .conftest import MODE
+
 R = cu.CUresult
 INVALID = {"CUDA_ERROR_INVALID_VALUE"}
 # Misuse whose exact code the documentation leaves open (emulation: INVALID_VALUE).
@@ -34,10 +38,8 @@ MISUSE = {"CUDA_ERROR_INVALID_VALUE", "CUDA_ERROR_ILLEGAL_STATE", "CUDA_ERROR_AL
 # ---------------------------------------------------------------- fixtures and helpers
 
 @pytest.fixture(scope="module")
-def gpu():
-    d = Driver.cuda(0)
-    yield d
-    d.close()
+def gpu(gpu_driver):
+    return gpu_driver
 
 
 class Held:
@@ -107,11 +109,18 @@ def _ok(result) -> None:
 
 def to_device(d: Driver, va: int, data: bytes) -> None:
     buf = ctypes.create_string_buffer(data, len(data))
+    if d.kind == "emulated":  # device memory is host memory: check it is mapped with access first
+        assert d.api.is_accessible(va, len(data), write=True), f"{len(data)} bytes at {va:#x} are not writable"
+        ctypes.memmove(va, buf, len(data))
+        return
     _ok(cu.cuMemcpyHtoD(cu.CUdeviceptr(va), ctypes.addressof(buf), len(data)))
 
 
 def to_host(d: Driver, va: int, n: int) -> bytes:
     d.synchronize()  # driver.copy/memset run on the (async) legacy stream
+    if d.kind == "emulated":
+        assert d.api.is_accessible(va, n, write=False), f"{n} bytes at {va:#x} are not readable"
+        return ctypes.string_at(va, n)
     buf = ctypes.create_string_buffer(n)
     _ok(cu.cuMemcpyDtoH(ctypes.addressof(buf), cu.CUdeviceptr(va), n))
     return buf.raw
@@ -131,9 +140,10 @@ def expect_error(fn, *args, call: str, names=INVALID, cls=CudaError) -> CudaErro
 # ---------------------------------------------------------------- device
 
 def test_gpu_driver_reports_its_device(gpu):
-    assert gpu.kind == "cuda" and gpu.ordinal == 0
+    assert gpu.kind == ("cuda" if MODE == "cuda" else "emulated") and gpu.ordinal == 0
     g = gpu.granularity
     assert g >= 64 << 10 and g & (g - 1) == 0
+    assert g == 2 << 20 or MODE == "cuda"  # a rehearsal has the H100/H200 granularity
     assert gpu.name and gpu.total_memory > 0
     free, total = gpu.mem_info()
     assert 0 < free <= total and total == gpu.total_memory
@@ -320,3 +330,53 @@ def test_gpu_one_unmap_covers_several_whole_mappings(held, gpu):
     held.maps.clear()
     held.map(va, G, held.handles[1])       # both pages are free again
     held.map(va + G, G, held.handles[0])
+
+
+# ---------------------------------------------------------------- costs (reported, never asserted on)
+
+def test_gpu_vmm_call_costs_per_page(held, gpu, figures):
+    """What each VMM call costs per page on this device, the bytes checked after each way of granting access.
+
+    Per page: cuMemCreate, cuMemMap, cuMemSetAccess, cuMemUnmap, cuMemRelease;
+    and ONE cuMemSetAccess over the whole run of mapped pages, which is what
+    `defrag.vmm` does after a stitch. Host wall clock per call (these calls
+    are synchronous on the host), median over the pages.
+    """
+    import statistics
+    import time
+
+    G, n = held.G, 64
+
+    def timed(fn, *args):
+        t0 = time.perf_counter()
+        out = fn(*args)
+        return out, time.perf_counter() - t0
+
+    create = [timed(held.create, G) for _ in range(n)]
+    handles = [h for h, _ in create]
+    va = held.reserve(n * G)
+    costs = {"create": [t for _, t in create], "map": [], "set_access": [], "unmap": [], "release": []}
+    for i, h in enumerate(handles):
+        costs["map"].append(timed(held.map, va + i * G, G, h)[1])
+    for i in range(n):
+        costs["set_access"].append(timed(gpu.set_access, va + i * G, G)[1])
+    gpu.memset(va, 0x5A, n * G)
+    assert to_host(gpu, va + (n - 1) * G + G - 16, 16) == b"\x5a" * 16
+    gpu.synchronize()  # cuMemUnmap does not wait for the device
+    for i in range(n):
+        costs["unmap"].append(timed(held.unmap, va + i * G, G)[1])
+    for i, h in enumerate(handles):
+        held.map(va + i * G, G, h)
+    _, one_call = timed(gpu.set_access, va, n * G)  # one SetAccess over the whole run
+    gpu.memset(va + G // 2, 0x3C, (n - 1) * G)
+    assert to_host(gpu, va, 8) == b"\x5a" * 8 and to_host(gpu, va + (n - 1) * G + G // 2 - 8, 16) == b"\x3c" * 8 + b"\x5a" * 8
+    gpu.synchronize()
+    for i in range(n):
+        held.unmap(va + i * G, G)
+    for h in list(handles):
+        costs["release"].append(timed(held.release, h)[1])
+    page = f"{G >> 20} MiB page" if G >= 1 << 20 else f"{G >> 10} KiB page"
+    for op, samples in costs.items():
+        figures.add(f"{op} per {page}", statistics.median(samples) * 1e6, "us", pages=n, max_us=max(samples) * 1e6)
+    figures.add(f"one set_access over {n} pages", one_call * 1e6, "us",
+                per_page_us=one_call / n * 1e6, vs_per_page_x=statistics.median(costs["set_access"]) * n / one_call)

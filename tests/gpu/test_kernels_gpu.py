@@ -1,18 +1,25 @@
 """defrag.kernels on a real CUDA GPU, over torch CUDA tensors (device_arena(t.data_ptr(), n)).
 
-The same checks as tests/sim/test_kernels.py at GPU sizes: every byte of the
-arena against a reference computed with torch on the device, guard bytes on
-both sides, checksum against host_checksum, fill, validate, and ordering on
-torch's current stream.
+Checks at GPU sizes: every byte of the arena against a reference computed
+with torch on the device, guard bytes on both sides, checksum against
+host_checksum, fill, validate, and ordering on torch's current stream. And two
+measurements (reported through the `figures` fixture, never asserted on):
+the move kernel against torch ``copy_`` of the same bytes, and one batched
+launch against 10,000 ``copy_`` calls, each timed with CUDA events after a
+warm-up (median of several samples), the bytes checked after every variant.
 """
 
 from __future__ import annotations
+
+import time
 
 import numpy as np
 import pytest
 import torch
 
 import defrag.kernels as dk
+
+from .conftest import MODE
 
 
 def _skip_reason():
@@ -23,7 +30,10 @@ def _skip_reason():
     return None
 
 
-pytestmark = pytest.mark.skipif(_skip_reason() is not None, reason=str(_skip_reason()))
+pytestmark = [
+    pytest.mark.needs_cuda("torch CUDA tensors and numba's real kernels at GPU sizes"),
+    pytest.mark.skipif(MODE == "cuda" and _skip_reason() is not None, reason=str(_skip_reason())),
+]
 
 GUARD = 1 << 16
 
@@ -31,7 +41,24 @@ GUARD = 1 << 16
 def torch_stream():
     from numba import cuda
 
-    return cuda.external_stream(torch.cuda.current_stream().cuda_stream)
+    handle = torch.cuda.current_stream().cuda_stream
+    return cuda.external_stream(handle) if handle else cuda.default_stream()
+
+
+def cuda_ms(fn, *, repeat: int = 10, warmup: int = 3) -> float:
+    """Median milliseconds of fn() on the current stream, by a CUDA event pair per sample, after a warm-up."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    samples = []
+    for _ in range(repeat):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        samples.append(start.elapsed_time(end))
+    return float(np.median(samples))
 
 
 class DeviceArena:
@@ -173,3 +200,59 @@ def test_validate_and_bounds():
         dk.batched_move(misaligned, [[0, 1024, 16]])
     torch.cuda.synchronize()
     assert torch.equal(buf.t, before)
+
+
+def test_move_kernel_against_copy_of_the_same_bytes(figures):
+    """One move of N bytes by batched_move and by torch copy_, same buffers; bytes checked after each."""
+    stream = torch_stream()
+    for size in (16 << 20, 256 << 20):  # 256 MiB: far beyond the 60 MB L2
+        buf = DeviceArena(2 * size, seed=8)
+        src, dst = buf.t[:size], buf.t[size:]
+        moves = np.array([[0, size, size]], dtype=np.int64)
+        dst.zero_()  # poisoned: the copy must write every byte
+        kernel = cuda_ms(lambda: dk.batched_move(buf.arena, moves, stream=stream))
+        assert torch.equal(dst, src)
+        dst.zero_()
+        copy = cuda_ms(lambda: dst.copy_(src))
+        assert torch.equal(dst, src)
+        buf.assert_guards_intact()
+        mib = size >> 20
+        figures.add(f"batched_move {mib} MiB", size / kernel / 1e6, "GB/s", ms=kernel, bus_gbps=2 * size / kernel / 1e6)
+        figures.add(f"torch copy_ {mib} MiB", size / copy / 1e6, "GB/s", ms=copy, bus_gbps=2 * size / copy / 1e6)
+        figures.add(f"batched_move / copy_ bandwidth, {mib} MiB", copy / kernel, "x")
+
+
+def test_one_batched_launch_against_ten_thousand_copies(figures):
+    """10,000 scattered 4 KiB moves: ONE batched_move launch vs one copy_ per tensor; both give the same bytes."""
+    n, nbytes = 10_000, 4096
+    region = n * nbytes
+    buf = DeviceArena(3 * region, seed=9)
+    perm = np.random.default_rng(9).permutation(n)
+    moves = np.column_stack([np.arange(n) * nbytes, region + perm * nbytes, np.full(n, nbytes)]).astype(np.int64)
+    pairs = [(buf.t[2 * region + int(p) * nbytes: 2 * region + (int(p) + 1) * nbytes], buf.t[i * nbytes: (i + 1) * nbytes])
+             for i, p in enumerate(perm)]
+    stream = torch_stream()
+
+    def batched():
+        dk.batched_move(buf.arena, moves, stream=stream)
+
+    def per_tensor():
+        for dst, src in pairs:
+            dst.copy_(src)
+
+    buf.t[region:].zero_()
+    batched_ms = cuda_ms(batched, repeat=10, warmup=2)
+    per_ms = cuda_ms(per_tensor, repeat=3, warmup=1)
+    torch.cuda.synchronize()
+    assert torch.equal(buf.t[region: 2 * region], buf.t[2 * region:])  # the same bytes by both routes
+    assert not bool((buf.t[region: 2 * region] == 0).all())
+    host = {}
+    for name, fn in (("batched", batched), ("per_tensor", per_tensor)):
+        t0 = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        host[name] = (time.perf_counter() - t0) * 1e3
+    buf.assert_guards_intact()
+    figures.add("one batched_move launch, 10k x 4 KiB", batched_ms, "ms", host_ms=host["batched"])
+    figures.add("10k torch copy_ calls, 10k x 4 KiB", per_ms, "ms", host_ms=host["per_tensor"])
+    figures.add("batched launch speedup over 10k copy_", per_ms / batched_ms, "x")

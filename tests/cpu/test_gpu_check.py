@@ -1,0 +1,155 @@
+"""benchmarks/gpu_check.py and benchmarks/_bare_checkout.py, on a machine without a GPU.
+
+The GPU machine gets a bare copy of the checkout, nothing pip-installed: the
+check must import that copy (not an installed defrag), run in stages with
+their own timeouts, write its report before and after every stage, and say
+plainly when there is no GPU.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from defrag.benchmarks import _bare_checkout, gpu_check
+from defrag.driver import cuda_driver_usable
+
+ROOT = Path(__file__).resolve().parents[2]
+NO_GPU = pytest.mark.skipif(cuda_driver_usable()[0], reason="a GPU is present: this checks the no-GPU behaviour")
+
+
+@pytest.fixture(scope="module")
+def bare(tmp_path_factory) -> Path:
+    """A bare copy of the checkout (what `git archive` would give), outside any installed path."""
+    dest = tmp_path_factory.mktemp("bare") / "defrag-checkout"
+    ignore = shutil.ignore_patterns("__pycache__", "*.pyc", ".pytest_cache")
+    for folder in ("defrag", "kernels", "benchmarks", "tests"):
+        shutil.copytree(ROOT / folder, dest / folder, ignore=ignore)
+    for f in ("pyproject.toml", "README.md"):
+        shutil.copy(ROOT / f, dest / f)
+    return dest
+
+
+def test_ptx_limits_of_driver_versions():
+    assert gpu_check.max_ptx_isa(13000) == (9, 0)  # the GPU machine's driver
+    assert gpu_check.max_ptx_isa(13050) == (9, 5)  # what NVVM 13.5 emits
+    assert gpu_check.max_ptx_isa(12080) == (8, 7) and gpu_check.max_ptx_isa(12060) == (8, 5)
+    assert gpu_check.max_ptx_isa(12070) == (8, 5)  # no 12.7: the newest older one
+    assert gpu_check.max_ptx_isa(0) is None
+    assert gpu_check.parse_ptx_version("//\n.version 9.5\n.target sm_90\n") == (9, 5)
+    assert (9, 5) > gpu_check.max_ptx_isa(13000)
+
+
+def test_toolkit_root_of_a_libnvvm(tmp_path):
+    lib = tmp_path / "cuda-13.0" / "nvvm" / "lib64"
+    lib.mkdir(parents=True)
+    (lib / "libnvvm.so.4").write_bytes(b"")
+    assert gpu_check.toolkit_root(str(lib / "libnvvm.so.4")) == str(tmp_path / "cuda-13.0")
+
+
+def test_the_bootstrap_imports_the_bare_copy_not_the_installed_one(bare, tmp_path):
+    script = tmp_path / "where.py"
+    script.write_text("import json, sys\nsys.path.insert(0, sys.argv[1])\nimport _bare_checkout as b\n"
+                      "import defrag.kernels.move, defrag.benchmarks.runner\n"
+                      "print(json.dumps({**b.imported_from(), 'move': defrag.kernels.move.__file__}))\n")
+    proc = subprocess.run([sys.executable, str(bare / "benchmarks" / "_bare_checkout.py"), str(script),
+                           str(bare / "benchmarks")], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    where = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert all(Path(f).resolve().is_relative_to(bare.resolve()) for f in where.values()), where
+    assert where["defrag.kernels"].endswith("kernels/__init__.py")
+
+
+def test_the_bootstrap_refuses_when_another_defrag_is_already_imported(bare):
+    import defrag  # this process's defrag is the main checkout's
+
+    assert not Path(defrag.__file__).resolve().is_relative_to(bare.resolve())
+    with pytest.raises(RuntimeError, match="already imported from elsewhere"):
+        _bare_checkout.install(bare)
+    assert not any(getattr(f, "root", None) == bare.resolve() for f in sys.meta_path)
+
+
+def _check(tmp_path, **kw) -> "gpu_check.Check":
+    args = gpu_check.build_parser().parse_args(["--out", str(tmp_path)])
+    for k, v in kw.items():
+        setattr(args, k, v)
+    return gpu_check.Check(args)
+
+
+def test_a_hanging_stage_times_out_and_the_report_says_so(tmp_path):
+    check = _check(tmp_path, budget=60)
+    t0 = __import__("time").monotonic()
+    stage = check.run_stage("sleepy", [sys.executable, "-c", "import time; print('started', flush=True); "
+                                       "time.sleep(60)"], timeout=1)
+    assert __import__("time").monotonic() - t0 < 30
+    assert stage["status"] == "timed out" and stage["returncode"] is None and "started" in stage["output_tail"]
+    check.write()
+    report = json.loads((tmp_path / "gpu_report.json").read_text())
+    assert report["stages"][0]["status"] == "timed out" and not report["complete"]
+    assert "| sleepy | **timed out** |" in (tmp_path / "gpu_report.md").read_text()
+    assert check.finish() == 1
+    assert json.loads((tmp_path / "gpu_report.json").read_text())["complete"] is True
+
+
+def test_the_report_is_written_before_each_stage_and_the_budget_is_kept(tmp_path):
+    check = _check(tmp_path, budget=60)
+    reader = "import json, sys; print('seen:', json.load(open(sys.argv[1]))['stages'][-1]['status'])"
+    stage = check.run_stage("reader", [sys.executable, "-c", reader, str(tmp_path / "gpu_report.json")], timeout=30)
+    assert stage["status"] == "passed" and "seen: running" in stage["output_tail"]
+    check.budget = check.elapsed() + 1  # under MIN_STAGE_SECONDS left
+    late = check.run_stage("late", [sys.executable, "-c", "pass"], timeout=30)
+    assert late["status"] == "skipped" and "no time left" in late["summary"]
+    assert check.finish() == 1  # a stage that never ran is a failed check
+
+
+def test_junit_counts_failures_and_skip_reasons(tmp_path):
+    xml = tmp_path / "r.xml"
+    xml.write_text('<testsuites><testsuite><testcase classname="a" name="ok"/>'
+                   '<testcase classname="a" name="bad"><failure message="assert 1 == 2"/></testcase>'
+                   '<testcase classname="a" name="s"><skipped message="needs CUDA"/></testcase>'
+                   '</testsuite></testsuites>')
+    got = gpu_check.parse_junit(xml)
+    assert got["counts"] == {"passed": 1, "failed": 1, "errors": 0, "skipped": 1}
+    assert got["failures"] == [{"test": "a::bad", "message": "assert 1 == 2"}]
+    assert got["skip_reasons"] == ["needs CUDA"]
+
+
+def test_an_unknown_benchmark_is_a_usage_error(tmp_path):
+    assert gpu_check.main(["--out", str(tmp_path), "--only", "no_such_bench"]) == 2
+
+
+def test_the_libnvvm_probe_reports_the_ptx_version():
+    candidates = gpu_check.libnvvm_candidates()
+    if not candidates:
+        pytest.skip("no libNVVM on this machine")
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu_check.py"), "--nvvm-probe", candidates[0]],
+                          capture_output=True, text=True, timeout=120)
+    res = json.loads(proc.stdout.strip().splitlines()[-1])
+    if res.get("error"):
+        pytest.skip(f"libNVVM {candidates[0]} unusable here: {res['error']}")
+    assert len(res["ptx_version"]) == 2 and res["ptx_head"][0].startswith(".version")
+    assert Path(res["realpath"]) == Path(candidates[0]).resolve()
+
+
+@NO_GPU
+def test_gpu_check_from_a_bare_copy_without_a_gpu(bare, tmp_path):
+    out = tmp_path / "report"
+    proc = subprocess.run([sys.executable, str(bare / "benchmarks" / "gpu_check.py"), "--smoke", "--out", str(out),
+                           "--only", "stitching"], cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "NO GPU PRESENT" in proc.stdout
+    report = json.loads((out / "gpu_report.json").read_text())
+    assert report["complete"] and report["probe"]["gpu"] is False
+    assert [(s["name"], s["status"]) for s in report["stages"]] == [
+        ("env", "passed"), ("tests", "passed"), ("bench:stitching", "passed")]
+    assert all(Path(f).resolve().is_relative_to(bare.resolve()) for f in report["env"]["imported_from"].values())
+    assert report["tests"]["mode"] == "skipped" and report["tests"]["counts"]["skipped"] > 0
+    assert report["benchmarks"]["device"] == "emulated"
+    assert report["benchmarks"]["results"]["stitching"]["status"] == "ok"
+    assert (out / "bench" / "results.json").exists() and (out / "stage-tests.log").exists()
+    assert "NO GPU PRESENT" in (out / "gpu_report.md").read_text().splitlines()[2]
