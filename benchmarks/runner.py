@@ -468,6 +468,8 @@ def write_markdown(results: dict, path: Path) -> None:
         f"python {m['python']}",
         f"- total {results['seconds']:.1f} s",
     ]
+    if results["smoke"]:
+        lines.append(f"- **{SMOKE_NOTE}.**")
     if m["emulated"]:
         lines.append("- No GPU figures here: every number below was measured on the emulated device "
                      "(host memory; kernels, where present, under numba's CPU simulator).")
@@ -475,7 +477,8 @@ def write_markdown(results: dict, path: Path) -> None:
     if goals:
         lines += ["", "## Goals", "", "| benchmark | goal | where | met |", "|---|---|---|---|"]
         for g in goals:
-            met = "n/a here" if g["met"] is None else ("yes" if g["met"] else "**no**")
+            v = verdict(g["met"], results["smoke"])
+            met = {"met": "yes", "NOT met": "**no**"}.get(v, v)
             lines.append(f"| {g['benchmark']} | {g['goal']} | {g['where']} | {met} |")
     for name, res in results["benchmarks"].items():
         lines += ["", f"## {name}", "", res["what"], ""]
@@ -562,26 +565,51 @@ def run(names=None, *, device=None, smoke: bool = False, out="bench-out", progre
     return results
 
 
+SMOKE_NOTE = ("smoke run: tiny sizes and repeats; figures are for checking the runner, not for judging goals "
+              "(goal verdicts read 'not judged (smoke)')")
+
+
+def verdict(met, smoke: bool) -> str:
+    """How a goal row reads: met / NOT met / n/a here, and 'not judged (smoke)' for any figure of a smoke run."""
+    if met is None:
+        return "n/a here"
+    if smoke:
+        return "not judged (smoke)"
+    return "met" if met else "NOT met"
+
+
 def summary_lines(results: dict) -> list[str]:
-    lines = []
+    smoke = bool(results.get("smoke"))
+    lines = [f"  {SMOKE_NOTE}"] if smoke else []
     for name, res in results["benchmarks"].items():
         state = {"ok": f"{len(res['rows'])} rows", "skipped": f"skipped: {res.get('reason')}",
                  "error": "ERROR (see results.md)"}[res["status"]]
         lines.append(f"  {name:<15} {res['seconds']:6.1f} s  {state}")
     for g in goals_of(results):
-        met = "n/a here" if g["met"] is None else ("met" if g["met"] else "NOT met")
-        lines.append(f"  goal [{g['benchmark']}] {g['goal']} ({g['where']}): {met}")
+        lines.append(f"  goal [{g['benchmark']}] {g['goal']} ({g['where']}): {verdict(g['met'], smoke)}")
     return lines
 
 
 def main(args) -> int:
-    """Entry point of `defrag bench` (args: smoke, device, out, only)."""
+    """Entry point of `defrag bench` (args: smoke, device, out, only).
+
+    Arguments are checked before any benchmark runs; a bad one raises
+    `defrag.cli.UsageError` (one line on stderr, exit code 2).
+    """
+    from defrag.cli import UsageError, device_arg, device_label, out_dir_arg
+
     only = [n.strip() for n in (args.only or "").split(",") if n.strip()] or None
+    unknown = [n for n in only or () if n not in REGISTRY]
+    if unknown:
+        raise UsageError(f"--only: unknown benchmark(s) {', '.join(unknown)}; registered: {', '.join(REGISTRY)}")
+    out_dir_arg(args.out)
+    device = args.device
+    if device not in (None, "", "auto"):
+        device = device_label(device_arg(device, torch_cuda=True))
     try:
-        results = run(only, device=args.device, smoke=args.smoke, out=args.out)
+        results = run(only, device=device, smoke=args.smoke, out=args.out)
     except ValueError as exc:
-        print(f"defrag bench: {exc}", file=sys.stderr)
-        return 2
+        raise UsageError(str(exc)) from None
     m = results["machine"]
     print(f"defrag bench ({'smoke' if results['smoke'] else 'full'}) on {m['device_name']}: "
           f"{results['seconds']:.1f} s; results in {Path(args.out).resolve()}")
@@ -590,6 +618,6 @@ def main(args) -> int:
 
 
 if __name__ == "__main__":  # python -m defrag.benchmarks.runner [--smoke] [--device D] [--out DIR] [--only a,b]
-    from defrag.cli import build_parser
+    from defrag.cli import main as cli_main
 
-    sys.exit(main(build_parser().parse_args(["bench", *sys.argv[1:]])))
+    sys.exit(cli_main(["bench", *sys.argv[1:]]))

@@ -11,7 +11,9 @@
 - ``empty``: a mapped page holding no block;
 - ``unmapped``: a virtual page with no physical page behind it;
 - ``cached``: physical pages held but mapped nowhere have no address, so they
-  are a count in the title and legend, not cells.
+  are a count in the title, not cells.
+
+The legend lists only the states that appear in the drawn picture.
 
 Blocks narrower than `MIN_BLOCK_FRACTION` of a page are drawn that wide so
 that they stay visible; the white seams between blocks are drawn inside them.
@@ -28,6 +30,7 @@ from __future__ import annotations
 
 import math
 import os
+import textwrap
 
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.collections import PolyCollection
@@ -43,7 +46,7 @@ COLORS = {
     "stranded": "#edc948",  # yellow
     "empty": "#8cd17d",     # light green
     "unmapped": "#d9d9d9",  # light grey
-    "cached": "#9c755f",    # brown (legend only)
+    "cached": "#9c755f",    # brown (not drawn: cached pages have no address; kept for callers' own legends)
 }
 LABELS = {
     "live": "live block",
@@ -53,6 +56,11 @@ LABELS = {
     "empty": "empty mapped page (no block)",
     "unmapped": "unmapped page",
 }
+
+# What a compaction does, under the before/after caption: the picture shows it, the words must say it.
+COMPACTION_NOTE = ("compaction packs: it moves tensors out of sparse pages into the holes of fuller pages "
+                   "(it does not slide them to one end) and unmaps the pages it empties; their physical pages "
+                   "can back any later request, stitched into one virtual range")
 
 CELL_WIDTH = 0.94  # of one x unit per page; the rest is a white gap
 ROW_HEIGHT = 0.78  # of one y unit per row
@@ -103,7 +111,8 @@ def _rect(x0: float, x1: float, y: float) -> list[tuple[float, float]]:
 
 def _draw(ax, layout: dict, *, pages_per_row: int, max_pages: int, shown: dict | None = None,
           title: str | None = None) -> dict:
-    """Draw `layout` into `ax`; returns what was drawn (rows, hidden pages, totals)."""
+    """Draw `layout` into `ax`; returns what was drawn (rows, hidden pages, totals, and `kinds`:
+    the states visible in the picture, for the legend)."""
     P = int(layout["page_size"])
     plan = _plan(layout, pages_per_row, max_pages, shown)
     polys: dict[str, list] = {k: [] for k in COLORS}
@@ -127,6 +136,7 @@ def _draw(ax, layout: dict, *, pages_per_row: int, max_pages: int, shown: dict |
 
     # Blocks, split at page boundaries.
     rows_of = {int(region["index"]): (region, n, first_row) for region, n, first_row in plan}
+    covered: dict[tuple[int, int], int] = {}  # (region, page) -> bytes of blocks drawn in it
     for b in layout["blocks"]:
         region, n, first_row = rows_of.get(int(b["region"]), (None, 0, 0))
         if region is None:
@@ -139,6 +149,8 @@ def _draw(ax, layout: dict, *, pages_per_row: int, max_pages: int, shown: dict |
                 break
             lo = max(start, page * P) - page * P
             hi = min(end, (page + 1) * P) - page * P
+            key = (int(region["index"]), page)
+            covered[key] = covered.get(key, 0) + hi - lo
             f0, f1 = lo / P, hi / P
             if f1 - f0 < MIN_BLOCK_FRACTION:
                 f1 = min(1.0, f0 + MIN_BLOCK_FRACTION)
@@ -155,6 +167,13 @@ def _draw(ax, layout: dict, *, pages_per_row: int, max_pages: int, shown: dict |
     if seams:
         ax.add_collection(PolyCollection(seams, facecolors="white", edgecolors="none", linewidths=0,
                                          antialiased=False))
+
+    # What is visible: a state whose polygons were drawn; stranded space only where a
+    # drawn page holding live data is not covered by its blocks.
+    kinds = {k for k in ("live", "pinned", "retired", "empty", "unmapped") if polys[k]}
+    if any(region["pages"][page] == "live" and covered.get((int(region["index"]), page), 0) < P
+           for region, n, _ in plan for page in range(n)):
+        kinds.add("stranded")
 
     rows = sum(math.ceil(n / pages_per_row) for _, n, _ in plan)
     ax.set_xlim(-0.03, pages_per_row - (1 - CELL_WIDTH) + 0.03)
@@ -178,12 +197,16 @@ def _draw(ax, layout: dict, *, pages_per_row: int, max_pages: int, shown: dict |
         shown_note = (f"\nshowing {sum(n for _, n, _ in plan)} of {sum(len(r['pages']) for r in layout['regions'])} "
                       f"virtual pages (the rest are unmapped or past the cap)")
     ax.set_title(f"{title}\n{head}{shown_note}", fontsize=9)
-    return {"rows": rows, "hidden_pages": hidden, "totals": totals, "plan": plan}
+    return {"rows": rows, "hidden_pages": hidden, "totals": totals, "plan": plan, "kinds": kinds}
 
 
-def _legend_handles(cached_pages: int) -> list:
-    handles = [Patch(facecolor=COLORS[k], label=LABELS[k]) for k in LABELS]
-    handles.append(Patch(facecolor=COLORS["cached"], label=f"cached physical pages (held, unmapped): {cached_pages}"))
+def _legend_handles(kinds, cached_pages: int = 0) -> list:
+    """One swatch per state in `kinds` (those visible in the picture), in the order of `LABELS`; then,
+    when the titles count cached pages, a line without a swatch that says what they are (they have no cell)."""
+    handles = [Patch(facecolor=COLORS[k], label=LABELS[k]) for k in LABELS if k in kinds]
+    if cached_pages:
+        handles.append(Patch(facecolor="none", edgecolor="none",
+                             label="cached (counted above): physical pages held but mapped nowhere, so no cell"))
     return handles
 
 
@@ -210,10 +233,10 @@ def plot_memory_map(layout: dict, path=None, ax=None, title: str | None = None, 
     """
     if pages_per_row < 1 or max_pages < 1:
         raise ValueError("pages_per_row and max_pages must be >= 1")
-    cached = int(layout.get("cached_pages", 0))
     if ax is not None:
-        _draw(ax, layout, pages_per_row=pages_per_row, max_pages=max_pages, title=title)
-        ax.legend(handles=_legend_handles(cached), fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
+        drawn = _draw(ax, layout, pages_per_row=pages_per_row, max_pages=max_pages, title=title)
+        ax.legend(handles=_legend_handles(drawn["kinds"], drawn["totals"]["pages_cached"]), fontsize=7,
+                  loc="upper left", bbox_to_anchor=(1.0, 1.0))
         fig = ax.figure
         return _save(fig, path) if path is not None else fig
     rows = sum(math.ceil(n / pages_per_row) for _, n, _ in _plan(layout, pages_per_row, max_pages))
@@ -222,8 +245,9 @@ def plot_memory_map(layout: dict, path=None, ax=None, title: str | None = None, 
     fig = _new_figure(1.5 * pages_per_row + 1.0, height)
     ax = fig.add_axes((0.8 / fig.get_figwidth(), bottom / height, 1 - 1.0 / fig.get_figwidth(),
                        0.45 * rows / height))
-    _draw(ax, layout, pages_per_row=pages_per_row, max_pages=max_pages, title=title)
-    fig.legend(handles=_legend_handles(cached), loc="lower center", ncol=3, fontsize=8, frameon=False)
+    drawn = _draw(ax, layout, pages_per_row=pages_per_row, max_pages=max_pages, title=title)
+    fig.legend(handles=_legend_handles(drawn["kinds"], drawn["totals"]["pages_cached"]), loc="lower center",
+               ncol=3, fontsize=8, frameon=False)
     return _save(fig, path) if path is not None else fig
 
 
@@ -267,17 +291,23 @@ def plot_compaction(before_layout: dict, after_layout: dict, path=None, report=N
             shown[i] = max(shown.get(i, 1), _shown_pages(region, pages_per_row, max_pages))
     rows = max(sum(math.ceil(n / pages_per_row) for _, n, _ in _plan(l, pages_per_row, max_pages, shown))
                for l in (before_layout, after_layout))
-    top, bottom = 1.3, 1.0
-    height = top + bottom + 0.45 * rows
     panel = 1.0 * pages_per_row
     width = 2 * panel + 2.0
+    note = textwrap.wrap(COMPACTION_NOTE, max(40, int(width * 8)))  # two balanced lines at 9 pt
+    top, bottom = 1.3 + 0.18 * len(note), 1.0  # inches: caption, note and titles; x label and legend
+    height = top + bottom + 0.45 * rows
     fig = _new_figure(width, height)
+    kinds: set = set()
+    cached = 0
     for k, (layout, name) in enumerate(((before_layout, "before"), (after_layout, "after"))):
         left = (0.8 + k * (panel + 0.8)) / width
         ax = fig.add_axes((left, bottom / height, panel / width, 0.45 * rows / height))
-        _draw(ax, layout, pages_per_row=pages_per_row, max_pages=max_pages, shown=shown,
-              title=f"{name} compaction")
-    fig.legend(handles=_legend_handles(int(after_layout.get("cached_pages", 0))), loc="lower center", ncol=4,
+        drawn = _draw(ax, layout, pages_per_row=pages_per_row, max_pages=max_pages, shown=shown,
+                      title=f"{name} compaction")
+        kinds |= drawn["kinds"]
+        cached = max(cached, drawn["totals"]["pages_cached"])
+    fig.legend(handles=_legend_handles(kinds, cached), loc="lower center", ncol=3,
                fontsize=8, frameon=False, bbox_to_anchor=(0.5, 0.0))
     fig.text(0.5, 1 - 0.25 / height, caption, ha="center", va="top", fontsize=10, weight="bold")
+    fig.text(0.5, 1 - 0.55 / height, "\n".join(note), ha="center", va="top", fontsize=9)
     return _save(fig, path) if path is not None else fig
