@@ -37,9 +37,9 @@ FAMILIES = {
 
 def _pinned_pages(pool) -> int:
     pages = set()
-    for a in pool._blocks.values():
+    for a in pool.core.blocks():
         if a.pins:
-            first, end = pool._pages_of(a)
+            first, end = pool.core.pages_of(a)
             pages.update((a.region.index, p) for p in range(first, end))
     return len(pages)
 

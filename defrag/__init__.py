@@ -5,12 +5,12 @@ moves live tensors so that the physical pages they strand become free, and the
 pool stitches free pages into one virtual range for a large request.
 """
 
-from .compactor import CompactionError, CompactionReport, compact
-from .errors import (ConcurrencyError, CudaError, CudaOutOfMemoryError, OutOfMemoryError, PoolClosedError,
+from .compactor import CompactionReport
+from .errors import (CompactionError, ConcurrencyError, CudaError, CudaOutOfMemoryError, PoolClosedError,
                      StaleAccessError)
-from .pool import LiveTensor, Pool, open_pools
+from .oom import OutOfMemoryError
+from .pool import LiveTensor, Pool, compact, open_pools, save_snapshot
 from .retry import retry_on_oom
-from .stats import save_snapshot
 from .units import format_bytes, parse_size
 
 __version__ = "0.1.0"

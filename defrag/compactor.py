@@ -1,4 +1,9 @@
-"""Run a compaction plan on a pool: sync, copy, swap storages, release pages.
+"""The compaction protocol over the core: plan, prepare, copy, commit, release. No torch.
+
+The one step that depends on what a block is to its user, rewriting the
+block's owner so it uses the new location, is the face's: a `Mover` (see
+below) that `defrag.pool.Pool` implements with torch storages and
+`defrag.dry.DryPool` with plain keys.
 
 The protocol, wave by wave (a wave is a set of moves whose destinations are
 free and overlap no source, see `defrag.planner`):
@@ -9,11 +14,12 @@ free and overlap no source, see `defrag.planner`):
    memmove, the simulated kernel or the driver's copy on the emulated device),
    then synchronize. With `verify=True`, checksums of sources and
    destinations are compared.
-3. **swap**: each moved storage takes the destination's data pointer with
-   `UntypedStorage._swap_data_ptr_`; every tensor and view follows. Everything
-   the swap needs was checked before, so this step cannot fail half-way.
-4. **release**: the old locations die with the temporary storages and go back
-   to the heap.
+3. **commit**: the face rewrites each moved block's owner (`Mover.commit`:
+   for torch tensors, the storage takes the destination's data pointer and
+   every tensor and view follows). Everything the commit needs was checked
+   before (`Mover.check`), so this step cannot fail half-way.
+4. **release**: the face releases the old locations (for torch, when the
+   temporary storages die) and they go back to the heap.
 
 A failure in steps 1-2 of a wave (driver error, copy failure, checksum
 mismatch, any exception) drops that wave's destinations and unmaps the pages
@@ -47,11 +53,12 @@ import time
 import traceback
 from dataclasses import dataclass, field
 
-import numpy as np
-import torch
+from typing import Protocol
 
-from . import tensors as tz
-from .errors import CudaError
+import numpy as np
+
+from .core import Core, NoSpace, Scope
+from .errors import CompactionError, CudaError
 from .planner import LiveBlock, Plan, plan_compaction, plan_hole
 from .units import format_bytes
 from .vmm import Transaction
@@ -61,10 +68,6 @@ _log = logging.getLogger("defrag")
 ENGINES = ("memmove", "driver", "kernel")
 PROGRESS_BYTES = 256 << 20  # show a progress bar when a compaction moves more than this
 PROGRESS_MOVES = 20_000
-
-
-class CompactionError(RuntimeError):
-    """A compaction could not run (e.g. during CUDA graph capture) or failed and was rolled back."""
 
 
 @dataclass
@@ -113,8 +116,35 @@ class CompactionReport:
         return dict(self.__dict__)
 
 
-def default_engine(pool) -> str:
-    return "kernel" if pool.kind == "cuda" else "memmove"
+class Mover(Protocol):
+    """What a face tells the compaction about its blocks' owners (all called with the gate held).
+
+    - `stream()`: the CUDA stream copies run on (0: the default stream);
+    - `can_rewrite(block)`: "" when the face can rewrite the block's owner,
+      else why not (the block is then unmovable);
+    - `hold(block)`: a strong reference that keeps the owner alive and
+      unchanged through the compaction, or None when it cannot move now;
+    - `destination(block)`: for a freshly carved destination, whatever the
+      commit will need; if the wave is abandoned, dropping it must lead the
+      face to release `block` (or the face does nothing when `free` is used);
+    - `check(old, held, dest)`: whether the owner is still exactly as held
+      (nothing may be moved otherwise);
+    - `commit(old, new, held, dest)`: the owner now uses `new`'s memory; the
+      face releases `old` later (when nothing can use it any more). Must not
+      fail.
+    """
+
+    def stream(self) -> int: ...
+    def can_rewrite(self, block) -> str: ...
+    def hold(self, block): ...
+    def destination(self, block): ...
+    def check(self, old, held, dest) -> bool: ...
+    def commit(self, old, new, held, dest) -> None: ...
+
+
+def default_engine(kind: str) -> str:
+    """The copy engine a device kind uses unless told otherwise."""
+    return {"cuda": "kernel", "emulated": "memmove"}.get(kind, "driver")
 
 
 class _Timer:
@@ -128,16 +158,10 @@ class _Timer:
         self.phases[self.name] = self.phases.get(self.name, 0.0) + time.perf_counter() - self.t0
 
 
-def _current_stream(pool) -> int:
-    if pool.kind == "cuda":
-        return torch.cuda.current_stream(pool.device).cuda_stream
-    return 0
-
-
-def compact_pool(pool, *, verify: bool = False, progress: bool | None = None, engine: str | None = None,
-                 automatic: bool = False, release: bool = True, hole_for: int | None = None,
-                 scope=None) -> CompactionReport:
-    """Compact every region of `pool` (its lock held by the caller). See the module docstring.
+def compact_core(core: Core, mover: Mover, *, verify: bool = False, progress: bool | None = None,
+                 engine: str | None = None, automatic: bool = False, release: bool = True,
+                 hole_for: int | None = None, scope: Scope | None = None, callbacks=()) -> CompactionReport:
+    """Compact every region of `core` (its gate held by the caller). See the module docstring.
 
     `release=True` unmaps the pages the compaction emptied (after a
     synchronize), so `reserved_bytes` drops; with `release=False` they stay
@@ -145,50 +169,53 @@ def compact_pool(pool, *, verify: bool = False, progress: bool | None = None, en
     must), saving the unmap/remap round trip. Automatic compactions use False.
     `hole_for=n` plans instead the single cheapest move that merges two free
     ranges into one hole of at least n bytes (see `_hole_plan`). `scope`
-    (from `Pool._scope`) says which threads' blocks may move: by default,
-    what a compaction from the calling thread may move.
+    (from `Core.scope`) says which threads' blocks may move: by default,
+    what a compaction from the calling thread may move. `callbacks` are
+    called with the report at the end (one that raises is logged, ignored).
     """
     if scope is None:
-        scope = pool._scope(None)
-    engine = engine or default_engine(pool)
+        scope = core.scope(None)
+    engine = engine or default_engine(core.kind)
     if engine not in ENGINES:
         raise ValueError(f"unknown copy engine {engine!r}; expected one of {ENGINES}")
-    if engine == "memmove" and pool.kind != "emulated":
+    if engine == "memmove" and core.kind != "emulated":
         raise ValueError("the memmove engine works only on the emulated device")
-    if pool.driver.is_capturing(_current_stream(pool)):
+    if engine == "kernel" and core.kind == "memoryless":
+        raise ValueError("the kernel engine needs device memory; the memory-less device copies nothing")
+    if core.driver.is_capturing(mover.stream()):
         raise CompactionError("cannot compact while a CUDA graph is being captured: "
                               "captured kernels hold raw pointers that a move would invalidate")
     t_start = time.perf_counter()
-    report = CompactionReport(engine=engine, automatic=automatic, verified=verify, page_size=pool.page_size)
+    report = CompactionReport(engine=engine, automatic=automatic, verified=verify, page_size=core.page_size)
     phases = report.phases
-    pool._drain()
-    pool._wait_pending()
+    core.drain()
+    core.wait_pending()
     with _Timer(phases, "sync"):
-        pool.driver.synchronize()  # queued kernels may still use blocks we are about to move
-    before = pool._stats_locked()
+        core.driver.synchronize()  # queued kernels may still use blocks we are about to move
+    before = core.stats_locked()
     report.fragmentation_before = before["fragmentation"]
     report.stranded_before = before["stranded_bytes"]
-    report.pages_before = pool._live_pages()
+    report.pages_before = core.live_pages()
 
     with _Timer(phases, "plan"):
         plans = []
-        for region in pool._space.regions:
-            blocks, storages = _collect(pool, region, scope)
-            if storages and hole_for is not None:
-                plan = _hole_plan(pool, region, blocks, hole_for)
+        for region in core.regions:
+            blocks, held = _collect(core, mover, region, scope)
+            if held and hole_for is not None:
+                plan = _hole_plan(core, region, blocks, hole_for)
                 if plan is not None:
-                    plans.append((region, plan, storages))
+                    plans.append((region, plan, held))
                     break  # one hole is all the request needs
-            elif storages:
+            elif held:
                 # Destinations on pages no live block touches are backed by the
                 # pool's empty mapped pages (in place, or unmapped and remapped),
                 # so an explicit compaction never raises the number of mapped
                 # pages. A rescue may also use cached or creatable pages: the
                 # request it serves is about to need every free page anyway.
-                budget = pool._empty_page_count() + (pool._space.store.available if automatic else 0)
-                plan = plan_compaction(blocks, page_size=pool.page_size, span=region.size, max_new_pages=budget)
+                budget = core.empty_page_count() + (core.space.store.available if automatic else 0)
+                plan = plan_compaction(blocks, page_size=core.page_size, span=region.size, max_new_pages=budget)
                 if not plan.empty:
-                    plans.append((region, plan, storages))
+                    plans.append((region, plan, held))
 
     total_bytes = sum(p.moved_bytes for _, p, _ in plans)
     total_moves = sum(len(p.moves) for _, p, _ in plans)
@@ -199,44 +226,44 @@ def compact_pool(pool, *, verify: bool = False, progress: bool | None = None, en
         bar = tqdm(total=total_bytes, unit="B", unit_scale=True, unit_divisor=1024, desc="defrag compact",
                    leave=bool(progress))
     try:
-        for region, plan, storages in plans:
+        for region, plan, held in plans:
             for wave in plan.waves:
-                _run_wave(pool, region, wave, storages, engine, verify, report)
+                _run_wave(core, mover, region, wave, held, engine, verify, report)
                 report.waves += 1
                 if bar is not None:
                     bar.update(sum(m.size for m in wave))
-            storages.clear()
+            held.clear()
     finally:
-        for _, _, storages in plans:
-            storages.clear()  # strong references to user storages end here, error or not
+        for _, _, held in plans:
+            held.clear()  # strong references to the owners end here, error or not
         if bar is not None:
             bar.close()
         # Release the pages the moves emptied, even after a failed wave: earlier
         # waves' work is committed and their pages are free.
-        pool._drain()
+        core.drain()
         if release:
             with _Timer(phases, "release"):
-                mapped_before_release = pool._space.mapped
+                mapped_before_release = core.space.mapped
                 try:
-                    pool._unmap_empty(pool._empty_mapped_pages())
+                    core.unmap_empty(core.empty_mapped_pages())
                 except CudaError:
                     pass  # pages that could not be unmapped stay mapped and usable; state stays consistent
-                report.unmapped_pages = mapped_before_release - pool._space.mapped
-        after = pool._stats_locked()
+                report.unmapped_pages = mapped_before_release - core.space.mapped
+        after = core.stats_locked()
         report.fragmentation_after = after["fragmentation"]
         report.stranded_after = after["stranded_bytes"]
-        report.pages_after = pool._live_pages()
+        report.pages_after = core.live_pages()
         report.released_pages = max(report.pages_before - report.pages_after, 0)
         report.seconds = time.perf_counter() - t_start
-        c = pool._counters
+        c = core.counters
         c["num_compactions"] += 1
         c["num_compactions.automatic" if automatic else "num_compactions.explicit"] += 1
         c["compaction.moved_bytes"] += report.moved_bytes
         c["compaction.moved_tensors"] += report.moved_tensors
         c["compaction.released_pages"] += report.released_pages
-        if pool._history is not None:
-            pool._history.compacted(report)
-    for callback in list(pool.on_compact):
+        if core.history is not None:
+            core.history.compacted(report)
+    for callback in list(callbacks):
         try:
             callback(report)
         except Exception:  # a logging hook must not turn a finished compaction (or an allocation) into an error
@@ -245,112 +272,93 @@ def compact_pool(pool, *, verify: bool = False, progress: bool | None = None, en
     return report
 
 
-def _hole_plan(pool, region, blocks: list[LiveBlock], size: int) -> Plan | None:
+def _hole_plan(core: Core, region, blocks: list[LiveBlock], size: int) -> Plan | None:
     """`defrag.planner.plan_hole` over this region's free ranges."""
-    free = [(off - region.base, sz) for off, sz in pool._heaps[region.index].free_ranges()]
-    return plan_hole(blocks, free, size, page_size=pool.page_size, span=region.size)
+    free = [(off - region.base, sz) for off, sz in core.heap(region).free_ranges()]
+    return plan_hole(blocks, free, size, page_size=core.page_size, span=region.size)
 
 
-def _collect(pool, region, scope) -> tuple[list[LiveBlock], dict]:
-    """The region's blocks for the planner, and a strong reference to each movable storage.
+def _collect(core: Core, mover: Mover, region, scope: Scope) -> tuple[list[LiveBlock], dict]:
+    """The region's blocks for the planner, and the face's hold on each movable one.
 
-    A storage whose reference cannot be taken (or, on torch < 2.12, whose
-    users cannot all be proven known) is passed to the planner as unmovable.
+    A block the face cannot hold now is passed to the planner as unmovable.
     """
-    blocks, storages = [], {}
-    swap = pool._can_swap
-    for alloc in pool._blocks.values():
-        if alloc.region is not region:
+    blocks, held = [], {}
+    for block in core.blocks():
+        if block.region is not region:
             continue
-        movable, _ = pool._movable(alloc, scope)
+        movable, _ = core.movable(block, scope, mover.can_rewrite)
         if movable:
-            storage = tz.strong_storage(alloc.storage_ref)
-            rebind = None if swap or storage is None else pool._rebindable(alloc, storage)
-            if storage is None or (not swap and rebind is None):
+            grip = mover.hold(block)
+            if grip is None:
                 movable = False
             else:
-                storages[alloc.address] = (storage, rebind)
-        blocks.append(LiveBlock(alloc.address, alloc.address - region.base, alloc.size, movable))
-    return blocks, storages
+                held[block.address] = grip
+        blocks.append(LiveBlock(block.address, block.address - region.base, block.size, movable))
+    return blocks, held
 
 
-def _run_wave(pool, region, wave, storages, engine, verify, report) -> None:
-    """One wave: prepare, copy, (verify), swap, release. All-or-nothing before the swap."""
+def _run_wave(core: Core, mover: Mover, region, wave, held, engine, verify, report) -> None:
+    """One wave: prepare, copy, (verify), commit, release. All-or-nothing before the commit."""
     phases = report.phases
-    heap = pool._heaps[region.index]
-    P = pool.page_size
-    dests = []  # (move, new Allocation, destination storage)
+    heap = core.heap(region)
+    P = core.page_size
+    dests = []  # (move, old Block, new Block, the face's destination)
     with Transaction() as txn:
-        # 1. prepare: map destination pages, carve destination ranges, make storages.
+        # 1. prepare: map destination pages, carve destination ranges, make the face's destinations.
         with _Timer(phases, "prepare"):
             dest_pages = {p for m in wave for p in range(m.dst // P, (m.dst + m.size - 1) // P + 1)}
             to_map = sorted(p for p in dest_pages if not region.handles[p])
-            _make_physical_room(pool, region, dest_pages, len(to_map))
-            pool._map_into_heap(region, to_map, txn)
+            _make_physical_room(core, region, dest_pages, len(to_map))
+            core.map_pages(region, to_map, txn)
             for move in wave:
-                old = pool._blocks[move.key]
+                old = core.block_at(move.key)
                 address = heap.allocate_at(region.base + move.dst, old.size)
-                new = pool._carve(region, address, old.size, old.nbytes, counted=False)
-                new.origin = "compact"
-                txn.on_rollback(pool._free, new)
-                # The destination storage's owner releases `new` if the wave is
-                # abandoned; after the swap it owns the *old* range instead.
+                new = core.carve(region, address, old.size, old.nbytes, counted=False)
+                txn.on_rollback(core.free, new)
+                # Retired until the commit: not live, not counted. If the wave is
+                # abandoned the face's destination goes, and with it `new`.
                 new.retired = True
-                dests.append((move, old, new, pool._storage_for(new)))
-            # Rollback abandons the destination storages; their owners release the new ranges.
+                dests.append((move, old, new, mover.destination(new)))
             txn.on_rollback(dests.clear)
 
         # 2. copy, then wait for it; 2b. verify.
         with _Timer(phases, "copy"):
             # Whole blocks (512-byte multiples): 16-byte aligned for the kernel, and
             # the rounding stays inside each block.
-            _copy(pool, engine, [(old.address, new.address, old.size) for _, old, new, _ in dests])
-            pool.driver.synchronize()
+            _copy(core, mover, engine, [(old.address, new.address, old.size) for _, old, new, _ in dests])
+            core.driver.synchronize()
         if verify:
             with _Timer(phases, "verify"):
-                _verify(pool, engine, [(old.address, new.address, old.size) for _, old, new, _ in dests])
+                _verify(core, mover, engine, [(old.address, new.address, old.size) for _, old, new, _ in dests])
 
-        # Everything the swap needs, checked before the first swap.
+        # Everything the commit needs, checked before the first commit.
         for move, old, new, dest in dests:
-            user = storages[move.key][0]
-            if user.nbytes() != dest.nbytes() or user.data_ptr() != old.address:
-                raise CompactionError(f"storage at {old.address:#x} changed during compaction; nothing was moved")
+            if not mover.check(old, held[move.key], dest):
+                raise CompactionError(f"block at {old.address:#x} changed during compaction; nothing was moved")
         txn.commit()
 
-    # 3. swap: cannot fail (one field exchange per storage).
+    # 3. commit: cannot fail (the face only exchanges fields).
     with _Timer(phases, "swap"):
         for move, old, new, dest in dests:
-            user, rebind = storages[move.key]
-            if rebind is None:
-                tz.swap_data(user, dest)
-                # `new` is now the user's block; `old` is owned by the temporary `dest`.
-                new.storage_ref, new.tensors = old.storage_ref, old.tensors
-            else:
-                # torch < 2.12: the known tensors (provably all users) take `dest`;
-                # `old` dies with the old storage once our references go.
-                tz.rebind(rebind, dest)
-                new.storage_ref, new.tensors = tz.weak_storage(dest), old.tensors
-                old.storage_ref = None
             new.retired, new.counted = False, True
             old.counted = False
-            new.dtype, new.shape, new.pins, new.streams = old.dtype, old.shape, old.pins, old.streams
-            new.owner, new.shared = old.owner, old.shared
-            new.alloc_stream = old.alloc_stream
+            new.pins, new.owner, new.shared, new.info = old.pins, old.owner, old.shared, old.info
             old.retired = True
-            if pool._history is not None:
-                pool._history.block_moved(old, new)
+            mover.commit(old, new, held.pop(move.key), dest)
+            if core.history is not None:
+                core.history.block_moved(old, new)
             report.moved_tensors += 1
             report.moved_bytes += old.nbytes
-            del storages[move.key]
-        # Loop variables would keep the last temporary (and its old range) alive.
-        del dest, user, rebind
-    # 4. release: dropping the temporaries releases the old ranges (queued, drained now).
+        # Loop variables would keep the last destination (and its old range) alive.
+        del dest
+    # 4. release: the face lets go of the old ranges (for torch: the temporaries die); drained now.
     with _Timer(phases, "release"):
         dests.clear()
-        pool._drain()
+        core.drain()
 
 
-def _make_physical_room(pool, region, dest_pages: set, needed: int) -> None:
+def _make_physical_room(core: Core, region, dest_pages: set, needed: int) -> None:
     """Back `needed` destination pages: unmap as many empty, non-destination pages first
     (so mapped pages never grow), then use cached or new physical pages.
 
@@ -358,31 +366,31 @@ def _make_physical_room(pool, region, dest_pages: set, needed: int) -> None:
     """
     if needed <= 0:
         return
-    donors = pool._empty_mapped_pages(region, dest_pages)
-    if len(donors) + pool._space.store.available < needed:
+    donors = core.empty_mapped_pages(region, dest_pages)
+    available = core.space.store.available
+    if len(donors) + available < needed:
         raise CompactionError(f"the plan needs {needed} new pages but only "
-                              f"{pool._space.store.available + len(donors)} physical pages are free; nothing was moved")
-    pool._unmap_empty(donors[:needed])
+                              f"{available + len(donors)} physical pages are free; nothing was moved")
+    core.unmap_empty(donors[:needed])
 
 
-def _copy(pool, engine: str, moves: list[tuple[int, int, int]]) -> None:
+def _copy(core: Core, mover: Mover, engine: str, moves: list[tuple[int, int, int]]) -> None:
     """Copy (src, dst, nbytes) triples; destinations never overlap sources within a wave."""
     if engine == "memmove":
         for src, dst, n in moves:
             ctypes.memmove(dst, src, n)
     elif engine == "driver":
-        stream = _current_stream(pool)
+        stream = mover.stream()
         for src, dst, n in moves:
-            pool.driver.copy(dst, src, n, stream)
+            core.driver.copy(dst, src, n, stream)
     else:
         from .kernels import batched_move, device_arena
-        table = _relative(pool, moves)
-        base, span, rel = table
+        base, span, rel = _relative(moves)
         arena = device_arena(base, span)
-        batched_move(arena, rel, stream=_kernel_stream(pool))
+        batched_move(arena, rel, stream=_kernel_stream(core, mover))
 
 
-def _relative(pool, moves):
+def _relative(moves):
     """Moves (whole 512-byte blocks) as an int64 (n, 3) table relative to the
     smallest arena covering them."""
     lo = min(min(s, d) for s, d, _ in moves)
@@ -393,22 +401,25 @@ def _relative(pool, moves):
     return lo, span, table
 
 
-def _kernel_stream(pool):
-    if pool.kind != "cuda":
+def _kernel_stream(core: Core, mover: Mover):
+    if core.kind != "cuda":
         return None
     from numba import cuda
-    handle = torch.cuda.current_stream(pool.device).cuda_stream
+    handle = mover.stream()
     return cuda.external_stream(handle) if handle else cuda.default_stream()
 
 
-def _verify(pool, engine: str, moves: list[tuple[int, int, int]]) -> None:
+def _verify(core: Core, mover: Mover, engine: str, moves: list[tuple[int, int, int]]) -> None:
     """Compare checksums of every source and destination; CompactionError on mismatch.
 
     The checksum kernel runs where the copy kernel ran (GPU, or the simulator
     for engine="kernel" on the emulated device); host memory is summed with
-    the identical numpy function otherwise.
+    the identical numpy function otherwise. The memory-less device has no
+    bytes to compare.
     """
-    if pool.kind == "emulated" and engine != "kernel":
+    if core.kind == "memoryless":
+        return
+    if core.kind == "emulated" and engine != "kernel":
         from .kernels import host_checksum
         for src, dst, n in moves:
             a = np.ctypeslib.as_array((ctypes.c_uint8 * n).from_address(src))
@@ -417,87 +428,73 @@ def _verify(pool, engine: str, moves: list[tuple[int, int, int]]) -> None:
                 raise CompactionError(f"verification failed: {n} bytes copied from {src:#x} to {dst:#x} differ")
         return
     from .kernels import checksum, device_arena
-    base, span, table = _relative(pool, moves)
+    base, span, table = _relative(moves)
     arena = device_arena(base, span)
-    sums_src = checksum(arena, table[:, [0, 2]], stream=_kernel_stream(pool))
-    sums_dst = checksum(arena, table[:, [1, 2]], stream=_kernel_stream(pool))
+    sums_src = checksum(arena, table[:, [0, 2]], stream=_kernel_stream(core, mover))
+    sums_dst = checksum(arena, table[:, [1, 2]], stream=_kernel_stream(core, mover))
     bad = np.flatnonzero(sums_src != sums_dst)
     if bad.size:
         src, dst, n = moves[int(bad[0])]
         raise CompactionError(f"verification failed for {bad.size} move(s), first {n} bytes {src:#x} -> {dst:#x}")
 
 
-def auto_compact_for(pool, nbytes: int, tried: list[str]):
+def rescue(core: Core, mover: Mover, nbytes: int, tried: list[str], callbacks=()):
     """Ladder step 4: compact and retry when stranded memory could cover the request.
 
-    Returns the placed Allocation, or None (with `tried` extended) when
+    Returns the placed Block, or None (with `tried` extended) when
     compaction is off, would not help, is rate-limited, or did not help.
     """
-    if not pool.auto_compact:
+    if not core.auto_compact:
         tried.append("automatic compaction is off (auto_compact=False)")
         return None
-    size = pool._round(nbytes)
-    scope = pool._scope(None)  # the allocating thread's blocks, or all when it is the only one
-    pinned_pages, movable = pool._packing_floor(scope)
-    if size < pool.page_size:
+    size = core.round(nbytes)
+    scope = core.scope(None)  # the allocating thread's blocks, parked threads', or all when it is the only one
+    pinned_pages, movable = core.packing_floor(scope, mover.can_rewrite)
+    if size < core.page_size:
         # A sub-page request needs a hole, not a page. Movable blocks can also fill
         # holes in pages that blocks which cannot move keep (other threads' blocks
         # are spread over every page), so only the live bytes bound what packing frees.
-        slack = pool.capacity - pool._counters["allocated_bytes"]
+        slack = core.capacity - core.counters["allocated_bytes"]
         if size > slack:
             tried.append(f"compaction cannot help: even packed, only {format_bytes(max(slack, 0))} would be free")
             return None
     else:
-        need = -(-size // pool.page_size)
-        could_free = pool.capacity_pages - pinned_pages - -(-movable // pool.page_size)
+        need = -(-size // core.page_size)
+        could_free = core.capacity_pages - pinned_pages - -(-movable // core.page_size)
         if need > could_free:
             tried.append(f"compaction cannot help: even packed, only {max(could_free, 0)} of the {need} "
                          f"pages needed would be free")
             return None
     now = time.monotonic()
-    since = now - pool._last_auto_compact
-    if since < pool.min_compact_interval:
+    since = now - core.last_auto_compact
+    if since < core.min_compact_interval:
         tried.append(f"automatic compaction skipped: the last one was {since:.3f} s ago "
-                     f"(min_compact_interval={pool.min_compact_interval} s)")
+                     f"(min_compact_interval={core.min_compact_interval} s)")
         return None
-    pool._last_auto_compact = now
+    core.last_auto_compact = now
     try:
-        report = compact_pool(pool, automatic=True, release=False, scope=scope)
+        report = compact_core(core, mover, automatic=True, release=False, scope=scope, callbacks=callbacks)
     except (CompactionError, CudaError) as exc:
         tried.append(f"automatic compaction did not run or was rolled back ({exc})")
         return None
     tried.append(f"automatic compaction (moved {report.moved_tensors} tensors, released {report.released_pages} pages)")
-    from .pool import _NoSpace
     try:
-        return pool._place(nbytes)
-    except _NoSpace as exc:
+        return core.place(nbytes)
+    except NoSpace as exc:
         tried.append(f"placement after compaction ({exc})")
-    if size >= pool.page_size:
+    if size >= core.page_size:
         return None
     # Every page is needed, but the free bytes are split: merge two holes.
-    if not any(_hole_plan(pool, region, _collect(pool, region, scope)[0], size) for region in pool._space.regions):
+    if not any(_hole_plan(core, region, _collect(core, mover, region, scope)[0], size) for region in core.regions):
         tried.append("no single move merges free ranges into a large enough hole")
         return None
     try:
-        compact_pool(pool, automatic=True, release=False, hole_for=size, scope=scope)
+        compact_core(core, mover, automatic=True, release=False, hole_for=size, scope=scope, callbacks=callbacks)
     except (CompactionError, CudaError) as exc:
         tried.append(f"hole-merging compaction did not run or was rolled back ({exc})")
         return None
     try:
-        return pool._place(nbytes)
-    except _NoSpace as exc:
+        return core.place(nbytes)
+    except NoSpace as exc:
         tried.append(f"placement after merging holes ({exc})")
         return None
-
-
-def compact(*, verify: bool = False, progress: bool | None = None, engine: str | None = None,
-            release: bool = True, threads: str | None = None) -> list[CompactionReport]:
-    """Compact every open pool of this process (same options as `Pool.compact`); one report per pool.
-
-    Pools are compacted one after the other; an error in one propagates
-    after the pools before it were compacted (each compaction is
-    all-or-nothing per wave on its own).
-    """
-    from .pool import open_pools
-    return [p.compact(verify=verify, progress=progress, engine=engine, release=release, threads=threads)
-            for p in open_pools()]

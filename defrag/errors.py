@@ -1,14 +1,12 @@
-"""The two error types defrag raises: one for the driver, one for the user.
+"""The errors defrag raises, except the user's out-of-memory error. No torch.
 
 `CudaError` carries the CUDA error name and code of a failed driver call (on the
-real driver and on the emulation alike). `OutOfMemoryError` is what a user sees
-when a pool cannot satisfy a request; it subclasses `torch.OutOfMemoryError` so
-existing `except torch.OutOfMemoryError` handlers keep working.
+real driver and on the emulation alike). `OutOfMemoryError`, what a user sees
+when a pool cannot satisfy a request, lives in `defrag.oom`: it subclasses
+`torch.OutOfMemoryError`, and this module is imported by torch-free layers.
 """
 
 from __future__ import annotations
-
-import torch
 
 
 class CudaError(RuntimeError):
@@ -32,25 +30,6 @@ class CudaOutOfMemoryError(CudaError):
     """The driver itself is out of physical memory (CUDA_ERROR_OUT_OF_MEMORY)."""
 
 
-class OutOfMemoryError(torch.OutOfMemoryError):
-    """A pool could not satisfy an allocation request.
-
-    The message names the request, the capacity, what is live, what is stranded
-    in half-used pages, what is pinned, and what was already tried. The same
-    figures are available as attributes (`requested`, `capacity`, `live`,
-    `stranded`, `pinned`, `tried`).
-    """
-
-    def __init__(self, message: str, **figures):
-        super().__init__(message)
-        self.requested = figures.get("requested")
-        self.capacity = figures.get("capacity")
-        self.live = figures.get("live")
-        self.stranded = figures.get("stranded")
-        self.pinned = figures.get("pinned")
-        self.tried = tuple(figures.get("tried", ()))
-
-
 class PoolClosedError(RuntimeError):
     """An operation was attempted on a pool after `close()`."""
 
@@ -69,3 +48,7 @@ class StaleAccessError(ConcurrencyError):
     the same access is an illegal-address error raised by CUDA itself. The pool
     itself is intact; the stale access read zeros and its writes were dropped.
     """
+
+
+class CompactionError(RuntimeError):
+    """A compaction could not run (e.g. during CUDA graph capture) or failed and was rolled back."""

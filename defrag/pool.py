@@ -1,20 +1,13 @@
-"""`Pool`: a page-mapped heap whose tensors are ordinary torch tensors.
+"""`Pool`: the torch face of the core: a page-mapped heap whose tensors are ordinary torch tensors.
 
-Layout. The pool reserves virtual regions and maps physical pages into them
-(`defrag.vmm`). Inside mapped pages a best-fit heap (`defrag.heap`, one per
-region) places blocks at 512-byte granularity:
-
-- a block smaller than a page goes into free space of pages that are already
-  mapped; only when none fits is one more page mapped;
-- a block of a page or more starts on a page boundary, in a run of virtual
-  pages that hold no live data, and is *stitched*: the run is backed by any
-  free physical pages, wherever they were mapped before. Such a request fails
-  only when the free physical pages cannot cover it (a new region is reserved
-  when no run of free virtual pages is long enough).
+Placement, release, page accounting and the allocation ladder live in
+`defrag.core`, the compaction protocol in `defrag.compactor`; this module
+turns blocks into torch storages and back, and rewrites a moved block's
+storage (`_TorchMover`).
 
 Lifetime. Each block is owned by the torch storage over it (`defrag.tensors`):
 when the last tensor or view of the storage dies, the block's release is
-*queued* (from whatever thread, possibly inside a pool call through garbage
+queued (from whatever thread, possibly inside a pool call through garbage
 collection) and applied at the next safe point: the start of any pool call.
 On CUDA a released block is reused only after an event recorded on every
 stream that used it has completed (`record_stream`). Pages left with no live
@@ -46,7 +39,6 @@ thread), and raw `data_ptr()`s kept by any thread (pin those tensors).
 
 from __future__ import annotations
 
-import collections
 import itertools
 import logging
 import math
@@ -54,16 +46,17 @@ import traceback
 import weakref
 from dataclasses import dataclass, field
 
-import numpy as np
 import torch
 
+from . import stats as observe
 from . import tensors as tz
 from . import threads
+from .compactor import CompactionReport, compact_core, rescue
+from .core import Block, Core, OutOfRoom
 from .driver import Driver, open_driver
-from .errors import ConcurrencyError, CudaOutOfMemoryError, OutOfMemoryError, PoolClosedError, StaleAccessError
-from .heap import ALIGNMENT, Heap
+from .oom import OutOfMemoryError
 from .units import format_bytes, parse_size
-from .vmm import AddressSpace, Region, Transaction
+from .vmm import AddressSpace
 
 _log = logging.getLogger("defrag")
 _open_pools: "weakref.WeakSet[Pool]" = weakref.WeakSet()
@@ -75,27 +68,48 @@ def open_pools() -> list["Pool"]:
     return [p for p in list(_open_pools) if not p.closed]
 
 
-@dataclass(eq=False)
-class Allocation:
-    """One carved heap range and the storage that owns it."""
+def save_snapshot(path, pool: "Pool | None" = None) -> str:
+    """Pickle a snapshot to `path` for `python -m torch.cuda._memory_viz` or pytorch.org/memory_viz.
 
-    address: int
-    size: int  # rounded to ALIGNMENT: what the heap holds
-    nbytes: int  # the storage's size
-    region: Region
+    `pool=None` saves every open pool of the process merged into one snapshot
+    (like PyTorch's, which covers every segment of the process; pools on one
+    device share its trace, ordered by time). Raises ValueError when there is
+    no open pool. The pickle uses protocol 4 and plain types only, which is
+    what the browser viewer's unpickler reads. Returns the path as a string.
+    """
+    if pool is None:
+        pools = open_pools()
+        if not pools:
+            raise ValueError("save_snapshot: no open pool to save (pass pool=...)")
+        data = observe.merge_snapshots([p.snapshot() for p in sorted(pools, key=lambda p: p.id)])
+    else:
+        data = pool.snapshot()
+    return observe.write_snapshot(path, data)
+
+
+def compact(*, verify: bool = False, progress: bool | None = None, engine: str | None = None,
+            release: bool = True, threads: str | None = None) -> list[CompactionReport]:
+    """Compact every open pool of this process (same options as `Pool.compact`); one report per pool.
+
+    Pools are compacted one after the other; an error in one propagates
+    after the pools before it were compacted (each compaction is
+    all-or-nothing per wave on its own).
+    """
+    return [p.compact(verify=verify, progress=progress, engine=engine, release=release, threads=threads)
+            for p in open_pools()]
+
+
+@dataclass(eq=False)
+class TensorInfo:
+    """What the torch face keeps on a block (`Block.info`): its storage and what it was made as."""
+
     dtype: torch.dtype | None = None
     shape: tuple[int, ...] | None = None
     storage_ref: object | None = None  # StorageWeakRef to the user's storage
-    pins: int = 0
-    origin: str = "empty"  # empty | adopt | compact
+    origin: str = "empty"  # empty | adopt
     streams: set = field(default_factory=set)  # CUDA streams that used it (record_stream)
     alloc_stream: int = 0
-    retired: bool = False  # an old location whose data has moved; released when its owner dies
-    counted: bool = True  # in allocated_bytes (compaction destinations count only once swapped in)
-    pending: bool = False  # CUDA: released, waiting on stream events before reuse (active, not allocated)
     tensors: list = field(default_factory=list)  # weakrefs to the tensors the pool made ("rebind" mode only)
-    owner: object = None  # weakref to the ThreadToken of the thread that allocated, adopted or claimed it
-    shared: bool = False  # declared used by several threads (pool.share): no thread owns it
 
 
 @dataclass(frozen=True)
@@ -113,30 +127,53 @@ class LiveTensor:
     owner: str = ""  # "thread 'name'", "an ended thread" or "shared"
 
 
-@dataclass(frozen=True)
-class _Scope:
-    """Which blocks one compaction may move (see `Pool._scope`)."""
+class _TorchMover:
+    """The compaction's callbacks for torch storages (see `defrag.compactor.Mover`)."""
 
-    mine: object  # the caller's owner reference (defrag.threads.owner_ref())
-    idle: frozenset  # token ids of other threads parked at the pool's gate: their blocks may move
-    everything: bool  # no other thread that used the pool is running: every unpinned block may move
+    def __init__(self, pool: "Pool"):
+        self.pool = pool
 
+    def stream(self) -> int:
+        return self.pool._current_stream()
 
-THREAD_MODES = (None, "own", "all")
+    def can_rewrite(self, block: Block) -> str:
+        info = block.info
+        if info is None or info.storage_ref is None or info.storage_ref.expired():
+            return "its storage is being released"
+        if not self.pool._can_swap and self.pool._rebindable(block) is None:
+            return ("torch < 2.12 lacks UntypedStorage._swap_data_ptr_ (and the storage-swap extension could not "
+                    "be built), and views or other references to this storage exist that the pool cannot rewrite")
+        return ""
 
+    def hold(self, block: Block):
+        storage = tz.strong_storage(block.info.storage_ref)
+        if storage is None:
+            return None
+        if self.pool._can_swap:
+            return storage, None
+        rebind = self.pool._rebindable(block, storage)
+        return None if rebind is None else (storage, rebind)
 
-class _NoSpace(Exception):
-    """Internal: placement failed; carries what was tried."""
+    def destination(self, block: Block):
+        return self.pool._storage_over(block)
 
+    def check(self, old: Block, held, dest) -> bool:
+        user = held[0]
+        return user.nbytes() == dest.nbytes() and user.data_ptr() == old.address
 
-def _page_runs(mask: np.ndarray) -> list[tuple[int, int]]:
-    """(start, length) of each run of True in a boolean array."""
-    if not mask.any():
-        return []
-    padded = np.concatenate(([False], mask, [False])).astype(np.int8)
-    edges = np.flatnonzero(np.diff(padded))
-    starts, ends = edges[0::2], edges[1::2]
-    return list(zip(starts.tolist(), (ends - starts).tolist()))
+    def commit(self, old: Block, new: Block, held, dest) -> None:
+        user, rebind = held
+        if rebind is None:
+            # `new` is now the user's block; `old` is owned by the temporary `dest`.
+            tz.swap_data(user, dest)
+        else:
+            # Rebind mode: the known tensors (provably all users) take `dest`;
+            # `old` dies with the old storage once the compaction's references go.
+            tz.rebind(rebind, dest)
+            info = old.info
+            new.info = TensorInfo(info.dtype, info.shape, tz.weak_storage(dest), info.origin, info.streams,
+                                  info.alloc_stream, info.tensors)
+            old.info = None
 
 
 class Pool:
@@ -156,7 +193,8 @@ class Pool:
     long enough run of free virtual pages).
 
     On the emulated device tensors are CPU tensors over emulated device memory
-    (`pool.device` is `cpu`); on a GPU they are CUDA tensors.
+    (`pool.device` is `cpu`); on a GPU they are CUDA tensors. `pool.core` is
+    the torch-free core underneath (read it, do not change it).
 
     Threads: a compaction moves only tensors no other thread can be using (the
     calling thread's, those of threads waiting inside a pool call, and every
@@ -169,6 +207,9 @@ class Pool:
                  min_compact_interval: float = 0.0, virtual_factor: int = 2):
         capacity_bytes = parse_size(capacity, what="capacity")
         self.driver: Driver = open_driver(device)
+        if self.driver.kind not in ("cuda", "emulated"):
+            raise ValueError(f"a Pool makes torch tensors, which need device memory; the {self.driver.kind} "
+                             f"device has none (use defrag.dry.DryPool)")
         granularity = self.driver.granularity
         if page_size is None:
             page_size = granularity
@@ -180,11 +221,6 @@ class Pool:
         if capacity_bytes < page_size:
             raise ValueError(f"capacity {format_bytes(capacity_bytes)} is smaller than one page ({format_bytes(page_size)})")
         self.id = next(_pool_ids)
-        self.page_size = page_size
-        self.capacity_pages = capacity_bytes // page_size
-        self.capacity = self.capacity_pages * page_size
-        self.auto_compact = bool(auto_compact)
-        self.min_compact_interval = float(min_compact_interval)
         self.kind = self.driver.kind
         self.device = torch.device("cpu") if self.kind == "emulated" else torch.device("cuda", self.driver.ordinal)
         self.on_compact: list = []  # callbacks(report) after every compaction
@@ -193,29 +229,48 @@ class Pool:
         # _swap_data_ptr_, else defrag's small extension (built here on first use, once
         # per machine), else rebinding the tensors the pool knows (views pin blocks).
         self._can_swap = tz.can_swap_storages()
-
-        self._gate = threads.Gate()  # the pool's lock; knows which threads wait at it (see _scope)
-        self._released: collections.deque[Allocation] = collections.deque()
-        self._space = AddressSpace(self.driver, page_size, self.capacity_pages)
-        self._heaps: list[Heap] = []
-        self._live_count: list[np.ndarray] = []  # per region: live (or retired) blocks touching each page
-        self._blocks: dict[int, Allocation] = {}  # block address -> Allocation (live and retired)
-        self._threads: dict[int, object] = {}  # token id -> owner ref of every thread that used the pool
-        self._pending: list[tuple[Allocation, list]] = []  # CUDA: released, waiting on events
-        self._closed = False
-        self._counters = collections.Counter()
-        self._peaks = collections.Counter()
-        self._history = None  # trace recorder (record_history); see defrag.stats
-        self._last_auto_compact = -math.inf
-        self._add_region(self.capacity_pages * max(1, int(virtual_factor)))
-        self._finalizer = weakref.finalize(self, AddressSpace.release_all, self._space)
+        self.core = Core(self.driver, capacity_pages=capacity_bytes // page_size, page_size=page_size,
+                         auto_compact=auto_compact, min_compact_interval=min_compact_interval,
+                         virtual_factor=virtual_factor, label=f"pool #{self.id}")
+        if self.kind == "cuda":
+            self.core.defer = self._stream_events
+        self._mover = _TorchMover(self)
+        self._finalizer = weakref.finalize(self, AddressSpace.release_all, self.core.space)
         self._finalizer.atexit = False
         _open_pools.add(self)
 
     # ------------------------------------------------------------------ basics
     @property
     def closed(self) -> bool:
-        return self._closed
+        return self.core.closed
+
+    @property
+    def page_size(self) -> int:
+        return self.core.page_size
+
+    @property
+    def capacity(self) -> int:
+        return self.core.capacity
+
+    @property
+    def capacity_pages(self) -> int:
+        return self.core.capacity_pages
+
+    @property
+    def auto_compact(self) -> bool:
+        return self.core.auto_compact
+
+    @auto_compact.setter
+    def auto_compact(self, value: bool) -> None:
+        self.core.auto_compact = bool(value)
+
+    @property
+    def min_compact_interval(self) -> float:
+        return self.core.min_compact_interval
+
+    @min_compact_interval.setter
+    def min_compact_interval(self, value: float) -> None:
+        self.core.min_compact_interval = float(value)
 
     def __enter__(self) -> "Pool":
         return self
@@ -224,340 +279,49 @@ class Pool:
         self.close()
 
     def __repr__(self) -> str:
-        state = "closed" if self._closed else f"{len(self._blocks)} blocks"
+        state = "closed" if self.closed else f"{sum(1 for _ in self.core.blocks())} blocks"
         return (f"<defrag.Pool #{self.id} {self.kind} capacity={format_bytes(self.capacity)} "
                 f"page={format_bytes(self.page_size)} {state}>")
 
-    def _check_open(self) -> None:
-        if self._closed:
-            raise PoolClosedError(f"pool #{self.id} is closed")
-        touched = self.driver.touched_unmapped()
-        if touched:
-            raise StaleAccessError(
-                f"{format_bytes(touched)} of unmapped {self.kind} device memory was read or written since the "
-                f"last pool call: a thread kept using an address after a compaction moved what was there and "
-                f"its page was unmapped (on a GPU: an illegal-address error). Those reads saw zeros and those "
-                f"writes were dropped; the pool's tensors are intact. Usual cause: a tensor handed to another "
-                f"thread without pool.claim(t) or pool.share(t), or a raw data_ptr() kept (pin such tensors).")
+    def _enter(self) -> None:
+        """The start of every mutating call (gate held): open, no stale access, releases applied."""
+        self.core.check_open()
+        self.core.drain()
 
-    def _add_region(self, npages: int) -> Region:
-        region = self._space.reserve(npages)
-        self._heaps.append(Heap(region.base, region.size, ALIGNMENT))
-        self._live_count.append(np.zeros(npages, dtype=np.int64))
-        return region
+    def _current_stream(self) -> int:
+        if self.kind == "cuda":
+            return torch.cuda.current_stream(self.device).cuda_stream
+        return 0
 
-    # ------------------------------------------------------------------ threads
-    def _user(self):
-        """The calling thread's owner reference, remembering that this thread used the pool."""
-        token = threads.current_token()
-        if token.id not in self._threads:
-            self._threads[token.id] = token.ref
-        return token.ref
+    def _stream_events(self, block: Block) -> list:
+        """CUDA: events on every stream that used `block`; it is reused once they completed."""
+        info = block.info
+        streams = {info.alloc_stream, *info.streams} if info is not None else {0}
+        events = []
+        for stream in streams:
+            event = torch.cuda.Event()
+            event.record(torch.cuda.ExternalStream(stream, device=self.device) if stream else
+                         torch.cuda.default_stream(self.device))
+            events.append(event)
+        return events
 
-    def _other_live_threads(self, mine) -> list:
-        """Owner references of the other threads that used the pool and still run (forgets ended ones)."""
-        others = []
-        for tid, ref in list(self._threads.items()):
-            if not threads.is_alive(ref):
-                del self._threads[tid]
-            elif ref is not mine:
-                others.append(ref)
-        return others
-
-    def _scope(self, mode) -> _Scope:
-        """What a compaction called from this thread may move now (the gate is held).
-
-        A thread is *busy* when it used the pool, still runs, and is not
-        parked at this pool's gate (see `defrag.threads.Gate`). None: the
-        caller's blocks and those of parked threads, plus blocks of ended
-        threads and shared blocks when no other thread is busy; "own": the
-        caller's blocks only; "all": every unpinned block, refused with
-        ConcurrencyError while another thread is busy.
-        """
-        if mode not in THREAD_MODES:
-            raise ValueError(f"threads must be None, 'own' or 'all', got {mode!r}")
-        mine = self._user()
-        if mode == "own":
-            return _Scope(mine, frozenset(), everything=False)
-        idle, busy = set(), []
-        for ref in self._other_live_threads(mine):
-            if self._gate.parked(ref):
-                idle.add(ref().id)
-            else:
-                busy.append(ref)
-        if mode == "all" and busy:
-            names = ", ".join(threads.describe(r) for r in busy[:5]) + (" ..." if len(busy) > 5 else "")
-            raise ConcurrencyError(
-                f"compact(threads='all') needs every other thread that used pool #{self.id} to have ended "
-                f"(or to wait inside a pool call), but {len(busy)} still run ({names}): join them first, "
-                f"or call pool.compact() in each thread to move its own tensors")
-        return _Scope(mine, frozenset(idle), everything=not busy)
-
-    # ------------------------------------------------------------------ release queue
-    def _on_release(self, alloc: Allocation) -> None:
+    # ------------------------------------------------------------------ release
+    def _on_release(self, block: Block) -> None:
         """Runs when torch drops a block's owner: any thread, any time. Only queues,
         except after close, when nothing else will come to drain the queue."""
-        self._released.append(alloc)
-        if self._closed:
-            with self._gate:
-                self._drain()
+        self.core.release(block)
+        if self.core.closed:
+            with self.core.gate:
+                self.core.drain()
                 self._release_if_idle()
 
-    def _drain(self) -> None:
-        """Apply queued releases (a safe point: the lock is held)."""
-        while self._released:
-            alloc = self._released.popleft()
-            if self._blocks.get(alloc.address) is not alloc:
-                continue  # already gone (defensive: each owner releases once)
-            # Retired ranges were synchronized before their data moved: free now.
-            if self.kind == "cuda" and not self._closed and not alloc.retired:
-                events = []
-                for stream in {alloc.alloc_stream, *alloc.streams}:
-                    event = torch.cuda.Event()
-                    event.record(torch.cuda.ExternalStream(stream, device=self.device) if stream else
-                                 torch.cuda.default_stream(self.device))
-                    events.append(event)
-                # Like PyTorch: a block waiting on stream events is active, not allocated.
-                self._bump("allocated_bytes", -alloc.size)
-                alloc.counted, alloc.pending = False, True
-                self._counters["pending_bytes"] += alloc.size
-                self._pending.append((alloc, events))
-                continue
-            self._free(alloc)
-        if self._pending:
-            still = []
-            for alloc, events in self._pending:
-                if all(e.query() for e in events):
-                    self._free(alloc)
-                else:
-                    still.append((alloc, events))
-            self._pending = still
-
-    def _wait_pending(self) -> None:
-        """Wait for every stream-ordered release still in flight (before declaring OOM)."""
-        if self._pending:
-            self.driver.synchronize()
-            for alloc, _ in self._pending:
-                self._free(alloc)
-            self._pending = []
-
-    # ------------------------------------------------------------------ page accounting
-    def _pages_of(self, alloc_or_addr, size=None) -> tuple[int, int]:
-        if size is None:
-            addr, size, region = alloc_or_addr.address, alloc_or_addr.size, alloc_or_addr.region
-        else:
-            addr, region = alloc_or_addr, self._space.region_of(alloc_or_addr)
-        first = (addr - region.base) // self.page_size
-        last = (addr + size - 1 - region.base) // self.page_size
-        return first, last + 1
-
-    def _account(self, alloc: Allocation, delta: int) -> None:
-        first, end = self._pages_of(alloc)
-        counts = self._live_count[alloc.region.index]
-        if end == first + 1:
-            counts[first] += delta  # the common case, without a slice
-        else:
-            counts[first:end] += delta
-
-    def _carve(self, region: Region, address: int, size: int, nbytes: int, *, counted: bool = True) -> Allocation:
-        alloc = Allocation(address, size, nbytes, region, counted=counted, owner=self._user())
-        self._blocks[address] = alloc
-        self._account(alloc, +1)
-        if counted:
-            self._bump("allocated_bytes", size)
-            self._counters["num_allocs"] += 1
-        return alloc
-
-    def _free(self, alloc: Allocation) -> None:
-        heap = self._heaps[alloc.region.index]
-        heap.free(alloc.address)
-        self._account(alloc, -1)
-        del self._blocks[alloc.address]
-        if alloc.counted:
-            self._bump("allocated_bytes", -alloc.size)
-            self._counters["num_frees"] += 1
-        elif alloc.pending:
-            self._counters["pending_bytes"] -= alloc.size
-            self._counters["num_frees"] += 1
-        if self._history is not None:
-            self._history.block_freed(alloc)
-
-    def _bump(self, key: str, delta: int) -> None:
-        c = self._counters
-        c[key] += delta
-        if c[key] > self._peaks[key]:
-            self._peaks[key] = c[key]
-        active = c["allocated_bytes"] + c["pending_bytes"]
-        if active > self._peaks["active_bytes"]:
-            self._peaks["active_bytes"] = active
-
-    # ------------------------------------------------------------------ placement
-    def _round(self, nbytes: int) -> int:
-        return -(-nbytes // ALIGNMENT) * ALIGNMENT
-
-    def _empty_mapped_pages(self, keep: Region | None = None, keep_pages=()) -> list[tuple[Region, int]]:
-        """Mapped pages that hold no block, except `keep_pages` of region `keep`
-        (a request's or a wave's own destination pages, when looking for donors)."""
-        out = []
-        for region in self._space.regions:
-            mask = (region.handles != 0) & (self._live_count[region.index] == 0)
-            if region is keep:
-                mask[np.fromiter(keep_pages, dtype=np.int64)] = False
-            out.extend((region, int(p)) for p in np.flatnonzero(mask))
-        return out
-
-    def _unmap_recorded(self, region: Region, pages: list[int]) -> None:
+    # ------------------------------------------------------------------ allocation
+    def _allocate(self, nbytes: int) -> Block:
+        """Place `nbytes` (the ladder, with automatic compaction); OutOfMemoryError when nothing helps."""
         try:
-            self._space.unmap(region, pages)
-        finally:
-            if self._history is not None:
-                self._history.pages_unmapped(region, pages)
-
-    def _unmap_empty(self, pages: list[tuple[Region, int]]) -> None:
-        """Unmap mapped pages that hold no block; their handles become cached."""
-        by_region: dict[int, list[int]] = collections.defaultdict(list)
-        for region, page in pages:
-            heap = self._heaps[region.index]
-            heap.remove_free(region.address(page), self.page_size)
-            by_region[region.index].append(page)
-        for index, plist in by_region.items():
-            region = self._space.regions[index]
-            try:
-                self._unmap_recorded(region, plist)
-            finally:
-                # Whatever stayed mapped (a failed unmap) gets its free range back.
-                for page in plist:
-                    if region.handles[page]:
-                        self._heaps[index].insert_free(region.address(page), self.page_size)
-
-    def _map_into_heap(self, region: Region, pages: list[int], txn: Transaction) -> None:
-        self._space.map(region, pages, txn)
-        # Peaks are tracked where mapping happens, compaction transients included.
-        reserved = self._space.mapped * self.page_size
-        if reserved > self._peaks["reserved_bytes"]:
-            self._peaks["reserved_bytes"] = reserved
-        # Undo steps run newest first: this one unmaps and records it, so the
-        # history sees the unmap; the vmm's own undo then finds nothing to do.
-        txn.on_rollback(self._unmap_recorded, region, list(pages))
-        heap = self._heaps[region.index]
-        for page in pages:
-            heap.insert_free(region.address(page), self.page_size)
-            txn.on_rollback(heap.remove_free, region.address(page), self.page_size)
-        if self._history is not None:
-            self._history.pages_mapped(region, pages)
-
-    def _live_pages(self) -> int:
-        """Pages that hold at least one block."""
-        return int(sum(int((c > 0).sum()) for c in self._live_count))
-
-    def _empty_page_count(self) -> int:
-        return int(sum(int(((r.handles != 0) & (c == 0)).sum()) for r, c in zip(self._space.regions, self._live_count)))
-
-    def _free_physical_pages(self) -> int:
-        """Pages that could back a new request now: cached, creatable, or mapped but empty."""
-        return self._space.store.available + self._empty_page_count()
-
-    def _place(self, nbytes: int) -> Allocation:
-        size = self._round(nbytes)
-        if size < self.page_size:
-            return self._place_small(size, nbytes)
-        return self._place_large(size, nbytes)
-
-    def _place_small(self, size: int, nbytes: int) -> Allocation:
-        for region, heap in zip(self._space.regions, self._heaps):
-            address = heap.allocate(size)
-            if address is not None:
-                return self._carve(region, address, size, nbytes)
-        if self._space.store.available < 1:
-            raise _NoSpace("no free space in mapped pages and no physical page left")
-        region, page = self._first_unmapped_page()
-        with Transaction() as txn:
-            self._map_new(region, [page], txn)
-            address = self._heaps[region.index].allocate_at(region.address(page), size)
-        return self._carve(region, address, size, nbytes)
-
-    def _map_new(self, region: Region, pages: list[int], txn: Transaction) -> None:
-        """Map pages for a placement; the device running out of memory is a placement failure."""
-        try:
-            self._map_into_heap(region, pages, txn)
-            return
-        except CudaOutOfMemoryError as exc:
-            # The GPU filled up before the pool reached its capacity (other users of
-            # the device). Stats stop counting pages the device will not give
-            # until a later creation succeeds; pages the pool already holds,
-            # mapped but empty, can back this request: unmap enough and map again.
-            self._space.store.device_full = True
-            error = exc
-        donors = self._empty_mapped_pages(region, pages)
-        need = len(pages) - len(self._space.store.cached)
-        if 0 < need <= len(donors):
-            self._unmap_empty(donors[:need])
-            self._map_into_heap(region, pages, txn)  # from cached handles only: the device is not asked
-            return
-        raise _NoSpace(f"the device has no free memory for {len(pages)} more page(s) ({error.name})") from error
-
-    def _first_unmapped_page(self) -> tuple[Region, int]:
-        for region in self._space.regions:
-            free = np.flatnonzero(region.handles == 0)
-            if free.size:
-                return region, int(free[0])
-        region = self._add_region(self.capacity_pages)
-        return region, 0
-
-    def _place_large(self, size: int, nbytes: int) -> Allocation:
-        k = -(-size // self.page_size)
-        free_pages = self._free_physical_pages()
-        if k > free_pages:
-            raise _NoSpace(f"needs {k} free pages, {free_pages} can be had")
-        best = None  # (run length, unmapped pages in window, region, start)
-        for region in self._space.regions:
-            available = self._live_count[region.index] == 0
-            for start, length in _page_runs(available):
-                if length < k:
-                    continue
-                unmapped = int((region.handles[start:start + k] == 0).sum())
-                key = (length, unmapped)
-                if best is None or key < best[:2]:
-                    best = (length, unmapped, region, start)
-        if best is None:
-            region, start = self._add_region(max(k, self.capacity_pages)), 0
-        else:
-            region, start = best[2], best[3]
-        window = list(range(start, start + k))
-        to_map = [p for p in window if not region.handles[p]]
-        shortfall = len(to_map) - self._space.store.available
-        if shortfall > 0:
-            # Stitching: take physical pages from empty mapped pages elsewhere.
-            donors = self._empty_mapped_pages(region, window)[:shortfall]
-            self._unmap_empty(donors)
-        with Transaction() as txn:
-            self._map_new(region, to_map, txn)
-            address = self._heaps[region.index].allocate_at(region.address(start), size)
-        return self._carve(region, address, size, nbytes)
-
-    # ------------------------------------------------------------------ allocation entry
-    def _allocate(self, nbytes: int) -> Allocation:
-        """Place `nbytes`, climbing the ladder on failure; raises OutOfMemoryError."""
-        tried = []
-        try:
-            return self._place(nbytes)
-        except _NoSpace as exc:
-            tried.append(f"placement ({exc})")
-        self._counters["num_alloc_retries"] += 1
-        if self._pending:
-            self._wait_pending()
-            tried.append("waiting for stream-ordered frees")
-            try:
-                return self._place(nbytes)
-            except _NoSpace:
-                pass
-        rescued = self._rescue(nbytes, tried)
-        if rescued is not None:
-            return rescued
-        self._counters["num_ooms"] += 1
-        if self._history is not None:
-            self._history.oom(nbytes)
-        error = self._oom_error(nbytes, tried)
+            return self.core.allocate(nbytes, self._rescue, self._describe)
+        except OutOfRoom as room:
+            error = OutOfMemoryError(room.message, **room.figures)
         for observer in list(self.on_oom):
             try:
                 observer(error)
@@ -565,76 +329,28 @@ class Pool:
                 _log.error("defrag: an on_oom observer raised; ignored\n%s", traceback.format_exc())
         raise error
 
-    def _rescue(self, nbytes: int, tried: list[str]) -> Allocation | None:
-        """Automatic compaction (see defrag.compactor); None when it cannot help."""
-        from .compactor import auto_compact_for
-        return auto_compact_for(self, nbytes, tried)
+    def _rescue(self, nbytes: int, tried: list[str]) -> Block | None:
+        return rescue(self.core, self._mover, nbytes, tried, self.on_compact)
 
-    def _oom_error(self, nbytes: int, tried: list[str]) -> OutOfMemoryError:
-        st = self._stats_locked()
-        pinned = sum(a.size for a in self._blocks.values() if a.pins)
-        largest = sorted((a for a in self._blocks.values() if not a.retired), key=lambda a: (-a.nbytes, -a.pins))[:5]
-        lines = [
-            f"defrag pool #{self.id} ({self.kind}) cannot allocate {format_bytes(nbytes)} ({nbytes} bytes):",
-            f"  capacity {format_bytes(self.capacity)}, live {format_bytes(st['allocated_bytes.all.current'])}, "
-            f"stranded in half-used pages {format_bytes(st['stranded_bytes'])}, pinned {format_bytes(pinned)}, "
-            f"largest request possible now {format_bytes(st['largest_free_bytes'])}.",
-            "  tried: " + "; ".join(tried or ["placement"]),
-        ]
-        if largest:
-            lines.append("  largest live tensors: " + ", ".join(
-                f"{format_bytes(a.nbytes)} {str(a.dtype).replace('torch.', '') if a.dtype else ''}"
-                f"{list(a.shape) if a.shape is not None else ''}{' (pinned)' if a.pins else ''}".strip()
-                for a in largest))
-        lines.append("  suggestion: " + self._oom_suggestion(nbytes, st["allocated_bytes.all.current"], pinned))
-        return OutOfMemoryError("\n".join(lines), requested=nbytes, capacity=self.capacity,
-                                live=st["allocated_bytes.all.current"], stranded=st["stranded_bytes"],
-                                pinned=pinned, tried=tried)
+    @staticmethod
+    def _describe(block: Block) -> str:
+        info = block.info
+        if info is None:
+            return ""
+        dtype = str(info.dtype).replace("torch.", "") if info.dtype else ""
+        return f"{dtype}{list(info.shape) if info.shape is not None else ''}"
 
-    def _oom_suggestion(self, nbytes: int, live: int, pinned: int) -> str:
-        """What would really make room for `nbytes`: only advice that is true of this pool and device."""
-        device_total = self.driver.total_memory
-        device_limited = self._space.store.device_full or self.capacity > device_total
-        if nbytes > self.capacity:
-            advice = f"the request is larger than the pool's capacity ({format_bytes(self.capacity)})"
-            if nbytes > device_total:
-                return advice + f" and than the whole device ({format_bytes(device_total)}): split the tensor."
-            return advice + f": create the pool with capacity >= {format_bytes(nbytes)}."
-        if device_limited and self._space.store.device_full:
-            return (f"the device is the limit, not the pool: it has {format_bytes(device_total)} in all and gave "
-                    f"no more pages (other pools, PyTorch's caching allocator or other processes hold the rest), "
-                    f"so a larger capacity would not help; free memory held outside this pool "
-                    f"(torch.cuda.empty_cache(), other pools' trim()) or ask for less.")
-        free_after_compaction = self.capacity - self._pages_needed_if_packed(self._scope(None)) * self.page_size
-        if nbytes <= free_after_compaction and not self.auto_compact:
-            return "pool.compact() (or auto_compact=True) would make room for this request."
-        steps = []
-        if pinned:
-            steps.append("unpin tensors you no longer need to keep in place")
-        if live:
-            steps.append("free tensors you no longer need")
-        if self.capacity < device_total:
-            steps.append(f"create the pool with a larger capacity (the device has {format_bytes(device_total)})")
-        elif not steps:
-            steps.append("ask for less: the pool already spans the whole device")
-        return ", ".join(steps[:-1]) + (" or " if len(steps) > 1 else "") + steps[-1] + "."
+    def _storage_over(self, block: Block) -> torch.UntypedStorage:
+        """A storage over `block` whose death releases it."""
+        return tz.storage_over(self.kind, self.device, block.address, block.nbytes,
+                               lambda b=block: self._on_release(b))
 
-    def _packing_floor(self, scope: _Scope) -> tuple[int, int]:
-        """(pages touched by blocks that cannot move, bytes of blocks that can) for a compaction of `scope`."""
-        pinned_pages = set()
-        movable = 0
-        for a in self._blocks.values():
-            if a.pins or not self._movable(a, scope)[0]:
-                first, end = self._pages_of(a)
-                pinned_pages.update((a.region.index, p) for p in range(first, end))
-            else:
-                movable += a.size
-        return len(pinned_pages), movable
-
-    def _pages_needed_if_packed(self, scope: _Scope) -> int:
-        """Lower bound of pages after a perfect compaction: movable bytes packed, plus pinned pages."""
-        pinned_pages, movable = self._packing_floor(scope)
-        return pinned_pages + -(-movable // self.page_size)
+    def _storage_for(self, block: Block, dtype, shape, origin: str = "empty") -> torch.UntypedStorage:
+        """The user's storage over a new block, with the block's TensorInfo."""
+        storage = self._storage_over(block)
+        block.info = TensorInfo(dtype, shape, tz.weak_storage(storage), origin,
+                                alloc_stream=self._current_stream())
+        return storage
 
     # ------------------------------------------------------------------ public: creation
     def empty(self, *shape, dtype: torch.dtype | None = None, requires_grad: bool = False) -> torch.Tensor:
@@ -662,35 +378,25 @@ class Pool:
         dtype = tz.check_dtype(dtype if dtype is not None else torch.get_default_dtype())
         elements = 0 if 0 in shape else 1 + sum((n - 1) * st for n, st in zip(shape, stride))
         nbytes = elements * dtype.itemsize
-        with self._gate:
-            self._check_open()
-            self._drain()
+        with self.core.gate:
+            self._enter()
             if nbytes == 0:
                 return torch.empty_strided(shape, stride, dtype=dtype, device=self.device,
                                            requires_grad=requires_grad)
-            alloc = self._allocate(nbytes)
+            block = self._allocate(nbytes)
             try:
-                storage = self._storage_for(alloc)
+                storage = self._storage_for(block, dtype, shape)
             except BaseException:
-                self._free(alloc)
+                self.core.free(block)
                 raise
-            alloc.dtype, alloc.shape = dtype, shape
-            if self._history is not None:
-                self._history.block_allocated(alloc)
+            if self.core.history is not None:
+                self.core.history.block_allocated(block)
         tensor = tz.tensor_over(storage, dtype, shape, self.device, stride)
         if not self._can_swap:  # "rebind" mode only: otherwise no weakref on users' tensors (swap_tensors works)
-            alloc.tensors.append(weakref.ref(tensor))
+            block.info.tensors.append(weakref.ref(tensor))
         if requires_grad:
             tensor.requires_grad_(True)
         return tensor
-
-    def _storage_for(self, alloc: Allocation) -> torch.UntypedStorage:
-        storage = tz.storage_over(self.kind, self.device, alloc.address, alloc.nbytes,
-                                  lambda a=alloc: self._on_release(a))
-        alloc.storage_ref = tz.weak_storage(storage)
-        if self.kind == "cuda":
-            alloc.alloc_stream = torch.cuda.current_stream(self.device).cuda_stream
-        return storage
 
     def zeros(self, *shape, dtype=None, requires_grad=False) -> torch.Tensor:
         """Like `empty`, filled with zeros."""
@@ -736,7 +442,7 @@ class Pool:
         if len(shape) == 1 and not isinstance(shape[0], int):
             shape = shape[0]
         shape = tz.check_shape(shape)
-        with self._gate:
+        with self.core.gate:
             self._require_own(tensor, "resize_")
         need = (tensor.storage_offset() + math.prod(shape)) * tensor.element_size()
         if need <= tensor.untyped_storage().nbytes():
@@ -750,77 +456,74 @@ class Pool:
         return tensor
 
     # ------------------------------------------------------------------ lookup
-    def _find(self, tensor: torch.Tensor) -> Allocation | None:
+    def _find(self, tensor: torch.Tensor) -> Block | None:
         """The live block under `tensor`'s storage, or None if it is not pool memory.
 
         Pool storages always start at their block's address, so this is one lookup.
         """
-        alloc = self._blocks.get(tensor.untyped_storage().data_ptr())
-        return None if alloc is None or alloc.retired else alloc
+        return self.core.block_at(tensor.untyped_storage().data_ptr())
 
-    def _owns_address(self, ptr: int) -> bool:
-        return any(r.contains(ptr) for r in self._space.regions)
+    def owns_address(self, ptr: int) -> bool:
+        """Whether `ptr` lies in this pool's virtual address space."""
+        return self.core.owns_address(ptr)
 
     def _other_owner(self, ptr: int) -> "Pool | None":
         """The other open pool whose address space holds `ptr`, if any."""
-        return next((p for p in open_pools() if p is not self and p._owns_address(ptr)), None)
+        return next((p for p in open_pools() if p is not self and p.owns_address(ptr)), None)
 
-    def _require_own(self, tensor, what: str) -> Allocation:
+    def _require_own(self, tensor, what: str) -> Block:
         if not isinstance(tensor, torch.Tensor):
             raise TypeError(f"{what} needs a tensor, got {type(tensor).__name__}")
         if tensor.device != self.device:
             raise ValueError(f"{what}: tensor is on {tensor.device}, this pool's tensors are on {self.device}")
-        alloc = self._find(tensor)
-        if alloc is None:
+        block = self._find(tensor)
+        if block is None:
             if (other := self._other_owner(tensor.untyped_storage().data_ptr())) is not None:
                 raise ValueError(f"{what}: tensor belongs to pool #{other.id}, not pool #{self.id}")
             raise ValueError(f"{what}: tensor is not in pool #{self.id} (use pool.adopt to move it in)")
-        return alloc
+        return block
 
     def owns(self, tensor: torch.Tensor) -> bool:
         """Whether `tensor`'s storage is a live block of this pool."""
-        with self._gate:
-            self._drain()
+        with self.core.gate:
+            self.core.drain()
             return isinstance(tensor, torch.Tensor) and tensor.device == self.device and self._find(tensor) is not None
 
-    # ------------------------------------------------------------------ pin / streams
+    # ------------------------------------------------------------------ pin / threads / streams
     def pin(self, tensor: torch.Tensor) -> None:
         """Keep `tensor`'s storage where it is: compaction never moves a pinned block.
 
         Pins count: each `pin` needs an `unpin`. Pinning a tensor that is not
         in this pool raises ValueError and changes nothing.
         """
-        with self._gate:
-            self._check_open()
-            self._drain()
+        with self.core.gate:
+            self._enter()
             self._require_own(tensor, "pin").pins += 1
 
     def unpin(self, tensor: torch.Tensor) -> None:
         """Undo one `pin`. ValueError if the tensor is not pinned."""
-        with self._gate:
-            self._check_open()
-            self._drain()
-            alloc = self._require_own(tensor, "unpin")
-            if alloc.pins == 0:
+        with self.core.gate:
+            self._enter()
+            block = self._require_own(tensor, "unpin")
+            if block.pins == 0:
                 raise ValueError("unpin: tensor is not pinned")
-            alloc.pins -= 1
+            block.pins -= 1
 
     def share(self, tensor: torch.Tensor) -> None:
         """Declare that several threads use `tensor`: no thread owns its block any more.
 
         A shared block is never moved by a compaction that other running
         threads could overlap (the default, or `threads="own"`); it moves only
-        with `compact(threads="all")`, which first checks that every other
-        thread that used the pool has ended. Use it for tensors handed to
-        other threads that keep using them (weights read by worker threads, a
-        cache filled by one thread and read by another). `claim` undoes it.
+        when no other thread that used the pool runs. Use it for tensors
+        handed to other threads that keep using them (weights read by worker
+        threads, a cache filled by one thread and read by another). `claim`
+        undoes it.
         """
-        with self._gate:
-            self._check_open()
-            self._drain()
-            alloc = self._require_own(tensor, "share")
-            self._user()
-            alloc.owner, alloc.shared = None, True
+        with self.core.gate:
+            self._enter()
+            block = self._require_own(tensor, "share")
+            self.core.user()
+            block.owner, block.shared = None, True
 
     def claim(self, tensor: torch.Tensor) -> None:
         """Make the calling thread the only user of `tensor`: its own compactions may move it.
@@ -829,22 +532,20 @@ class Pool:
         by this one, or a shared tensor no other thread touches any more. The
         previous owner's compactions stop moving it.
         """
-        with self._gate:
-            self._check_open()
-            self._drain()
-            alloc = self._require_own(tensor, "claim")
-            alloc.owner, alloc.shared = self._user(), False
+        with self.core.gate:
+            self._enter()
+            block = self._require_own(tensor, "claim")
+            block.owner, block.shared = self.core.user(), False
 
     def record_stream(self, tensor: torch.Tensor, stream) -> None:
         """Declare that `tensor` is used on `stream`: its block is reused only after
         that stream's work queued before the free has completed (CUDA). A no-op
         on the emulated device, where every operation is synchronous."""
-        with self._gate:
-            self._check_open()
-            self._drain()
-            alloc = self._require_own(tensor, "record_stream")
+        with self.core.gate:
+            self._enter()
+            block = self._require_own(tensor, "record_stream")
             if self.kind == "cuda":
-                alloc.streams.add(int(stream.cuda_stream))
+                block.info.streams.add(int(stream.cuda_stream))
 
     # ------------------------------------------------------------------ adopt
     def adopt(self, obj):
@@ -866,9 +567,8 @@ class Pool:
         Returns `obj`.
         """
         tensors = self._adoptable(obj)
-        with self._gate:
-            self._check_open()
-            self._drain()
+        with self.core.gate:
+            self._enter()
             storages = {}
             s = t = new = None
             for t in tensors:
@@ -889,27 +589,24 @@ class Pool:
             placed, fresh = [], []
             try:
                 for s, t in storages.values():
-                    alloc = self._allocate(s.nbytes())
-                    placed.append((alloc, s, t))
-                    alloc.dtype, alloc.shape, alloc.origin = t.dtype, tuple(t.shape), "adopt"
-                fresh = [self._storage_for(alloc) for alloc, _, _ in placed]
+                    placed.append((self._allocate(s.nbytes()), s, t))
+                fresh = [self._storage_for(block, t.dtype, tuple(t.shape), "adopt") for block, _, t in placed]
             except BaseException:
-                for alloc, _, _ in placed:
-                    self._free(alloc)
+                for block, _, _ in placed:
+                    self.core.free(block)
                 raise
             # Past this point nothing can fail: copy, then swap pointers.
-            for (alloc, s, _), new in zip(placed, fresh):
+            for (block, s, _), new in zip(placed, fresh):
                 new.copy_(s)
-            for (alloc, s, t), new in zip(placed, fresh):
+            for (block, s, t), new in zip(placed, fresh):
                 if self._can_swap:
                     tz.swap_data(s, new)
-                    alloc.storage_ref = tz.weak_storage(s)
+                    block.info.storage_ref = tz.weak_storage(s)
                 else:
                     tz.rebind([t], new)  # proven above: `t` is the storage's only tensor
-                    alloc.storage_ref = tz.weak_storage(new)
-                    alloc.tensors.append(weakref.ref(t))
-                if self._history is not None:
-                    self._history.block_allocated(alloc)
+                    block.info.tensors.append(weakref.ref(t))
+                if self.core.history is not None:
+                    self.core.history.block_allocated(block)
             del fresh, s, t, new  # the old memory goes back to its own allocator now
         return obj
 
@@ -943,64 +640,39 @@ class Pool:
                         f"got {type(obj).__name__}")
 
     # ------------------------------------------------------------------ inspection
-    def _movable(self, alloc: Allocation, scope: _Scope) -> tuple[bool, str]:
-        if alloc.pins:
-            return False, "pinned"
-        if alloc.retired:
-            return False, "retired (awaiting release)"
-        if scope.everything or alloc.owner is scope.mine:
-            pass
-        elif alloc.shared:
-            return False, "shared between threads (pool.share), and another thread that used the pool is running"
-        elif not threads.is_alive(alloc.owner):
-            return False, ("its thread has ended, and another thread that used the pool is running (it may have "
-                           "been handed the tensor: pool.claim(t) there makes it that thread's)")
-        elif alloc.owner().id not in scope.idle:
-            return False, (f"owned by {threads.describe(alloc.owner)}, which is running and may be using it: "
-                           f"that thread's own compactions move it")
-        if alloc.storage_ref is None or alloc.storage_ref.expired():
-            return False, "its storage is being released"
-        if not self._can_swap and self._rebindable(alloc) is None:
-            return False, ("torch < 2.12 lacks UntypedStorage._swap_data_ptr_, and views or other references "
-                           "to this storage exist that the pool cannot rewrite")
-        return True, ""
-
-    def _rebindable(self, alloc: Allocation, storage=None) -> list | None:
-        """Torch < 2.12: the tensors to rebind, if they are provably all users of the storage.
+    def _rebindable(self, block: Block, storage=None) -> list | None:
+        """Rebind mode: the tensors to rebind, if they are provably all users of the storage.
 
         Pass the caller's own strong `storage` reference if it holds one (it is
         the one reference the proof allows besides the tensors).
         """
-        storage = storage if storage is not None else tz.strong_storage(alloc.storage_ref)
+        storage = storage if storage is not None else tz.strong_storage(block.info.storage_ref)
         if storage is None:
             return None
-        known = [t for t in (r() for r in alloc.tensors) if t is not None]
+        known = [t for t in (r() for r in block.info.tensors) if t is not None]
         return known if tz.rebind_proof(storage, known) else None
 
     def live_tensors(self) -> list[LiveTensor]:
         """Every live block, in address order, as a `compact()` called from this thread sees it."""
-        with self._gate:
-            self._drain()
-            scope = self._scope(None)
+        with self.core.gate:
+            self.core.drain()
+            scope = self.core.scope(None)
             out = []
-            for _, alloc in sorted(self._blocks.items()):
-                if alloc.retired:
+            for block in sorted(self.core.blocks(), key=lambda b: b.address):
+                if block.retired:
                     continue
-                movable, reason = self._movable(alloc, scope)
-                out.append(LiveTensor(alloc.address, alloc.nbytes, alloc.size, alloc.dtype, alloc.shape,
-                                      alloc.pins > 0, movable, reason,
-                                      "shared" if alloc.shared else threads.describe(alloc.owner)))
+                movable, reason = self.core.movable(block, scope, self._mover.can_rewrite)
+                info = block.info
+                out.append(LiveTensor(block.address, block.nbytes, block.size, getattr(info, "dtype", None),
+                                      getattr(info, "shape", None), block.pins > 0, movable, reason,
+                                      "shared" if block.shared else threads.describe(block.owner)))
             return out
 
     def reset_peak_stats(self) -> None:
         """Reset every `*.peak` statistic to its current value (like `torch.cuda.reset_peak_memory_stats`)."""
-        with self._gate:
-            self._drain()
-            c = self._counters
-            self._peaks.clear()
-            self._peaks.update({"allocated_bytes": c["allocated_bytes"], "pending_bytes": c["pending_bytes"],
-                                "active_bytes": c["allocated_bytes"] + c["pending_bytes"],
-                                "reserved_bytes": self._space.mapped * self.page_size})
+        with self.core.gate:
+            self.core.drain()
+            self.core.reset_peaks()
 
     def stats(self) -> dict:
         """Counters and gauges; PyTorch's key grammar where PyTorch has the key.
@@ -1013,96 +685,14 @@ class Pool:
         `largest_free_bytes`: the largest request that succeeds now without
         compaction; `fragmentation`: stranded / reserved.
         """
-        with self._gate:
-            self._drain()
-            return self._stats_locked()
-
-    def _stats_locked(self) -> dict:
-        P = self.page_size
-        allocated = self._counters["allocated_bytes"]
-        pending = self._counters["pending_bytes"]
-        mapped = self._space.mapped
-        empty = self._empty_page_count()
-        heap_free = sum(h.free_bytes() for h in self._heaps)
-        stranded = heap_free - empty * P
-        store = self._space.store
-        free_pages = len(store.cached) + (0 if store.device_full else store.creatable) + empty
-        if free_pages >= 1:
-            largest = free_pages * P
-        else:
-            largest = max((h.largest_free() for h in self._heaps), default=0)
-            largest = min(largest, P - ALIGNMENT)
-        reserved = mapped * P
-        self._peaks["reserved_bytes"] = max(self._peaks["reserved_bytes"], reserved)
-        active = allocated + pending
-        c = self._counters
-        return {
-            "allocated_bytes.all.current": allocated,
-            "allocated_bytes.all.peak": self._peaks["allocated_bytes"],
-            "active_bytes.all.current": active,
-            "active_bytes.all.peak": self._peaks["active_bytes"],
-            "reserved_bytes.all.current": reserved,
-            "reserved_bytes.all.peak": self._peaks["reserved_bytes"],
-            "requested_bytes.all.current": sum(a.nbytes for a in self._blocks.values()),
-            "num_alloc_retries": c["num_alloc_retries"],
-            "num_ooms": c["num_ooms"],
-            "num_allocs": c["num_allocs"],
-            "num_frees": c["num_frees"],
-            "num_device_alloc": self._space.store.created,
-            "num_device_free": self._space.store.created - self._space.store.total,
-            "pages.mapped": mapped,
-            "pages.cached": len(self._space.store.cached),
-            "pages.total": self._space.store.total,
-            "pages.empty": empty,
-            "pages.capacity": self.capacity_pages,
-            "page_size": P,
-            "capacity_bytes": self.capacity,
-            "free_inside_mapped_bytes": heap_free,
-            "stranded_bytes": stranded,
-            "largest_free_bytes": largest,
-            "fragmentation": stranded / reserved if reserved else 0.0,
-            "num_compactions": c["num_compactions"],
-            "num_compactions.explicit": c["num_compactions.explicit"],
-            "num_compactions.automatic": c["num_compactions.automatic"],
-            "compaction.moved_bytes": c["compaction.moved_bytes"],
-            "compaction.moved_tensors": c["compaction.moved_tensors"],
-            "compaction.released_pages": c["compaction.released_pages"],
-            "live_blocks": sum(1 for a in self._blocks.values() if not a.retired),
-            "pinned_blocks": sum(1 for a in self._blocks.values() if a.pins),
-            "regions": len(self._space.regions),
-        }
+        with self.core.gate:
+            self.core.drain()
+            return self.core.stats_locked()
 
     def check_invariants(self) -> None:
-        """Raise AssertionError if any of DESIGN.md's pool invariants is broken (a test aid).
-
-        Checks: blocks do not overlap; every byte of every block is mapped;
-        allocated + free-inside-mapped == mapped bytes; page live counts match
-        the blocks; heaps are internally consistent.
-        """
-        with self._gate:
-            prev_end = None
-            counts = [np.zeros_like(c) for c in self._live_count]
-            for address, alloc in sorted(self._blocks.items()):
-                assert address == alloc.address
-                assert prev_end is None or address >= prev_end, f"blocks overlap at {address:#x}"
-                prev_end = address + alloc.size
-                first, end = self._pages_of(alloc)
-                assert alloc.region.handles[first:end].all(), f"block at {address:#x} touches an unmapped page"
-                counts[alloc.region.index][first:end] += 1
-            for region, heap, expect, got in zip(self._space.regions, self._heaps, counts, self._live_count):
-                heap.check_invariants()
-                assert np.array_equal(expect, got), f"page live counts of region {region.index} disagree"
-                for off, size in heap.free_ranges():
-                    first, end = self._pages_of(off, size)
-                    assert region.handles[first:end].all(), "free space recorded inside an unmapped page"
-            allocated = sum(a.size for a in self._blocks.values())
-            counted = sum(a.size for a in self._blocks.values() if a.counted)
-            assert counted == self._counters["allocated_bytes"], "allocated counter disagrees with blocks"
-            heap_free = sum(h.free_bytes() for h in self._heaps)
-            assert allocated + heap_free == self._space.mapped * self.page_size, (
-                f"allocated {allocated} + free {heap_free} != mapped {self._space.mapped * self.page_size}")
-            assert self._space.store.total <= self.capacity_pages, "more physical pages than capacity"
-            assert self._space.mapped + len(self._space.store.cached) == self._space.store.total
+        """Raise AssertionError if any of DESIGN.md's pool invariants is broken (a test aid); see `Core`."""
+        with self.core.gate:
+            self.core.check_invariants()
 
     # ------------------------------------------------------------------ trim / close
     def trim(self) -> int:
@@ -1111,12 +701,9 @@ class Pool:
         Returns the number of bytes handed back to the driver. Live tensors are
         never touched.
         """
-        with self._gate:
-            self._check_open()
-            self._drain()
-            self._wait_pending()
-            self._unmap_empty(self._empty_mapped_pages())
-            return self._space.store.trim(0) * self.page_size
+        with self.core.gate:
+            self.core.check_open()
+            return self.core.trim()
 
     def close(self) -> None:
         """Close the pool: no new allocations; memory goes back to the driver.
@@ -1125,49 +712,47 @@ class Pool:
         live tensors stay mapped until the last of those tensors dies, then
         everything is released automatically. Idempotent.
         """
-        with self._gate:
-            if self._closed:
+        with self.core.gate:
+            if self.core.closed:
                 return
-            self._drain()
-            self._wait_pending()
-            self._closed = True
+            self.core.drain()
+            self.core.wait_pending()
+            self.core.closed = True
             _open_pools.discard(self)
             self._release_if_idle()
 
     def _release_if_idle(self) -> None:
-        if any(not a.retired for a in self._blocks.values()) or self._finalizer is None:
-            if self._blocks:
-                # Keep what is live; give back the rest now.
-                self._unmap_empty(self._empty_mapped_pages())
-                self._space.store.trim(0)
+        if self.core.has_live_blocks() or self._finalizer is None:
+            if any(True for _ in self.core.blocks()):
+                self.core.give_back_idle()  # keep what is live; give back the rest now
             return
         self._finalizer()  # AddressSpace.release_all, exactly once
         self._finalizer = None
 
     # ------------------------------------------------------------------ compaction
     def compact(self, *, verify: bool = False, progress: bool | None = None, engine: str | None = None,
-                release: bool = True, threads: str | None = None):
+                release: bool = True, threads: str | None = None) -> CompactionReport:
         """Move live tensors so that the pages they strand become free; see `defrag.compactor`.
-
-        `threads` says whose tensors may move (the class docstring has the
-        contract): None (default) moves the calling thread's own tensors, and
-        every unpinned tensor when no other thread that used the pool still
-        runs; "own" only the caller's; "all" every unpinned one, shared ones
-        included, and raises ConcurrencyError (changing nothing) while another
-        thread that used the pool still runs.
 
         `verify`: compare checksums of every moved block; `progress`: a progress
         bar (None: only for large compactions); `engine`: "kernel" (GPU
         default), "memmove" (emulated default) or "driver"; `release`: unmap
         the emptied pages (else they stay mapped, empty and free for reuse).
+
+        `threads` says whose tensors may move (the module docstring has the
+        contract): None (default) moves the calling thread's own tensors,
+        those of threads waiting inside a call to this pool, and every
+        unpinned tensor when no other thread that used the pool still runs;
+        "own" only the caller's; "all" every unpinned one, shared ones
+        included, and raises ConcurrencyError (changing nothing) while another
+        thread that used the pool still runs.
         Returns a `CompactionReport`.
         """
-        from .compactor import compact_pool
-        with self._gate:
-            self._check_open()
-            scope = self._scope(threads)
-            return compact_pool(self, verify=verify, progress=progress, engine=engine, automatic=False,
-                                release=release, scope=scope)
+        with self.core.gate:
+            self.core.check_open()
+            scope = self.core.scope(threads)
+            return compact_core(self.core, self._mover, verify=verify, progress=progress, engine=engine,
+                                automatic=False, release=release, scope=scope, callbacks=self.on_compact)
 
     # ------------------------------------------------------------------ observability
     def layout(self) -> dict:
@@ -1176,26 +761,12 @@ class Pool:
         `regions`: base, npages and a per-page state ("unmapped", "empty" for a
         mapped page holding no block, "live"); `blocks`: every block with its
         address, size (rounded), nbytes, region index, pinned, dtype, shape and
-        state ("live" or "retired"); plus page_size, capacity and cached pages.
+        state ("live", "retired" or "pending-free"); plus page_size, capacity
+        and cached pages.
         """
-        with self._gate:
-            self._drain()
-            regions = []
-            for region in self._space.regions:
-                live = self._live_count[region.index] > 0
-                mapped = region.handles != 0
-                states = np.where(live, "live", np.where(mapped, "empty", "unmapped"))
-                regions.append({"index": region.index, "base": region.base, "npages": region.npages,
-                                "pages": states.tolist(),
-                                "free_ranges": self._heaps[region.index].free_ranges()})
-            blocks = [{"address": a.address, "size": a.size, "nbytes": a.nbytes, "region": a.region.index,
-                       "pinned": a.pins > 0, "dtype": str(a.dtype).replace("torch.", "") if a.dtype else None,
-                       "shape": list(a.shape) if a.shape is not None else None,
-                       "state": "retired" if a.retired else ("live" if a.counted else "pending-free")}
-                      for _, a in sorted(self._blocks.items())]
-            return {"pool": self.id, "kind": self.kind, "device": str(self.device), "page_size": self.page_size,
-                    "capacity": self.capacity, "cached_pages": len(self._space.store.cached),
-                    "regions": regions, "blocks": blocks}
+        with self.core.gate:
+            self.core.drain()
+            return {"pool": self.id, "device": str(self.device), **self.core.layout()}
 
     def record_history(self, enabled: bool = True, *, max_entries: int = 100_000, stacks: bool = True) -> None:
         """Start (or stop) recording alloc/free/map/unmap/compaction events for `snapshot()`.
@@ -1206,18 +777,15 @@ class Pool:
         trace entries and in the snapshot's blocks. Costs a few microseconds
         per allocation while recording.
         """
-        from .stats import HistoryRecorder
-        with self._gate:
-            self._history = HistoryRecorder(self, max_entries=max_entries, stacks=stacks) if enabled else None
+        with self.core.gate:
+            self.core.drain()
+            self.core.history = (observe.HistoryRecorder(self.core, max_entries=max_entries, stacks=stacks)
+                                 if enabled else None)
 
     def snapshot(self) -> dict:
         """The pool in the format of `torch.cuda.memory._snapshot()` (segments and device_traces)."""
-        from .stats import snapshot
-        with self._gate:
-            self._drain()
-            return snapshot(self)
+        return observe.snapshot(self)
 
     def summary(self) -> str:
         """A human-readable table in the spirit of `torch.cuda.memory_summary()`."""
-        from .stats import summary
-        return summary(self.stats(), self)
+        return observe.summary(self.stats(), self)

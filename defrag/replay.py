@@ -27,8 +27,9 @@ Without it, (a) and (b) use a real pool: on the emulated device (the
 default without a GPU) every block is a real CPU tensor over mapped pages.
 
 Errors that are the input's fault (a file that is truncated, malformed or
-not a trace, a capacity that does not parse) are one line on stderr and
-exit code 2.
+not a trace, a capacity that does not parse or that the device cannot hold,
+a device that does not work here, a --json path that cannot be written) are
+one line on stderr and exit code 2, found before any replay runs.
 """
 
 from __future__ import annotations
@@ -249,8 +250,8 @@ def _open_real_pool(capacity: int, page: int, device, compaction: bool):
 def _replay_real(trace, capacity, page, device, compaction, name, progress, stop_at_first_oom) -> ReplayResult:
     import torch
 
-    from .compactor import CompactionError
-    from .errors import OutOfMemoryError
+    from .errors import CompactionError
+    from .oom import OutOfMemoryError
 
     t0 = time.perf_counter()
     pool, own_driver = _open_real_pool(capacity, page, device, compaction)
@@ -557,29 +558,43 @@ def _goal_line(r: ReplayResult) -> str:
     return text
 
 
-def _error(message: str) -> int:
-    print(f"defrag replay: error: {message}", file=sys.stderr)
-    return 2
+def _check_real_pool(capacity: int, device) -> None:
+    """Open (and close) the pool a real replay will use, so that a device or capacity that cannot work
+    is a `defrag.cli.UsageError` before any work, not a traceback half-way."""
+    from .cli import pool_open_error
+    from .errors import CudaError
+
+    try:
+        pool, own_driver = _open_real_pool(capacity, DEFAULT_PAGE, device, True)
+    except (CudaError, OSError) as exc:
+        raise pool_open_error(exc, capacity, hint=", or --dry (accounting only, no memory) for capacities this "
+                                                  "large") from None
+    pool.close()
+    if own_driver is not None:
+        own_driver.close()
 
 
 def main(args) -> int:
-    """The `defrag replay` command: load, replay, print a table, write --json. Exit 2 on bad input."""
-    try:
-        capacity = parse_size(args.capacity, what="--capacity")
-    except ValueError as exc:
-        return _error(str(exc))
-    if capacity < DEFAULT_PAGE:
-        return _error(f"--capacity {args.capacity!r} is smaller than one page ({format_bytes(DEFAULT_PAGE)})")
+    """The `defrag replay` command: load, replay, print a table, write --json.
+
+    Bad input (arguments, a file that is not a trace) raises `defrag.cli.UsageError`:
+    one line on stderr, exit code 2.
+    """
+    from .cli import UsageError, device_arg, device_label, out_file_arg, size_arg
+
+    capacity = size_arg(args.capacity, "--capacity", at_least=DEFAULT_PAGE,
+                        at_least_what=f"one page ({format_bytes(DEFAULT_PAGE)})")
+    if args.json:
+        out_file_arg(args.json, "--json")
     try:
         trace, kind = load_any(args.path)
     except TraceError as exc:
-        return _error(str(exc))
+        raise UsageError(str(exc)) from None
+    device = args.device
     if not args.dry:
-        from .driver import DeviceUnavailableError, open_driver
-        try:
-            open_driver(args.device)  # a device that cannot work is the user's input, like a bad path
-        except (DeviceUnavailableError, ValueError) as exc:
-            return _error(f"--device: {exc}")
+        # A device that cannot work is the user's input, like a bad path.
+        device = device_label(device_arg(args.device))
+        _check_real_pool(capacity, device)
     st = trace.stats()
     print(f"{kind} {trace.name!r} ({args.path}): {st.events} events, {st.allocs} allocs, {st.phases} phase "
           f"markers, peak live {format_bytes(st.peak_live_bytes)}; capacity {format_bytes(capacity)}"
@@ -591,9 +606,9 @@ def main(args) -> int:
               f"{m['skipped_entries']} entries skipped")
     t0 = time.perf_counter()
     try:
-        results, skipped = run_all(trace, capacity, dry=args.dry, device=args.device)
+        results, skipped = run_all(trace, capacity, dry=args.dry, device=device)
     except ReplayError as exc:
-        return _error(str(exc))
+        raise UsageError(str(exc)) from None
     print(format_table(results, skipped))
     for r in results:
         if r.allocator == "defrag":
@@ -608,8 +623,8 @@ def main(args) -> int:
         }
         try:
             Path(args.json).write_text(json.dumps(payload, indent=2, default=str) + "\n")
-        except OSError as exc:
-            return _error(f"cannot write --json {args.json}: {exc.strerror or exc}")
+        except OSError as exc:  # checked up front; the folder can still go away during a long replay
+            raise UsageError(f"cannot write --json {args.json}: {exc.strerror or exc}") from None
         print(f"wrote {args.json}")
     return 0
 

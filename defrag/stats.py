@@ -104,21 +104,21 @@ class HistoryRecorder:
     `Pool.close()`.
     """
 
-    def __init__(self, pool, max_entries: int = 100_000, stacks: bool = True):
+    def __init__(self, core, max_entries: int = 100_000, stacks: bool = True):
         if int(max_entries) < 1:
             raise ValueError(f"max_entries must be >= 1, got {max_entries}")
         self.max_entries = int(max_entries)
         self.stacks = bool(stacks)
         self.frames: dict[int, list[dict]] = {}  # live block address -> frames of its allocation
-        self.page_size = pool.page_size
-        self.device = int(getattr(pool.driver, "ordinal", 0))
-        self._pool = weakref.ref(pool)  # no cycle: the pool holds the recorder
+        self.page_size = core.page_size
+        self.device = int(getattr(core.driver, "ordinal", 0))
+        self._core = weakref.ref(core)  # no cycle: the core holds the recorder
         self._entries: collections.deque[dict] = collections.deque(maxlen=self.max_entries)
         self.compactions: collections.deque[dict] = collections.deque(maxlen=self.max_entries)
         self.recorded = 0  # entries recorded since the start, dropped ones included
         # Blocks whose free may be recorded: address -> requested bytes.
         self._tracked: dict[int, int] = {
-            b["address"]: b["nbytes"] for b in pool.layout()["blocks"] if b["state"] == "live"}
+            b["address"]: b["nbytes"] for b in core.layout()["blocks"] if b["state"] == "live"}
 
     # ------------------------------------------------------------------ reading
     @property
@@ -200,10 +200,10 @@ class HistoryRecorder:
         capacity minus its allocated bytes: memory that exists but could not
         be used for this request.
         """
-        pool = self._pool()
+        core = self._core()
         free = 0
-        if pool is not None:
-            st = pool._stats_locked()
+        if core is not None:
+            st = core.stats_locked()
             free = st["capacity_bytes"] - st["allocated_bytes.all.current"]
         self._add("oom", None, nbytes, device_free=int(free), frames=python_frames() if self.stacks else [])
 
@@ -308,11 +308,13 @@ def snapshot(pool) -> dict:
     Takes the pool's lock; while recording, appends a `snapshot` entry to the
     history first (as PyTorch does).
     """
-    with pool._gate:
-        layout = pool.layout()
-        stats = pool._stats_locked()
-        history = pool._history
-        device = int(getattr(pool.driver, "ordinal", 0))
+    core = pool.core
+    with core.gate:
+        core.drain()
+        layout = core.layout()
+        stats = core.stats_locked()
+        history = core.history
+        device = int(getattr(core.driver, "ordinal", 0))
         traces: list[list[dict]] = [[] for _ in range(device + 1)]
         compactions: list[dict] = []
         if history is not None:
@@ -347,23 +349,8 @@ def merge_snapshots(snapshots: list[dict]) -> dict:
     }
 
 
-def save_snapshot(path, pool=None) -> str:
-    """Pickle a snapshot to `path` for `python -m torch.cuda._memory_viz` or pytorch.org/memory_viz.
-
-    `pool=None` saves every open pool of the process merged into one snapshot
-    (like PyTorch's, which covers every segment of the process; pools on one
-    device share its trace, ordered by time). Raises ValueError when there is
-    no open pool. The pickle uses protocol 4 and plain types only, which is
-    what the browser viewer's unpickler reads. Returns the path as a string.
-    """
-    if pool is None:
-        from .pool import open_pools
-        pools = open_pools()
-        if not pools:
-            raise ValueError("save_snapshot: no open pool to save (pass pool=...)")
-        data = merge_snapshots([p.snapshot() for p in sorted(pools, key=lambda p: p.id)])
-    else:
-        data = pool.snapshot()
+def write_snapshot(path, data: dict) -> str:
+    """Pickle a snapshot dict to `path` (protocol 4, plain types: what the browser viewer reads)."""
     path = os.fspath(path)
     with open(path, "wb") as f:
         pickle.dump(data, f, protocol=PICKLE_PROTOCOL)

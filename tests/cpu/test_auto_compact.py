@@ -195,9 +195,9 @@ def test_retry_on_oom_rejects_non_pools():
 # ---------------------------------------------------------------- adversarial layouts
 def _pinned_pages(pool) -> int:
     pages = set()
-    for a in pool._blocks.values():
+    for a in pool.core.blocks():
         if a.pins:
-            first, end = pool._pages_of(a)
+            first, end = pool.core.pages_of(a)
             pages.update(range(first, end))
     return len(pages)
 

@@ -196,8 +196,8 @@ def test_an_exception_mid_compaction_rolls_back(make_pool, monkeypatch, where):
     before = pool.stats()
     real_copy = compactor._copy
 
-    def corrupt_then_fail(p, engine, moves):
-        real_copy(p, engine, moves)
+    def corrupt_then_fail(core, mover, engine, moves):
+        real_copy(core, mover, engine, moves)
         for _, dst, n in moves:  # scribble over the destinations, then fail
             torch.frombuffer((torch.uint8.__class__ and __import__("ctypes").c_uint8 * n).from_address(dst),
                              dtype=torch.uint8).fill_(0xEE)
@@ -207,20 +207,20 @@ def test_an_exception_mid_compaction_rolls_back(make_pool, monkeypatch, where):
         monkeypatch.setattr(compactor, "_copy", corrupt_then_fail)
         expected = Boom
     elif where == "verify":
-        def bad_copy(p, engine, moves):
-            real_copy(p, engine, moves[:-1])  # one move silently not done
+        def bad_copy(core, mover, engine, moves):
+            real_copy(core, mover, engine, moves[:-1])  # one move silently not done
         monkeypatch.setattr(compactor, "_copy", bad_copy)
         expected = defrag.CompactionError
     else:
-        real = pool._storage_for
+        real = pool._storage_over
         calls = {"n": 0}
 
-        def failing_storage(alloc):
+        def failing_storage(block):
             calls["n"] += 1
             if calls["n"] == 5:
                 raise Boom("storage creation failed")
-            return real(alloc)
-        monkeypatch.setattr(pool, "_storage_for", failing_storage)
+            return real(block)
+        monkeypatch.setattr(pool, "_storage_over", failing_storage)
         expected = Boom
     with pytest.raises(expected):
         pool.compact(verify=True)

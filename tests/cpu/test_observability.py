@@ -15,7 +15,8 @@ from torch.cuda import _memory_viz as memory_viz
 
 import defrag
 from defrag import viz
-from defrag.stats import save_snapshot, summary
+from defrag import save_snapshot
+from defrag.stats import summary
 
 from .conftest import KiB, MiB
 
@@ -138,7 +139,7 @@ def test_snapshot_without_recording_has_empty_trace_and_save_merges_open_pools(p
         data = pickle.load(f)
     ids = {info["pool"] for info in data["defrag"]["pools"]}
     assert {p1.id, p2.id} <= ids and ids == {p.id for p in defrag.open_pools()}
-    mine = [s for s in data["segments"] if p1._owns_address(s["address"]) or p2._owns_address(s["address"])]
+    mine = [s for s in data["segments"] if p1.owns_address(s["address"]) or p2.owns_address(s["address"])]
     assert sum(s["total_size"] for s in mine) == (p1.stats()["reserved_bytes.all.current"]
                                                   + p2.stats()["reserved_bytes.all.current"])
     memory_viz.segsum(data)
@@ -201,7 +202,7 @@ def test_history_records_allocs_frees_maps_moves_and_oom_in_order(pool2m):
     del a, c
     survivors = dict(b=b, d=d, p=p)
     pool.stats()  # a safe point: queued releases are applied (and recorded) here
-    n_before_compact = len(pool._history)
+    n_before_compact = len(pool.core.history)
     report = pool.compact()
     assert report.moved_tensors >= 1 and report.released_pages >= 1
     with pytest.raises(defrag.OutOfMemoryError):
@@ -255,11 +256,11 @@ def test_history_is_a_ring_buffer_and_tracks_blocks_from_before_recording(pool2m
     entries = pool.snapshot()["device_traces"][0]
     assert [(e["action"], e["addr"]) for e in entries] == [
         ("alloc", ts[2].data_ptr()), ("alloc", ts[3].data_ptr()), ("snapshot", 0)]
-    assert pool._history.recorded == 5
+    assert pool.core.history.recorded == 5
     old_ptr = old.data_ptr()
     del old
     pool.stats()  # safe point
-    last = pool._history.entries[-2:]
+    last = pool.core.history.entries[-2:]
     assert [(e["action"], e["addr"]) for e in last] == [("free_requested", old_ptr), ("free_completed", old_ptr)]
     pool.record_history(False)
     assert pool.snapshot()["device_traces"] == [[]]

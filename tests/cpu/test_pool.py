@@ -26,7 +26,7 @@ def test_tensors_are_ordinary_and_over_pool_memory(make_pool):
     t = pool.empty((16, 32), dtype=torch.float32)
     assert isinstance(t, torch.Tensor) and t.device == pool.device == torch.device("cpu")
     assert t.shape == (16, 32) and t.dtype == torch.float32 and t.is_contiguous() and t._base is None
-    assert pool.owns(t) and pool._owns_address(t.data_ptr())
+    assert pool.owns(t) and pool.owns_address(t.data_ptr())
     assert pool.driver.api.is_accessible(t.data_ptr(), t.numel() * 4)
     z = pool.zeros(3, 5, dtype=torch.int64)
     assert torch.equal(z, torch.zeros(3, 5, dtype=torch.int64))
@@ -426,15 +426,15 @@ def test_frees_from_del_during_a_pool_call(make_pool):
     gc.disable()
     try:
         # gc.collect() inside a pool call: the releases must queue, not re-enter.
-        original = pool._place
+        original = pool.core.place
 
         def place_with_gc(nbytes):
             gc.collect()
             return original(nbytes)
 
-        pool._place = place_with_gc
+        pool.core.place = place_with_gc
         t = pool.full((500,), 2.0)
-        pool._place = original
+        del pool.core.place
     finally:
         gc.enable()
     pool.check_invariants()

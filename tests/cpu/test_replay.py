@@ -123,7 +123,7 @@ def test_min_capacity_bisection(workloads):
 
 def test_a_failed_compaction_stops_the_replay_and_is_reported(workloads, monkeypatch):
     """A compaction that raises (not an OOM) ends the replay with the error named, in both modes."""
-    from defrag.compactor import CompactionError
+    from defrag.errors import CompactionError
     from defrag.pool import Pool
     from defrag.traces.accounting import CompactionCapacityError
 

@@ -134,6 +134,7 @@ def test_a_thread_waiting_at_the_gate_has_its_blocks_moved(make_pool):
 
     def worker():
         box["kept"] = _fragmented(pool)
+        box["ref"] = th.owner_ref()
         made.set()
         go.wait(30)
         pool.stats()  # waits at the gate while the main thread compacts
@@ -144,11 +145,11 @@ def test_a_thread_waiting_at_the_gate_has_its_blocks_moved(make_pool):
     t.start()
     assert made.wait(30)
     before = [x.data_ptr() for _, x in box["kept"]]
-    with pool._gate:
+    with pool.core.gate:
         go.set()
-        ref = next(r for r in pool._threads.values() if th.is_alive(r) and r().name == "waiter")
+        ref = box["ref"]
         deadline = time.monotonic() + 30
-        while not pool._gate.parked(ref):
+        while not pool.core.gate.parked(ref):
             assert time.monotonic() < deadline
             time.sleep(0.001)
         report = pool.compact()

@@ -41,7 +41,7 @@ def test_kernel_and_memmove_engines_give_the_same_bytes_and_layout(engine):
     assert report.engine == engine and report.moved_tensors > 0
     for t, e in zip(survivors, expected):
         assert torch.equal(t, e)
-    layout = [(t.data_ptr() - pool._space.regions[0].base, t.numel()) for t in survivors]
+    layout = [(t.data_ptr() - pool.core.regions[0].base, t.numel()) for t in survivors]
     pool.check_invariants()
     del survivors, t
     gc.collect()

@@ -1,0 +1,732 @@
+"""The core: blocks over pages, placement, release, accounting and the allocation ladder. No torch.
+
+`Core` knows addresses, pages and blocks. It runs over any `defrag.driver.Driver`
+(CUDA, emulated, memory-less) and is shared by every face (`defrag.pool.Pool`
+for torch tensors, `defrag.dry.DryPool` for dry replays, and PyTorch's
+pluggable allocator). What a block *is* to its user (a torch storage, a trace
+key, a segment handed to PyTorch) is the face's business: the core keeps the
+face's `info` on the block and moves it along when a compaction moves the
+block's data (`defrag.compactor`, which calls back into the face to rewrite
+the owner).
+
+Layout. The core reserves virtual regions and maps physical pages into them
+(`defrag.vmm`). Inside mapped pages a best-fit heap (`defrag.heap`, one per
+region) places blocks at 512-byte granularity:
+
+- a block smaller than a page goes into free space of pages that are already
+  mapped; only when none fits is one more page mapped;
+- a block of a page or more starts on a page boundary, in a run of virtual
+  pages that hold no live data, and is *stitched*: the run is backed by any
+  free physical pages, wherever they were mapped before. Such a request fails
+  only when the free physical pages cannot cover it (a new region is reserved
+  when no run of free virtual pages is long enough).
+
+Lifetime. A face calls `release(block)` from any thread at any time (it only
+queues); releases are applied at the next safe point (`drain()`, called at
+the start of every face call with the gate held). A face may defer a release
+until the device is done with the block (`defer`, stream events on CUDA).
+Pages left with no live block stay mapped ("empty") until their physical page
+is needed elsewhere, `trim()`, an explicit compaction or `release_all()`.
+
+Threads: `gate` is the core's lock and knows which threads wait at it; every
+block belongs to the thread that made it (`defrag.threads`), and `scope()`
+says which blocks a compaction called from this thread may move (the
+contract is written out in `defrag.pool`).
+"""
+
+from __future__ import annotations
+
+import collections
+import math
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from . import threads
+from .driver import Driver
+from .errors import ConcurrencyError, CudaOutOfMemoryError, PoolClosedError, StaleAccessError
+from .heap import ALIGNMENT, Heap
+from .units import format_bytes
+from .vmm import AddressSpace, Region, Transaction
+
+THREAD_MODES = (None, "own", "all")
+
+
+@dataclass(eq=False)
+class Block:
+    """One carved heap range: where it is, whose it is, and the face's `info` about its user."""
+
+    address: int
+    size: int  # rounded to ALIGNMENT: what the heap holds
+    nbytes: int  # what the user asked for
+    region: Region
+    pins: int = 0
+    retired: bool = False  # an old location whose data has moved (or a destination not yet swapped in)
+    counted: bool = True  # in allocated_bytes (compaction destinations count only once swapped in)
+    pending: bool = False  # released, waiting on the face's deferral (active, not allocated)
+    owner: object = None  # weakref to the ThreadToken of the thread that allocated, adopted or claimed it
+    shared: bool = False  # declared used by several threads: no thread owns it
+    info: object = None  # the face's data about the block's user; follows the data when it moves
+    deferral: list = field(default_factory=list)  # the face's "device done with it" markers (have .query())
+
+
+@dataclass(frozen=True)
+class Scope:
+    """Which blocks one compaction may move (see `Core.scope`)."""
+
+    mine: object  # the caller's owner reference (defrag.threads.owner_ref())
+    idle: frozenset  # token ids of other threads parked at the gate: their blocks may move
+    everything: bool  # no other thread that used the core is running: every unpinned block may move
+
+
+class NoSpace(Exception):
+    """Placement failed; the message says what was tried (the ladder goes on from here)."""
+
+
+class OutOfRoom(MemoryError):
+    """The ladder is exhausted: `message` explains; faces raise their own error from it.
+
+    Figures as attributes: `requested`, `capacity`, `live`, `stranded`,
+    `pinned`, `tried`.
+    """
+
+    def __init__(self, message: str, **figures):
+        super().__init__(message)
+        self.message = message
+        self.figures = figures
+
+
+def _page_runs(mask: np.ndarray) -> list[tuple[int, int]]:
+    """(start, length) of each run of True in a boolean array."""
+    if not mask.any():
+        return []
+    padded = np.concatenate(([False], mask, [False])).astype(np.int8)
+    edges = np.flatnonzero(np.diff(padded))
+    starts, ends = edges[0::2], edges[1::2]
+    return list(zip(starts.tolist(), (ends - starts).tolist()))
+
+
+class Core:
+    """Blocks over a page-mapped address space: placement, release, accounting, the ladder.
+
+    `capacity_pages` physical pages of `page_size` bytes are created lazily
+    on `driver`. `virtual_factor`: the first virtual reservation spans this
+    many times the capacity. `auto_compact`, `min_compact_interval`: the
+    ladder's automatic compaction (run by the `rescue` callback a face passes
+    to `allocate`).
+    """
+
+    def __init__(self, driver: Driver, *, capacity_pages: int, page_size: int, auto_compact: bool = True,
+                 min_compact_interval: float = 0.0, virtual_factor: int = 2, label: str = "pool"):
+        self.driver = driver
+        self.kind = driver.kind
+        self.page_size = page_size
+        self.capacity_pages = capacity_pages
+        self.capacity = capacity_pages * page_size
+        self.auto_compact = bool(auto_compact)
+        self.min_compact_interval = float(min_compact_interval)
+        self.last_auto_compact = -math.inf
+        self.label = label  # how messages name this core ("pool #3")
+        self.gate = threads.Gate()  # the lock; knows which threads wait at it (see scope)
+        self.history = None  # a defrag.stats.HistoryRecorder while recording
+        self.defer = None  # face hook: block -> list of markers with .query(), or [] to free at once
+        self.closed = False
+        self.space = AddressSpace(driver, page_size, capacity_pages)
+        self._released: collections.deque[Block] = collections.deque()
+        self._heaps: list[Heap] = []
+        self._live_count: list[np.ndarray] = []  # per region: live (or retired) blocks touching each page
+        self._blocks: dict[int, Block] = {}  # block address -> Block (live and retired)
+        self._pending: list[Block] = []  # released, waiting on their deferral markers
+        self._threads: dict[int, object] = {}  # token id -> owner ref of every thread that used the core
+        self.counters: collections.Counter = collections.Counter()
+        self.peaks: collections.Counter = collections.Counter()
+        self.add_region(self.capacity_pages * max(1, int(virtual_factor)))
+
+    # ------------------------------------------------------------------ read-only views
+    @property
+    def regions(self) -> list[Region]:
+        return self.space.regions
+
+    def heap(self, region: Region) -> Heap:
+        """The heap of `region` (free ranges; faces and the compactor read it, the core carves it)."""
+        return self._heaps[region.index]
+
+    def blocks(self):
+        """Every block (live, retired, pending), unordered: a read-only view."""
+        return self._blocks.values()
+
+    def block_at(self, address: int) -> Block | None:
+        """The live block starting at `address`, or None (retired and pending ones are not live)."""
+        block = self._blocks.get(address)
+        return None if block is None or block.retired or block.pending else block
+
+    def owns_address(self, ptr: int) -> bool:
+        return any(r.contains(ptr) for r in self.space.regions)
+
+    def add_region(self, npages: int) -> Region:
+        region = self.space.reserve(npages)
+        self._heaps.append(Heap(region.base, region.size, ALIGNMENT))
+        self._live_count.append(np.zeros(npages, dtype=np.int64))
+        return region
+
+    def check_open(self) -> None:
+        """PoolClosedError after close; StaleAccessError if unmapped memory was touched (emulated device)."""
+        if self.closed:
+            raise PoolClosedError(f"{self.label} is closed")
+        touched = self.driver.touched_unmapped()
+        if touched:
+            raise StaleAccessError(
+                f"{format_bytes(touched)} of unmapped {self.kind} device memory was read or written since the "
+                f"last pool call: a thread kept using an address after a compaction moved what was there and "
+                f"its page was unmapped (on a GPU: an illegal-address error). Those reads saw zeros and those "
+                f"writes were dropped; the pool's tensors are intact. Usual cause: a tensor handed to another "
+                f"thread without pool.claim(t) or pool.share(t), or a raw data_ptr() kept (pin such tensors).")
+
+    # ------------------------------------------------------------------ threads
+    def user(self):
+        """The calling thread's owner reference, remembering that this thread used the core."""
+        token = threads.current_token()
+        if token.id not in self._threads:
+            self._threads[token.id] = token.ref
+        return token.ref
+
+    def _other_live_threads(self, mine) -> list:
+        others = []
+        for tid, ref in list(self._threads.items()):
+            if not threads.is_alive(ref):
+                del self._threads[tid]
+            elif ref is not mine:
+                others.append(ref)
+        return others
+
+    def scope(self, mode=None) -> Scope:
+        """What a compaction called from this thread may move now (the gate is held).
+
+        A thread is *busy* when it used the core, still runs, and is not
+        parked at the gate (`defrag.threads.Gate`). None: the caller's blocks
+        and those of parked threads, plus blocks of ended threads and shared
+        blocks when no other thread is busy; "own": the caller's blocks only;
+        "all": every unpinned block, refused with ConcurrencyError while
+        another thread is busy.
+        """
+        if mode not in THREAD_MODES:
+            raise ValueError(f"threads must be None, 'own' or 'all', got {mode!r}")
+        mine = self.user()
+        if mode == "own":
+            return Scope(mine, frozenset(), everything=False)
+        idle, busy = set(), []
+        for ref in self._other_live_threads(mine):
+            if self.gate.parked(ref):
+                idle.add(ref().id)
+            else:
+                busy.append(ref)
+        if mode == "all" and busy:
+            names = ", ".join(threads.describe(r) for r in busy[:5]) + (" ..." if len(busy) > 5 else "")
+            raise ConcurrencyError(
+                f"compact(threads='all') needs every other thread that used {self.label} to have ended "
+                f"(or to wait inside a pool call), but {len(busy)} still run ({names}): join them first, "
+                f"or call pool.compact() in each thread to move its own tensors")
+        return Scope(mine, frozenset(idle), everything=not busy)
+
+    @staticmethod
+    def thread_reason(block: Block, scope: Scope) -> str:
+        """Why `scope` may not move `block` because of threads ("" when it may)."""
+        if scope.everything or block.owner is scope.mine:
+            return ""
+        if block.shared:
+            return "shared between threads (pool.share), and another thread that used the pool is running"
+        if not threads.is_alive(block.owner):
+            return ("its thread has ended, and another thread that used the pool is running (it may have "
+                    "been handed the tensor: pool.claim(t) there makes it that thread's)")
+        if block.owner().id not in scope.idle:
+            return (f"owned by {threads.describe(block.owner)}, which is running and may be using it: "
+                    f"that thread's own compactions move it")
+        return ""
+
+    # ------------------------------------------------------------------ release queue
+    def release(self, block: Block) -> None:
+        """The block's user is gone (any thread, any time): queue it; applied at the next `drain()`."""
+        self._released.append(block)
+
+    def drain(self) -> None:
+        """Apply queued releases (a safe point: the gate is held)."""
+        while self._released:
+            block = self._released.popleft()
+            if self._blocks.get(block.address) is not block:
+                continue  # already gone (defensive: each owner releases once)
+            # Retired ranges were synchronized before their data moved: free now.
+            if self.defer is not None and not self.closed and not block.retired:
+                markers = self.defer(block)
+                if markers:
+                    # Like PyTorch: a block waiting on stream events is active, not allocated.
+                    self.bump("allocated_bytes", -block.size)
+                    block.counted, block.pending, block.deferral = False, True, markers
+                    self.counters["pending_bytes"] += block.size
+                    self._pending.append(block)
+                    continue
+            self.free(block)
+        if self._pending:
+            still = []
+            for block in self._pending:
+                if all(m.query() for m in block.deferral):
+                    self.free(block)
+                else:
+                    still.append(block)
+            self._pending = still
+
+    def wait_pending(self) -> None:
+        """Wait for every deferred release still in flight (before declaring OOM, compacting, closing)."""
+        if self._pending:
+            self.driver.synchronize()
+            for block in self._pending:
+                self.free(block)
+            self._pending = []
+
+    # ------------------------------------------------------------------ page accounting
+    def pages_of(self, block_or_addr, size=None) -> tuple[int, int]:
+        """[first, end) page indices, in its region, of a block or of (address, size)."""
+        if size is None:
+            addr, size, region = block_or_addr.address, block_or_addr.size, block_or_addr.region
+        else:
+            addr, region = block_or_addr, self.space.region_of(block_or_addr)
+        first = (addr - region.base) // self.page_size
+        last = (addr + size - 1 - region.base) // self.page_size
+        return first, last + 1
+
+    def _account(self, block: Block, delta: int) -> None:
+        first, end = self.pages_of(block)
+        counts = self._live_count[block.region.index]
+        if end == first + 1:
+            counts[first] += delta  # the common case, without a slice
+        else:
+            counts[first:end] += delta
+
+    def carve(self, region: Region, address: int, size: int, nbytes: int, *, counted: bool = True) -> Block:
+        """Record a block over a range the heap has just allocated."""
+        block = Block(address, size, nbytes, region, counted=counted, owner=self.user())
+        self._blocks[address] = block
+        self._account(block, +1)
+        if counted:
+            self.bump("allocated_bytes", size)
+            self.counters["num_allocs"] += 1
+        return block
+
+    def free(self, block: Block) -> None:
+        """Give a block's range back to the heap (the gate is held; nothing may use it any more)."""
+        self._heaps[block.region.index].free(block.address)
+        self._account(block, -1)
+        del self._blocks[block.address]
+        if block.counted:
+            self.bump("allocated_bytes", -block.size)
+            self.counters["num_frees"] += 1
+        elif block.pending:
+            self.counters["pending_bytes"] -= block.size
+            self.counters["num_frees"] += 1
+        if self.history is not None:
+            self.history.block_freed(block)
+
+    def bump(self, key: str, delta: int) -> None:
+        """Add `delta` to a counter, tracking its peak (and the active bytes' peak)."""
+        c = self.counters
+        c[key] += delta
+        if c[key] > self.peaks[key]:
+            self.peaks[key] = c[key]
+        active = c["allocated_bytes"] + c["pending_bytes"]
+        if active > self.peaks["active_bytes"]:
+            self.peaks["active_bytes"] = active
+
+    def live_pages(self) -> int:
+        """Pages that hold at least one block."""
+        return int(sum(int((c > 0).sum()) for c in self._live_count))
+
+    def live_mask(self, region: Region) -> np.ndarray:
+        """Per page of `region`: whether a block (live or retired) touches it (a copy)."""
+        return self._live_count[region.index] > 0
+
+    def empty_page_count(self) -> int:
+        return int(sum(int(((r.handles != 0) & (c == 0)).sum()) for r, c in zip(self.space.regions, self._live_count)))
+
+    def free_physical_pages(self) -> int:
+        """Pages that could back a new request now: cached, creatable, or mapped but empty."""
+        return self.space.store.available + self.empty_page_count()
+
+    # ------------------------------------------------------------------ mapping
+    @staticmethod
+    def round(nbytes: int) -> int:
+        return -(-nbytes // ALIGNMENT) * ALIGNMENT
+
+    def empty_mapped_pages(self, keep: Region | None = None, keep_pages=()) -> list[tuple[Region, int]]:
+        """Mapped pages that hold no block, except `keep_pages` of region `keep`
+        (a request's or a wave's own destination pages, when looking for donors)."""
+        out = []
+        for region in self.space.regions:
+            mask = (region.handles != 0) & (self._live_count[region.index] == 0)
+            if region is keep:
+                mask[np.fromiter(keep_pages, dtype=np.int64)] = False
+            out.extend((region, int(p)) for p in np.flatnonzero(mask))
+        return out
+
+    def _unmap_recorded(self, region: Region, pages: list[int]) -> None:
+        try:
+            self.space.unmap(region, pages)
+        finally:
+            if self.history is not None:
+                self.history.pages_unmapped(region, pages)
+
+    def unmap_empty(self, pages: list[tuple[Region, int]]) -> None:
+        """Unmap mapped pages that hold no block; their handles become cached."""
+        by_region: dict[int, list[int]] = collections.defaultdict(list)
+        for region, page in pages:
+            self._heaps[region.index].remove_free(region.address(page), self.page_size)
+            by_region[region.index].append(page)
+        for index, plist in by_region.items():
+            region = self.space.regions[index]
+            try:
+                self._unmap_recorded(region, plist)
+            finally:
+                # Whatever stayed mapped (a failed unmap) gets its free range back.
+                for page in plist:
+                    if region.handles[page]:
+                        self._heaps[index].insert_free(region.address(page), self.page_size)
+
+    def map_pages(self, region: Region, pages: list[int], txn: Transaction) -> None:
+        """Map `pages` of `region` and add them to its heap as free space; undone by `txn`."""
+        self.space.map(region, pages, txn)
+        # Peaks are tracked where mapping happens, compaction transients included.
+        reserved = self.space.mapped * self.page_size
+        if reserved > self.peaks["reserved_bytes"]:
+            self.peaks["reserved_bytes"] = reserved
+        # Undo steps run newest first: this one unmaps and records it, so the
+        # history sees the unmap; the vmm's own undo then finds nothing to do.
+        txn.on_rollback(self._unmap_recorded, region, list(pages))
+        heap = self._heaps[region.index]
+        for page in pages:
+            heap.insert_free(region.address(page), self.page_size)
+            txn.on_rollback(heap.remove_free, region.address(page), self.page_size)
+        if self.history is not None:
+            self.history.pages_mapped(region, pages)
+
+    # ------------------------------------------------------------------ placement
+    def place(self, nbytes: int) -> Block:
+        """Place `nbytes` without compacting; NoSpace when it does not fit now."""
+        size = self.round(nbytes)
+        if size < self.page_size:
+            return self._place_small(size, nbytes)
+        return self._place_large(size, nbytes)
+
+    def _place_small(self, size: int, nbytes: int) -> Block:
+        for region, heap in zip(self.space.regions, self._heaps):
+            address = heap.allocate(size)
+            if address is not None:
+                return self.carve(region, address, size, nbytes)
+        if self.space.store.available < 1:
+            raise NoSpace("no free space in mapped pages and no physical page left")
+        region, page = self._first_unmapped_page()
+        with Transaction() as txn:
+            self._map_new(region, [page], txn)
+            address = self._heaps[region.index].allocate_at(region.address(page), size)
+        return self.carve(region, address, size, nbytes)
+
+    def _map_new(self, region: Region, pages: list[int], txn: Transaction) -> None:
+        """Map pages for a placement; the device running out of memory is a placement failure."""
+        try:
+            self.map_pages(region, pages, txn)
+            return
+        except CudaOutOfMemoryError as exc:
+            # The GPU filled up before the pool reached its capacity (other users of
+            # the device). Stats stop counting pages the device will not give
+            # until a later creation succeeds; pages the pool already holds,
+            # mapped but empty, can back this request: unmap enough and map again.
+            self.space.store.device_full = True
+            error = exc
+        donors = self.empty_mapped_pages(region, pages)
+        need = len(pages) - len(self.space.store.cached)
+        if 0 < need <= len(donors):
+            self.unmap_empty(donors[:need])
+            self.map_pages(region, pages, txn)  # from cached handles only: the device is not asked
+            return
+        raise NoSpace(f"the device has no free memory for {len(pages)} more page(s) ({error.name})") from error
+
+    def _first_unmapped_page(self) -> tuple[Region, int]:
+        for region in self.space.regions:
+            free = np.flatnonzero(region.handles == 0)
+            if free.size:
+                return region, int(free[0])
+        region = self.add_region(self.capacity_pages)
+        return region, 0
+
+    def _place_large(self, size: int, nbytes: int) -> Block:
+        k = -(-size // self.page_size)
+        free_pages = self.free_physical_pages()
+        if k > free_pages:
+            raise NoSpace(f"needs {k} free pages, {free_pages} can be had")
+        best = None  # (run length, unmapped pages in window, region, start)
+        for region in self.space.regions:
+            available = self._live_count[region.index] == 0
+            for start, length in _page_runs(available):
+                if length < k:
+                    continue
+                unmapped = int((region.handles[start:start + k] == 0).sum())
+                key = (length, unmapped)
+                if best is None or key < best[:2]:
+                    best = (length, unmapped, region, start)
+        if best is None:
+            region, start = self.add_region(max(k, self.capacity_pages)), 0
+        else:
+            region, start = best[2], best[3]
+        window = list(range(start, start + k))
+        to_map = [p for p in window if not region.handles[p]]
+        shortfall = len(to_map) - self.space.store.available
+        if shortfall > 0:
+            # Stitching: take physical pages from empty mapped pages elsewhere.
+            donors = self.empty_mapped_pages(region, window)[:shortfall]
+            self.unmap_empty(donors)
+        with Transaction() as txn:
+            self._map_new(region, to_map, txn)
+            address = self._heaps[region.index].allocate_at(region.address(start), size)
+        return self.carve(region, address, size, nbytes)
+
+    # ------------------------------------------------------------------ the ladder
+    def allocate(self, nbytes: int, rescue=None, describe=None) -> Block:
+        """Place `nbytes`, climbing the ladder on failure; OutOfRoom when nothing helps.
+
+        The ladder: place; wait for deferred releases and place again;
+        `rescue(nbytes, tried)` (a face's automatic compaction, returning a
+        Block or None); then OutOfRoom, whose message `describe(block)` helps
+        write (the largest live blocks).
+        """
+        tried = []
+        try:
+            return self.place(nbytes)
+        except NoSpace as exc:
+            tried.append(f"placement ({exc})")
+        self.counters["num_alloc_retries"] += 1
+        if self._pending:
+            self.wait_pending()
+            tried.append("waiting for stream-ordered frees")
+            try:
+                return self.place(nbytes)
+            except NoSpace:
+                pass
+        if rescue is not None:
+            rescued = rescue(nbytes, tried)
+            if rescued is not None:
+                return rescued
+        self.counters["num_ooms"] += 1
+        if self.history is not None:
+            self.history.oom(nbytes)
+        raise self.out_of_room(nbytes, tried, describe)
+
+    def out_of_room(self, nbytes: int, tried: list[str], describe=None) -> OutOfRoom:
+        """The explained out-of-memory error for `nbytes` (see `OutOfRoom`)."""
+        st = self.stats_locked()
+        pinned = sum(b.size for b in self._blocks.values() if b.pins)
+        largest = sorted((b for b in self._blocks.values() if not b.retired), key=lambda b: (-b.nbytes, -b.pins))[:5]
+        lines = [
+            f"defrag {self.label} ({self.kind}) cannot allocate {format_bytes(nbytes)} ({nbytes} bytes):",
+            f"  capacity {format_bytes(self.capacity)}, live {format_bytes(st['allocated_bytes.all.current'])}, "
+            f"stranded in half-used pages {format_bytes(st['stranded_bytes'])}, pinned {format_bytes(pinned)}, "
+            f"largest request possible now {format_bytes(st['largest_free_bytes'])}.",
+            "  tried: " + "; ".join(tried or ["placement"]),
+        ]
+        if largest:
+            lines.append("  largest live tensors: " + ", ".join(
+                (f"{format_bytes(b.nbytes)} {describe(b) if describe else ''}".strip()
+                 + (" (pinned)" if b.pins else "")) for b in largest))
+        lines.append("  suggestion: " + self._suggestion(nbytes, st["allocated_bytes.all.current"], pinned))
+        return OutOfRoom("\n".join(lines), requested=nbytes, capacity=self.capacity,
+                         live=st["allocated_bytes.all.current"], stranded=st["stranded_bytes"],
+                         pinned=pinned, tried=tuple(tried))
+
+    def _suggestion(self, nbytes: int, live: int, pinned: int) -> str:
+        """What would really make room for `nbytes`: only advice that is true of this pool and device."""
+        device_total = self.driver.total_memory
+        if nbytes > self.capacity:
+            advice = f"the request is larger than the pool's capacity ({format_bytes(self.capacity)})"
+            if nbytes > device_total:
+                return advice + f" and than the whole device ({format_bytes(device_total)}): split the tensor."
+            return advice + f": create the pool with capacity >= {format_bytes(nbytes)}."
+        if self.space.store.device_full:
+            return (f"the device is the limit, not the pool: it has {format_bytes(device_total)} in all and gave "
+                    f"no more pages (other pools, PyTorch's caching allocator or other processes hold the rest), "
+                    f"so a larger capacity would not help; free memory held outside this pool "
+                    f"(torch.cuda.empty_cache(), other pools' trim()) or ask for less.")
+        free_after_compaction = self.capacity - self.pages_needed_if_packed(self.scope(None)) * self.page_size
+        if nbytes <= free_after_compaction and not self.auto_compact:
+            return "pool.compact() (or auto_compact=True) would make room for this request."
+        steps = []
+        if pinned:
+            steps.append("unpin tensors you no longer need to keep in place")
+        if live:
+            steps.append("free tensors you no longer need")
+        if self.capacity < device_total:
+            steps.append(f"create the pool with a larger capacity (the device has {format_bytes(device_total)})")
+        elif not steps:
+            steps.append("ask for less: the pool already spans the whole device")
+        return ", ".join(steps[:-1]) + (" or " if len(steps) > 1 else "") + steps[-1] + "."
+
+    def movable(self, block: Block, scope: Scope, can_rewrite=None) -> tuple[bool, str]:
+        """Whether a compaction of `scope` may move `block`, and why not.
+
+        `can_rewrite(block) -> str` is the face's own verdict ("" when it can
+        rewrite the block's owner).
+        """
+        if block.pins:
+            return False, "pinned"
+        if block.retired:
+            return False, "retired (awaiting release)"
+        reason = self.thread_reason(block, scope)
+        if reason:
+            return False, reason
+        if can_rewrite is not None:
+            reason = can_rewrite(block)
+            if reason:
+                return False, reason
+        return True, ""
+
+    def packing_floor(self, scope: Scope, can_rewrite=None) -> tuple[int, int]:
+        """(pages touched by blocks that cannot move, bytes of blocks that can) for a compaction of `scope`."""
+        pinned_pages = set()
+        movable = 0
+        for b in self._blocks.values():
+            if not self.movable(b, scope, can_rewrite)[0]:
+                first, end = self.pages_of(b)
+                pinned_pages.update((b.region.index, p) for p in range(first, end))
+            else:
+                movable += b.size
+        return len(pinned_pages), movable
+
+    def pages_needed_if_packed(self, scope: Scope, can_rewrite=None) -> int:
+        """Lower bound of pages after a perfect compaction: movable bytes packed, plus pinned pages."""
+        pinned_pages, movable = self.packing_floor(scope, can_rewrite)
+        return pinned_pages + -(-movable // self.page_size)
+
+    # ------------------------------------------------------------------ statistics
+    def reset_peaks(self) -> None:
+        c = self.counters
+        self.peaks.clear()
+        self.peaks.update({"allocated_bytes": c["allocated_bytes"], "pending_bytes": c["pending_bytes"],
+                           "active_bytes": c["allocated_bytes"] + c["pending_bytes"],
+                           "reserved_bytes": self.space.mapped * self.page_size})
+
+    def stats_locked(self) -> dict:
+        """Counters and gauges in PyTorch's key grammar (the gate is held; see `Pool.stats`)."""
+        P = self.page_size
+        allocated = self.counters["allocated_bytes"]
+        pending = self.counters["pending_bytes"]
+        mapped = self.space.mapped
+        empty = self.empty_page_count()
+        heap_free = sum(h.free_bytes() for h in self._heaps)
+        stranded = heap_free - empty * P
+        store = self.space.store
+        free_pages = len(store.cached) + (0 if store.device_full else store.creatable) + empty
+        if free_pages >= 1:
+            largest = free_pages * P
+        else:
+            largest = max((h.largest_free() for h in self._heaps), default=0)
+            largest = min(largest, P - ALIGNMENT)
+        reserved = mapped * P
+        self.peaks["reserved_bytes"] = max(self.peaks["reserved_bytes"], reserved)
+        active = allocated + pending
+        c = self.counters
+        return {
+            "allocated_bytes.all.current": allocated,
+            "allocated_bytes.all.peak": self.peaks["allocated_bytes"],
+            "active_bytes.all.current": active,
+            "active_bytes.all.peak": self.peaks["active_bytes"],
+            "reserved_bytes.all.current": reserved,
+            "reserved_bytes.all.peak": self.peaks["reserved_bytes"],
+            "requested_bytes.all.current": sum(b.nbytes for b in self._blocks.values()),
+            "num_alloc_retries": c["num_alloc_retries"],
+            "num_ooms": c["num_ooms"],
+            "num_allocs": c["num_allocs"],
+            "num_frees": c["num_frees"],
+            "num_device_alloc": store.created,
+            "num_device_free": store.created - store.total,
+            "pages.mapped": mapped,
+            "pages.cached": len(store.cached),
+            "pages.total": store.total,
+            "pages.empty": empty,
+            "pages.capacity": self.capacity_pages,
+            "page_size": P,
+            "capacity_bytes": self.capacity,
+            "free_inside_mapped_bytes": heap_free,
+            "stranded_bytes": stranded,
+            "largest_free_bytes": largest,
+            "fragmentation": stranded / reserved if reserved else 0.0,
+            "num_compactions": c["num_compactions"],
+            "num_compactions.explicit": c["num_compactions.explicit"],
+            "num_compactions.automatic": c["num_compactions.automatic"],
+            "compaction.moved_bytes": c["compaction.moved_bytes"],
+            "compaction.moved_tensors": c["compaction.moved_tensors"],
+            "compaction.released_pages": c["compaction.released_pages"],
+            "live_blocks": sum(1 for b in self._blocks.values() if not b.retired),
+            "pinned_blocks": sum(1 for b in self._blocks.values() if b.pins),
+            "regions": len(self.space.regions),
+        }
+
+    def layout(self) -> dict:
+        """A plain-dict picture of the core (for `defrag.viz` and snapshots); see `Pool.layout`."""
+        regions = []
+        for region in self.space.regions:
+            live = self._live_count[region.index] > 0
+            mapped = region.handles != 0
+            states = np.where(live, "live", np.where(mapped, "empty", "unmapped"))
+            regions.append({"index": region.index, "base": region.base, "npages": region.npages,
+                            "pages": states.tolist(), "free_ranges": self._heaps[region.index].free_ranges()})
+        blocks = []
+        for _, b in sorted(self._blocks.items()):
+            dtype, shape = getattr(b.info, "dtype", None), getattr(b.info, "shape", None)
+            blocks.append({"address": b.address, "size": b.size, "nbytes": b.nbytes, "region": b.region.index,
+                           "pinned": b.pins > 0, "dtype": str(dtype).replace("torch.", "") if dtype else None,
+                           "shape": list(shape) if shape is not None else None,
+                           "state": "retired" if b.retired else ("live" if b.counted else "pending-free")})
+        return {"kind": self.kind, "page_size": self.page_size, "capacity": self.capacity,
+                "cached_pages": len(self.space.store.cached), "regions": regions, "blocks": blocks}
+
+    def check_invariants(self) -> None:
+        """Raise AssertionError if any of DESIGN.md's invariants is broken (a test aid).
+
+        Checks: blocks do not overlap; every byte of every block is mapped;
+        allocated + free-inside-mapped == mapped bytes; page live counts match
+        the blocks; heaps are internally consistent.
+        """
+        prev_end = None
+        counts = [np.zeros_like(c) for c in self._live_count]
+        for address, b in sorted(self._blocks.items()):
+            assert address == b.address
+            assert prev_end is None or address >= prev_end, f"blocks overlap at {address:#x}"
+            prev_end = address + b.size
+            first, end = self.pages_of(b)
+            assert b.region.handles[first:end].all(), f"block at {address:#x} touches an unmapped page"
+            counts[b.region.index][first:end] += 1
+        for region, heap, expect, got in zip(self.space.regions, self._heaps, counts, self._live_count):
+            heap.check_invariants()
+            assert np.array_equal(expect, got), f"page live counts of region {region.index} disagree"
+            for off, size in heap.free_ranges():
+                first, end = self.pages_of(off, size)
+                assert region.handles[first:end].all(), "free space recorded inside an unmapped page"
+        allocated = sum(b.size for b in self._blocks.values())
+        counted = sum(b.size for b in self._blocks.values() if b.counted)
+        assert counted == self.counters["allocated_bytes"], "allocated counter disagrees with blocks"
+        heap_free = sum(h.free_bytes() for h in self._heaps)
+        assert allocated + heap_free == self.space.mapped * self.page_size, (
+            f"allocated {allocated} + free {heap_free} != mapped {self.space.mapped * self.page_size}")
+        assert self.space.store.total <= self.capacity_pages, "more physical pages than capacity"
+        assert self.space.mapped + len(self.space.store.cached) == self.space.store.total
+
+    # ------------------------------------------------------------------ trim / close
+    def trim(self) -> int:
+        """Unmap pages that hold no block and release every cached physical page; returns bytes released."""
+        self.drain()
+        self.wait_pending()
+        self.unmap_empty(self.empty_mapped_pages())
+        return self.space.store.trim(0) * self.page_size
+
+    def has_live_blocks(self) -> bool:
+        return any(not b.retired for b in self._blocks.values())
+
+    def give_back_idle(self) -> None:
+        """After close, with blocks still live: unmap what holds none and release cached pages."""
+        self.unmap_empty(self.empty_mapped_pages())
+        self.space.store.trim(0)
