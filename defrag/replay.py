@@ -20,9 +20,10 @@ which the trace completes with no failure, found by bisection over whole
 pages with dry replays (a bounded number of steps; the result says how
 exact it is).
 
-``--dry`` replays on `defrag.traces.accounting.AccountingPool`: the pool's
-own placement and compaction decisions on integers, no memory mapped, no
-byte copied, so snapshots far larger than this machine replay in seconds.
+``--dry`` replays on `defrag.dry.DryPool`: the pool's own core and
+compactor over the memory-less driver (the driver's books, no bytes mapped
+or copied), so snapshots far larger than this machine replay in seconds and
+agree with a real pool by construction.
 Without it, (a) and (b) use a real pool: on the emulated device (the
 default without a GPU) every block is a real CPU tensor over mapped pages.
 
@@ -44,7 +45,8 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from .traces.accounting import AccountingPool, CompactionCapacityError
+from .dry import DryPool
+from .errors import CompactionError
 from .traces.format import ALLOC, FREE, Trace, TraceError
 from .units import format_bytes, parse_size
 
@@ -185,7 +187,7 @@ def replay(trace: Trace, capacity, *, device=None, dry: bool = False, compaction
 
 def _replay_dry(trace, capacity, page, compaction, name, progress, stop_at_first_oom) -> ReplayResult:
     t0 = time.perf_counter()
-    model = AccountingPool(capacity, page, auto_compact=compaction)
+    model = DryPool(capacity, page, auto_compact=compaction)
     failed: set = set()
     ooms = failed_bytes = 0
     error = None
@@ -212,13 +214,14 @@ def _replay_dry(trace, capacity, page, compaction, name, progress, stop_at_first
             if bar is not None and i % 4096 == 0:
                 bar.n = i
                 bar.refresh()
-    except CompactionCapacityError as exc:
+    except CompactionError as exc:
         error = _pool_error(exc, i, trace.events[i])
     finally:
         if bar is not None:
             bar.close()
     st = model.stats()
-    return ReplayResult(name, trace.name, model.capacity, page, True, "none (accounting model)", len(trace.events),
+    model.close()
+    return ReplayResult(name, trace.name, model.capacity, page, True, "none (memory-less device)", len(trace.events),
                         peak_live_bytes=st["allocated_bytes.all.peak"],
                         peak_reserved_bytes=st["reserved_bytes.all.peak"], ooms=ooms, failed_bytes=failed_bytes,
                         compactions=st["num_compactions"], compactions_automatic=st["num_compactions.automatic"],

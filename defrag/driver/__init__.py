@@ -1,14 +1,17 @@
-"""Driver layer: one adapter (`Driver`) over two implementations of one API.
+"""Driver layer: one adapter (`Driver`) over three implementations of one API.
 
 - CUDA: cuda-python's `cuda.bindings.driver`, loaded only when a CUDA device is
   asked for (or probed for by `device=None`).
 - Emulated: `EmulatedCuda`, the same calls on host memory (memfd pages mapped at
   fixed addresses), which never loads libcuda.
+- Memory-less: `MemorylessCuda`, the emulated driver's rules and accounting
+  with no bytes behind the addresses (dry replays of traces larger than RAM).
 
 `open_driver(spec)` turns a device spec into a `Driver`:
 `"cuda"`/`"cuda:N"`/`torch.device("cuda", N)` need a working driver (clear error
-otherwise); `"emulated"` is this process's emulated device; `None` is the first
-GPU when one works, else the emulated device; a `Driver` is used as it is.
+otherwise); `"emulated"` is this process's emulated device; `"memoryless"` is
+this process's memory-less device; `None` is the first GPU when one works, else
+the emulated device; a `Driver` is used as it is.
 """
 
 from __future__ import annotations
@@ -19,9 +22,10 @@ import threading
 from .cuda import Driver, cuda_driver_usable
 from .emulated import DEFAULT_CAPACITY, DEFAULT_GRANULARITY, EmulatedCuda
 from .faults import FaultInjector
+from .memoryless import MemorylessCuda
 
-__all__ = ["Driver", "EmulatedCuda", "FaultInjector", "open_driver", "cuda_driver_usable",
-           "default_emulated_driver", "DeviceUnavailableError"]
+__all__ = ["Driver", "EmulatedCuda", "MemorylessCuda", "FaultInjector", "open_driver", "cuda_driver_usable",
+           "default_emulated_driver", "default_memoryless_driver", "DeviceUnavailableError"]
 
 
 class DeviceUnavailableError(RuntimeError):
@@ -31,6 +35,7 @@ class DeviceUnavailableError(RuntimeError):
 _lock = threading.Lock()
 _cuda_drivers: dict[int, Driver] = {}
 _emulated: Driver | None = None
+_memoryless: Driver | None = None
 
 
 def _env_bytes(name: str, default: int) -> int:
@@ -57,6 +62,23 @@ def default_emulated_driver() -> Driver:
         return _emulated
 
 
+def default_memoryless_driver() -> Driver:
+    """This process's memory-less device (one per process, like the emulated one).
+
+    Its capacity and granularity come from DEFRAG_MEMORYLESS_CAPACITY (default
+    16GiB; it holds no memory, so any size works) and DEFRAG_MEMORYLESS_GRANULARITY
+    (default 2MiB). A dry replay that needs its own size builds
+    `Driver.memoryless(capacity=..., granularity=...)` instead.
+    """
+    global _memoryless
+    with _lock:
+        if _memoryless is None:
+            _memoryless = Driver.memoryless(
+                capacity=_env_bytes("DEFRAG_MEMORYLESS_CAPACITY", DEFAULT_CAPACITY),
+                granularity=_env_bytes("DEFRAG_MEMORYLESS_GRANULARITY", DEFAULT_GRANULARITY))
+        return _memoryless
+
+
 def _cuda_driver(ordinal: int) -> Driver:
     with _lock:
         if ordinal not in _cuda_drivers:
@@ -79,9 +101,12 @@ def open_driver(spec=None) -> Driver:
     text = str(spec)  # accepts torch.device too
     if text == "emulated":
         return default_emulated_driver()
+    if text == "memoryless":
+        return default_memoryless_driver()
     if text == "cuda" or text.startswith("cuda:"):
         index = text.partition(":")[2] if ":" in text else "0"
         if not index.isdigit():
             raise ValueError(f"bad CUDA device {text!r}: expected 'cuda' or 'cuda:N'")
         return _cuda_driver(int(index))
-    raise ValueError(f"unknown device {spec!r}: expected None, 'emulated', 'cuda', 'cuda:N' or a defrag Driver")
+    raise ValueError(f"unknown device {spec!r}: expected None, 'emulated', 'memoryless', 'cuda', 'cuda:N' "
+                     "or a defrag Driver")

@@ -1,8 +1,9 @@
 """The one adapter between defrag and a CUDA driver API.
 
 `Driver` builds every call with cuda-python's own types and sends it to an API
-object: the real `cuda.bindings.driver` module on a GPU, or an `EmulatedCuda`
-on a machine without one. Both return `(CUresult, *outputs)` tuples, and every
+object: the real `cuda.bindings.driver` module on a GPU, an `EmulatedCuda` on a
+machine without one, or a `MemorylessCuda` (the emulated rules without bytes,
+for dry replays). All three return `(CUresult, *outputs)` tuples, and every
 result goes through `_check`, which raises `defrag.CudaError` (or its subclass
 `CudaOutOfMemoryError`) naming the call and the CUDA error. Nothing above this
 module touches the driver API directly.
@@ -20,8 +21,10 @@ from cuda.bindings import driver as cu
 from ..errors import CudaError, CudaOutOfMemoryError
 from .emulated import DEFAULT_CAPACITY, DEFAULT_GRANULARITY, EmulatedCuda
 from .faults import FaultInjector
+from .memoryless import MemorylessCuda
 
 R = cu.CUresult
+KINDS = ("cuda", "emulated", "memoryless")
 
 
 def _check(call: str, result):
@@ -64,7 +67,11 @@ def cuda_driver_usable() -> tuple[bool, str]:
 
 
 class Driver:
-    """One device seen through one driver API (real CUDA or emulated).
+    """One device seen through one driver API (real CUDA, emulated or memory-less).
+
+    `kind` says which: "cuda", "emulated" (host memory behind every address) or
+    "memoryless" (the emulated rules and accounting, no bytes: nothing may be
+    read or written through its addresses).
 
     Guarantees: every method makes exactly the driver calls its name says, with
     cuda-python's argument types, and raises `CudaError` on any failure without
@@ -73,8 +80,8 @@ class Driver:
     """
 
     def __init__(self, api, ordinal: int = 0, *, kind: str):
-        if kind not in ("cuda", "emulated"):
-            raise ValueError(f"kind must be 'cuda' or 'emulated', got {kind!r}")
+        if kind not in KINDS:
+            raise ValueError(f"kind must be one of {', '.join(map(repr, KINDS))}, got {kind!r}")
         self.kind = kind
         self.ordinal = int(ordinal)
         self.faults = FaultInjector(api)
@@ -112,9 +119,19 @@ class Driver:
         """A fresh emulated device on host memory (never loads libcuda)."""
         return cls(api or EmulatedCuda(capacity=capacity, granularity=granularity), 0, kind="emulated")
 
+    @classmethod
+    def memoryless(cls, *, capacity: int = DEFAULT_CAPACITY, granularity: int = DEFAULT_GRANULARITY,
+                   api: MemorylessCuda | None = None) -> "Driver":
+        """A fresh memory-less device: handles, reservations and mappings without bytes.
+
+        The emulated device's rules, errors and capacity accounting, but nothing
+        behind the addresses, so `capacity` may far exceed host RAM (dry replays).
+        """
+        return cls(api or MemorylessCuda(capacity=capacity, granularity=granularity), 0, kind="memoryless")
+
     @property
     def api(self):
-        """The underlying driver API object (module or EmulatedCuda), without fault injection."""
+        """The underlying driver API object (module, EmulatedCuda or MemorylessCuda), without fault injection."""
         return self.faults._api
 
     # ------------------------------------------------------------ structs

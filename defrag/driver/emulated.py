@@ -28,6 +28,12 @@ shares its bytes); releasing a handle that is still mapped frees its memory only
 at its last unmap. Copies and memsets over addresses that are not mapped with
 access return CUDA_ERROR_INVALID_VALUE instead of faulting the process.
 
+Every host-memory side effect goes through the `_host_*` methods at the end
+of the class (create/release a page's memfd, reserve/free address space,
+map/unmap/protect, copy/set bytes); everything else is bookkeeping and rules.
+`defrag.driver.memoryless.MemorylessCuda` overrides only those methods, so the
+memory-less device follows exactly these rules with no bytes behind them.
+
 What it does not emulate: asynchrony (every call completes before it returns),
 multiple devices' peer access, IPC handles, and the exact error codes of corner
 cases the CUDA documentation leaves open (those return CUDA_ERROR_INVALID_VALUE).
@@ -76,6 +82,10 @@ _FALLOC_PUNCH_HOLE = 0x01 | 0x02  # FALLOC_FL_KEEP_SIZE | FALLOC_FL_PUNCH_HOLE
 TOMBSTONE_NAME = "defrag-emulated-unmapped"
 _libc.mprotect.restype = ctypes.c_int
 _libc.mprotect.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+
+# For each needed protection, a bytes.translate table that maps a granule's
+# protection to 0 when it grants that access and to 1 when it does not.
+_LACKS = {need: bytes(0 if p & need == need else 1 for p in range(256)) for need in (_PROT_READ, _PROT_RW)}
 
 
 def _os_mmap(addr: int, size: int, prot: int, flags: int, fd: int = -1, offset: int = 0) -> int:
@@ -201,13 +211,13 @@ class EmulatedCuda:
         for m in maps:
             first = (max(ptr, m.va) - m.va) // g
             last = (min(end, m.va + m.size) - 1 - m.va) // g
-            if any(p & need != need for p in m.prots[first:last + 1]):
+            if 1 in m.prots[first:last + 1].translate(_LACKS[need]):
                 return False
         return True
 
     def _drop_physical(self, handle: int) -> None:
         phys = self._handles.pop(handle)
-        os.close(phys.fd)
+        self._host_release(phys.fd)
         self.used -= phys.size
 
     @staticmethod
@@ -319,11 +329,8 @@ class EmulatedCuda:
                 return (R.CUDA_ERROR_INVALID_VALUE, cu.CUmemGenericAllocationHandle(0))
             if self.used + size > self.capacity:
                 return (R.CUDA_ERROR_OUT_OF_MEMORY, cu.CUmemGenericAllocationHandle(0))
-            fd = os.memfd_create(MEMFD_NAME, os.MFD_CLOEXEC)
-            try:
-                os.ftruncate(fd, size)
-            except OSError:
-                os.close(fd)
+            fd = self._host_create(size)
+            if fd is None:
                 return (R.CUDA_ERROR_OUT_OF_MEMORY, cu.CUmemGenericAllocationHandle(0))
             handle = next(self._next_handle)
             self._handles[handle] = _Physical(fd=fd, size=size)
@@ -354,19 +361,9 @@ class EmulatedCuda:
             if (size <= 0 or not self._aligned(size) or alignment & (alignment - 1)
                     or alignment % self.granularity or int(flags) != 0):
                 return (R.CUDA_ERROR_INVALID_VALUE, cu.CUdeviceptr(0))
-            # Over-reserve by the alignment, then trim both ends: mmap only
-            # promises host-page alignment. The hint is ignored, as the driver may.
-            span = size + alignment
-            try:
-                raw = _os_mmap(0, span, _PROT_NONE, _MAP_PRIVATE | _MAP_ANONYMOUS | _MAP_NORESERVE)
-            except OSError:
+            base = self._host_reserve(size, alignment)  # the hint is ignored, as the driver may
+            if base is None:
                 return (R.CUDA_ERROR_OUT_OF_MEMORY, cu.CUdeviceptr(0))
-            base = (raw + alignment - 1) // alignment * alignment
-            if base > raw:
-                _os_check(_libc.munmap(raw, base - raw), "munmap")
-            tail = raw + span - (base + size)
-            if tail:
-                _os_check(_libc.munmap(base + size, tail), "munmap")
             self._reservations[base] = _Reservation(base, size)
             bisect.insort(self._res_starts, base)
             return (R.CUDA_SUCCESS, cu.CUdeviceptr(base))
@@ -378,12 +375,11 @@ class EmulatedCuda:
             res = self._reservations.get(ptr)
             if res is None or res.size != size or self._mappings_in(ptr, size):
                 return (R.CUDA_ERROR_INVALID_VALUE,)
-            _os_check(_libc.munmap(ptr, size), "munmap")
+            self._host_free(ptr, size)
             del self._reservations[ptr]
-            self._res_starts.remove(ptr)
-            if not self._reservations and self._tombstone is not None:
-                os.close(self._tombstone)  # no granule of it is mapped any more
-                self._tombstone = None
+            del self._res_starts[bisect.bisect_left(self._res_starts, ptr)]
+            if not self._reservations:
+                self._host_idle()
             return (R.CUDA_SUCCESS,)
 
     def cuMemMap(self, ptr, size, offset, handle, flags):
@@ -395,7 +391,7 @@ class EmulatedCuda:
                     or not self._aligned(ptr, size, offset) or offset + size > phys.size
                     or self._reservation_of(ptr, size) is None or self._mappings_in(ptr, size)):
                 return (R.CUDA_ERROR_INVALID_VALUE,)
-            _os_mmap(ptr, size, _PROT_NONE, _MAP_SHARED | _MAP_FIXED, phys.fd, offset)
+            self._host_map(ptr, size, phys.fd, offset)
             self._mappings[ptr] = _Mapping(ptr, size, handle, offset, bytearray(size // self.granularity))
             bisect.insort(self._map_starts, ptr)
             phys.map_count += 1
@@ -411,10 +407,12 @@ class EmulatedCuda:
             # One unmap may cover several whole mappings but never split one.
             if maps is None or maps[0].va != ptr or maps[-1].va + maps[-1].size != ptr + size:
                 return (R.CUDA_ERROR_INVALID_VALUE,)
-            self._bury(ptr, size)
+            self._host_unmap(ptr, size)
+            # The mappings tile [ptr, ptr+size): their starts are adjacent in _map_starts.
+            first = bisect.bisect_left(self._map_starts, ptr)
+            del self._map_starts[first:first + len(maps)]
             for m in maps:
                 del self._mappings[m.va]
-                self._map_starts.remove(m.va)
                 phys = self._handles[m.handle]
                 phys.map_count -= 1
                 if phys.released and phys.map_count == 0:
@@ -445,7 +443,7 @@ class EmulatedCuda:
                         flags.CU_MEM_ACCESS_FLAGS_PROT_READWRITE: _PROT_RW}.get(d.flags)
                 if prot is None:
                     return (R.CUDA_ERROR_INVALID_VALUE,)
-            _os_check(_libc.mprotect(ptr, size, prot), "mprotect")
+            self._host_protect(ptr, size, prot)
             g = self.granularity
             for m in maps:
                 # SetAccess may cover part of a mapping: record it per granule.
@@ -469,7 +467,7 @@ class EmulatedCuda:
         with self._lock:
             if nbytes < 0 or not self._accessible(src, nbytes, False) or not self._accessible(dst, nbytes, True):
                 return (R.CUDA_ERROR_INVALID_VALUE,)
-            ctypes.memmove(dst, src, nbytes)
+            self._host_copy(dst, src, nbytes)
             return (R.CUDA_SUCCESS,)
 
     def cuMemsetD8Async(self, dst, value, nbytes, stream):
@@ -480,8 +478,74 @@ class EmulatedCuda:
         with self._lock:
             if nbytes < 0 or not self._accessible(dst, nbytes, True):
                 return (R.CUDA_ERROR_INVALID_VALUE,)
-            ctypes.memset(dst, int(value) & 0xFF, nbytes)
+            self._host_set(dst, int(value) & 0xFF, nbytes)
             return (R.CUDA_SUCCESS,)
+
+    # ---------------------------------------------------------------- host memory
+    # Every host-memory side effect of the driver calls above, and nothing else.
+    # They run under the lock, after the call's rules have been checked; a
+    # subclass (MemorylessCuda) overrides exactly these to hold no bytes.
+
+    def _host_create(self, size: int) -> int | None:
+        """Back a new physical allocation of `size` bytes; returns its fd, or None if out of memory."""
+        fd = os.memfd_create(MEMFD_NAME, os.MFD_CLOEXEC)
+        try:
+            os.ftruncate(fd, size)
+        except OSError:
+            os.close(fd)
+            return None
+        return fd
+
+    def _host_release(self, fd: int) -> None:
+        """Free a physical allocation's memory (it is no longer mapped anywhere)."""
+        os.close(fd)
+
+    def _host_reserve(self, size: int, alignment: int) -> int | None:
+        """Reserve `size` bytes of address space aligned to `alignment`; the base, or None if exhausted."""
+        # Over-reserve by the alignment, then trim both ends: mmap only
+        # promises host-page alignment.
+        span = size + alignment
+        try:
+            raw = _os_mmap(0, span, _PROT_NONE, _MAP_PRIVATE | _MAP_ANONYMOUS | _MAP_NORESERVE)
+        except OSError:
+            return None
+        base = (raw + alignment - 1) // alignment * alignment
+        if base > raw:
+            _os_check(_libc.munmap(raw, base - raw), "munmap")
+        tail = raw + span - (base + size)
+        if tail:
+            _os_check(_libc.munmap(base + size, tail), "munmap")
+        return base
+
+    def _host_free(self, base: int, size: int) -> None:
+        """Give back a reservation's address space (nothing is mapped inside it)."""
+        _os_check(_libc.munmap(base, size), "munmap")
+
+    def _host_idle(self) -> None:
+        """The last reservation is gone: drop per-device host resources (the tombstone)."""
+        if self._tombstone is not None:
+            os.close(self._tombstone)  # no granule of it is mapped any more
+            self._tombstone = None
+
+    def _host_map(self, ptr: int, size: int, fd: int, offset: int) -> None:
+        """Map `size` bytes of the allocation `fd` from `offset` at `ptr`, with no access."""
+        _os_mmap(ptr, size, _PROT_NONE, _MAP_SHARED | _MAP_FIXED, fd, offset)
+
+    def _host_unmap(self, ptr: int, size: int) -> None:
+        """Unmap [ptr, ptr+size): bury it under the tombstone (see `_bury`)."""
+        self._bury(ptr, size)
+
+    def _host_protect(self, ptr: int, size: int, prot: int) -> None:
+        """Set the access of mapped [ptr, ptr+size) to `prot` (PROT_NONE, PROT_READ or both)."""
+        _os_check(_libc.mprotect(ptr, size, prot), "mprotect")
+
+    def _host_copy(self, dst: int, src: int, nbytes: int) -> None:
+        """Copy `nbytes` between accessible ranges (they may overlap)."""
+        ctypes.memmove(dst, src, nbytes)
+
+    def _host_set(self, dst: int, value: int, nbytes: int) -> None:
+        """Set `nbytes` bytes of an accessible range to the byte `value`."""
+        ctypes.memset(dst, value, nbytes)
 
     # ---------------------------------------------------------------- unmapped pages
     def _bury(self, ptr: int, size: int) -> None:

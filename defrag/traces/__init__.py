@@ -3,8 +3,9 @@
 - :mod:`defrag.traces.format`: :class:`Trace` (JSON Lines on disk), :class:`TraceError`;
 - :mod:`defrag.traces.generators`: :func:`llm_serving`, :func:`model_swap`, :func:`checkerboard`;
 - :mod:`defrag.traces.training`: :class:`TraceRecorder`, :func:`training_from_model`;
-- :mod:`defrag.traces.snapshot`: :func:`load_snapshot` for ``torch.cuda.memory._dump_snapshot`` pickles;
-- :mod:`defrag.traces.accounting`: :class:`AccountingPool`, the pool's policy without memory (dry replays).
+- :mod:`defrag.traces.snapshot`: :func:`load_snapshot` for ``torch.cuda.memory._dump_snapshot`` pickles.
+
+Dry replays run the pool's own core over the memory-less driver (:mod:`defrag.dry`).
 
 See docs/traces.md.
 """

@@ -11,7 +11,7 @@ import pytest
 from defrag.cli import main as cli_main
 from defrag.replay import min_capacity, replay
 from defrag.traces import ALLOC, FREE, PHASE, Trace, checkerboard, llm_serving, model_swap, training_from_model
-from defrag.traces.accounting import AccountingPool
+from defrag.dry import DryPool
 from defrag.traces.snapshot import to_snapshot
 
 MiB = 1 << 20
@@ -37,7 +37,8 @@ def _figures(r):
 @pytest.mark.parametrize("name", ["llm_serving", "training_from_model", "model_swap", "checkerboard"])
 @pytest.mark.parametrize("tight", [False, True], ids=["roomy", "tight"])
 def test_dry_and_real_replays_agree(workloads, name, tight):
-    """The accounting model takes the pool's decisions: same peaks, OOMs, compactions and bytes moved."""
+    """The dry pool is the real pool's core over the memory-less driver: same peaks, OOMs, compactions,
+    bytes moved."""
     trace = workloads[name]
     live = trace.stats().peak_live_bytes
     capacity = int(live * (1.04 if tight else 1.5)) + PAGE
@@ -49,12 +50,12 @@ def test_dry_and_real_replays_agree(workloads, name, tight):
         assert dry.peak_live_bytes == live or dry.ooms or dry.error
 
 
-def test_accounting_model_keeps_its_books():
-    """Random alloc/free/compact with invariant checks (page counts, run and empty-page indexes, heap)."""
+def test_dry_pool_keeps_its_books():
+    """Random alloc/free/compact with the core's invariant checks, over the memory-less driver."""
     rng = random.Random(7)
     for capacity_pages, auto in ((24, True), (40, False)):
-        pool = AccountingPool(capacity_pages * PAGE, PAGE, auto_compact=auto)
-        live = []
+        pool = DryPool(capacity_pages * PAGE, PAGE, auto_compact=auto)
+        live, sizes = [], {}
         for step in range(1500):
             if live and rng.random() < 0.45:
                 pool.free(live.pop(rng.randrange(len(live))))
@@ -64,12 +65,16 @@ def test_accounting_model_keeps_its_books():
                 size = rng.choice([rng.randint(1, 300_000), rng.randint(PAGE // 2, 3 * PAGE + 1000)])
                 if pool.alloc(step, size):
                     live.append(step)
+                    sizes[step] = size
             if step % 25 == 0:
                 pool.check_invariants()
         pool.check_invariants()
         st = pool.stats()
         assert st["reserved_bytes.all.peak"] <= capacity_pages * PAGE
-        assert st["allocated_bytes.all.current"] == sum(-(-pool._blocks[k][2] // 512) * 512 for k in live)
+        assert st["allocated_bytes.all.current"] == sum(-(-sizes[k] // 512) * 512 for k in live)
+        assert pool.driver.api.state()["used_bytes"] == st["pages.total"] * PAGE  # the device's books agree
+        pool.close()
+        assert pool.driver.api.state() == {"handles": 0, "mappings": 0, "reservations": 0, "used_bytes": 0}
 
 
 def test_checkerboard_needs_compaction(workloads):
@@ -125,16 +130,15 @@ def test_a_failed_compaction_stops_the_replay_and_is_reported(workloads, monkeyp
     """A compaction that raises (not an OOM) ends the replay with the error named, in both modes."""
     from defrag.errors import CompactionError
     from defrag.pool import Pool
-    from defrag.traces.accounting import CompactionCapacityError
 
     def refuse_real(self, **kwargs):
         raise CompactionError("the plan needs 9 new pages but only 2 physical pages are free; nothing was moved")
 
-    def refuse_dry(self, *, automatic=False):
-        raise CompactionCapacityError("the plan needs 9 new pages but only 2 physical pages are free")
+    def refuse_dry(self, **kwargs):
+        raise CompactionError("the plan needs 9 new pages but only 2 physical pages are free")
 
     monkeypatch.setattr(Pool, "compact", refuse_real)
-    monkeypatch.setattr(AccountingPool, "compact", refuse_dry)
+    monkeypatch.setattr(DryPool, "compact", refuse_dry)
     trace = workloads["llm_serving"]
     first_phase = next(i for i, ev in enumerate(trace.events) if ev[0] == PHASE)
     for dry in (True, False):

@@ -1,0 +1,85 @@
+"""A memory-less CUDA driver: the emulated driver's rules and bookkeeping, no bytes.
+
+`MemorylessCuda` is `EmulatedCuda` with every host-memory side effect (its
+`_host_*` methods) replaced by bookkeeping alone, for dry replays of traces far
+larger than this machine's RAM (80 GB-class workloads):
+
+- handles, reservations, mappings, access flags, capacity accounting and every
+  rule and error code are the emulated driver's own code, not a copy of it:
+  the same calls fail with the same `CUresult`, `cuMemCreate` beyond capacity
+  returns CUDA_ERROR_OUT_OF_MEMORY, a released handle lives until its last
+  unmap, `state()` counts what is held, and `FaultInjector` (through `Driver`)
+  works unchanged;
+- a physical allocation holds no memory (no memfd), so capacity can be any size;
+- reservations come from a virtual address counter, aligned like a real one,
+  never overlapping or reused; they start at 2**48, above any address a Linux
+  process maps (so a stray host access to one faults instead of corrupting
+  memory) and end below 2**63 (they fit a signed 64-bit integer); a 1 TiB or
+  64 TiB reservation costs nothing;
+- cuMemMap, cuMemUnmap and cuMemSetAccess only update the bookkeeping;
+- copies and memsets check that their ranges are mapped with access, exactly
+  as on the emulated device, and then do nothing; synchronization is a no-op
+  and `touched_unmapped()` is always 0 (no host access can reach the device).
+
+Nothing here may be read or written through its addresses: a face over this
+driver must not build tensors over its memory (it has none).
+"""
+
+from __future__ import annotations
+
+from .emulated import DEFAULT_CAPACITY, DEFAULT_GRANULARITY, EmulatedCuda
+
+__all__ = ["MemorylessCuda", "VA_START", "VA_LIMIT"]
+
+VA_START = 1 << 48   # first address handed out: above every Linux user-space mapping (47-bit, or 56-bit opt-in)
+VA_LIMIT = 1 << 63   # reservations end below this: addresses fit in int64
+_NO_FD = -1          # what a physical allocation holds instead of a memfd
+
+
+class MemorylessCuda(EmulatedCuda):
+    """One memory-less GPU: `EmulatedCuda`'s rules over a virtual address counter."""
+
+    def __init__(self, *, capacity: int = DEFAULT_CAPACITY, granularity: int = DEFAULT_GRANULARITY,
+                 device_count: int = 1, name: str = "defrag memoryless device"):
+        super().__init__(capacity=capacity, granularity=granularity, device_count=device_count, name=name)
+        self._next_va = VA_START
+
+    # ---------------------------------------------------------------- host memory: none
+    def _host_create(self, size: int) -> int:
+        return _NO_FD
+
+    def _host_release(self, fd: int) -> None:
+        pass
+
+    def _host_reserve(self, size: int, alignment: int) -> int | None:
+        base = -(-self._next_va // alignment) * alignment
+        if base + size > VA_LIMIT:
+            return None  # address space exhausted: CUDA_ERROR_OUT_OF_MEMORY, as from the driver
+        # One granule of guard between reservations: an overrun never lands in the next one.
+        self._next_va = base + size + self.granularity
+        return base
+
+    def _host_free(self, base: int, size: int) -> None:
+        pass  # addresses are never reused
+
+    def _host_idle(self) -> None:
+        pass
+
+    def _host_map(self, ptr: int, size: int, fd: int, offset: int) -> None:
+        pass
+
+    def _host_unmap(self, ptr: int, size: int) -> None:
+        pass
+
+    def _host_protect(self, ptr: int, size: int, prot: int) -> None:
+        pass
+
+    def _host_copy(self, dst: int, src: int, nbytes: int) -> None:
+        pass
+
+    def _host_set(self, dst: int, value: int, nbytes: int) -> None:
+        pass
+
+    def touched_unmapped(self) -> int:
+        """Always 0: no host access can reach a memory-less device's addresses."""
+        return 0
