@@ -47,7 +47,7 @@ from .driver import Driver
 from .errors import ConcurrencyError, CudaOutOfMemoryError, PoolClosedError, StaleAccessError
 from .heap import ALIGNMENT, Heap
 from .units import format_bytes
-from .vmm import AddressSpace, Region, Transaction
+from .vmm import AddressSpace, Region, Transaction, page_runs
 
 THREAD_MODES = (None, "own", "all")
 
@@ -138,6 +138,7 @@ class Core:
         self._blocks: dict[int, Block] = {}  # block address -> Block (live and retired)
         self._pending: list[Block] = []  # released, waiting on their deferral markers
         self._threads: dict[int, object] = {}  # token id -> owner ref of every thread that used the core
+        self._empty = 0  # mapped pages that no block touches, kept as blocks come and go
         self.counters: collections.Counter = collections.Counter()
         self.peaks: collections.Counter = collections.Counter()
         self.add_region(self.capacity_pages * max(1, int(virtual_factor)))
@@ -294,12 +295,24 @@ class Core:
         return first, last + 1
 
     def _account(self, block: Block, delta: int) -> None:
+        """Count `block` on (+1) or off (-1) its pages, keeping the empty-page count."""
         first, end = self.pages_of(block)
         counts = self._live_count[block.region.index]
         if end == first + 1:
-            counts[first] += delta  # the common case, without a slice
+            # The common case, without a slice. Blocks lie on mapped pages only.
+            before = counts[first]
+            counts[first] = before + delta
+            if before == 0:
+                self._empty -= 1
+            elif before + delta == 0:
+                self._empty += 1
         else:
-            counts[first:end] += delta
+            window = counts[first:end]
+            if delta > 0:
+                self._empty -= int((window == 0).sum())
+            window += delta
+            if delta < 0:
+                self._empty += int((window == 0).sum())
 
     def carve(self, region: Region, address: int, size: int, nbytes: int, *, counted: bool = True) -> Block:
         """Record a block over a range the heap has just allocated."""
@@ -344,7 +357,8 @@ class Core:
         return self._live_count[region.index] > 0
 
     def empty_page_count(self) -> int:
-        return int(sum(int(((r.handles != 0) & (c == 0)).sum()) for r, c in zip(self.space.regions, self._live_count)))
+        """Mapped pages that no block touches (kept incrementally)."""
+        return self._empty
 
     def free_physical_pages(self) -> int:
         """Pages that could back a new request now: cached, creatable, or mapped but empty."""
@@ -367,9 +381,12 @@ class Core:
         return out
 
     def _unmap_recorded(self, region: Region, pages: list[int]) -> None:
+        """Unmap pages that no block touches (they were counted empty), recording it."""
+        mapped = self.space.mapped
         try:
             self.space.unmap(region, pages)
         finally:
+            self._empty -= mapped - self.space.mapped
             if self.history is not None:
                 self.history.pages_unmapped(region, pages)
 
@@ -377,10 +394,12 @@ class Core:
         """Unmap mapped pages that hold no block; their handles become cached."""
         by_region: dict[int, list[int]] = collections.defaultdict(list)
         for region, page in pages:
-            self._heaps[region.index].remove_free(region.address(page), self.page_size)
             by_region[region.index].append(page)
         for index, plist in by_region.items():
             region = self.space.regions[index]
+            heap = self._heaps[index]
+            for first, count in page_runs(plist):  # consecutive empty pages are one free range
+                heap.remove_free(region.address(first), count * self.page_size)
             try:
                 self._unmap_recorded(region, plist)
             finally:
@@ -392,6 +411,7 @@ class Core:
     def map_pages(self, region: Region, pages: list[int], txn: Transaction) -> None:
         """Map `pages` of `region` and add them to its heap as free space; undone by `txn`."""
         self.space.map(region, pages, txn)
+        self._empty += len(pages)  # no block on a page that was unmapped
         # Peaks are tracked where mapping happens, compaction transients included.
         reserved = self.space.mapped * self.page_size
         if reserved > self.peaks["reserved_bytes"]:
@@ -400,9 +420,9 @@ class Core:
         # history sees the unmap; the vmm's own undo then finds nothing to do.
         txn.on_rollback(self._unmap_recorded, region, list(pages))
         heap = self._heaps[region.index]
-        for page in pages:
-            heap.insert_free(region.address(page), self.page_size)
-            txn.on_rollback(heap.remove_free, region.address(page), self.page_size)
+        for first, count in page_runs(pages):
+            heap.insert_free(region.address(first), count * self.page_size)
+            txn.on_rollback(heap.remove_free, region.address(first), count * self.page_size)
         if self.history is not None:
             self.history.pages_mapped(region, pages)
 
@@ -714,6 +734,8 @@ class Core:
             f"allocated {allocated} + free {heap_free} != mapped {self.space.mapped * self.page_size}")
         assert self.space.store.total <= self.capacity_pages, "more physical pages than capacity"
         assert self.space.mapped + len(self.space.store.cached) == self.space.store.total
+        empty = sum(int(((r.handles != 0) & (c == 0)).sum()) for r, c in zip(self.space.regions, self._live_count))
+        assert empty == self._empty, f"empty page count {self._empty} != {empty}"
 
     # ------------------------------------------------------------------ trim / close
     def trim(self) -> int:

@@ -38,6 +38,7 @@ import time
 import weakref
 
 from .units import format_bytes
+from .vmm import page_runs
 
 # Actions of PyTorch's TraceEntry that the pool produces.
 ACTIONS = ("alloc", "free_requested", "free_completed", "segment_map", "segment_unmap", "oom", "snapshot")
@@ -65,17 +66,6 @@ def python_frames(limit: int = MAX_FRAMES) -> list[dict]:
             frames.append({"filename": filename, "line": f.f_lineno, "name": f.f_code.co_name})
         f = f.f_back
     return frames
-
-
-def _runs(pages) -> list[tuple[int, int]]:
-    """Page indices -> sorted (first, count) runs of consecutive pages."""
-    runs: list[list[int]] = []
-    for p in sorted(int(p) for p in pages):
-        if runs and runs[-1][0] + runs[-1][1] == p:
-            runs[-1][1] += 1
-        else:
-            runs.append([p, 1])
-    return [(a, n) for a, n in runs]
 
 
 class HistoryRecorder:
@@ -184,13 +174,13 @@ class HistoryRecorder:
     def pages_mapped(self, region, pages) -> None:
         """Pages of `region` were mapped: one `segment_map` per run of consecutive pages."""
         done = [p for p in pages if region.handles[p]]
-        for first, count in _runs(done):
+        for first, count in page_runs(done):
             self._add("segment_map", region.address(first), count * self.page_size)
 
     def pages_unmapped(self, region, pages) -> None:
         """Pages of `region` were unmapped: one `segment_unmap` per run of consecutive pages."""
         done = [p for p in pages if not region.handles[p]]
-        for first, count in _runs(done):
+        for first, count in page_runs(done):
             self._add("segment_unmap", region.address(first), count * self.page_size)
 
     def oom(self, nbytes: int) -> None:
@@ -241,7 +231,7 @@ def segments_from_layout(layout: dict, device: int = 0) -> list[dict]:
         mapped = [i for i, s in enumerate(region["pages"]) if s != "unmapped"]
         blocks = sorted(by_region.get(int(region["index"]), []), key=lambda b: int(b["address"]))
         bi = 0
-        for first, count in _runs(mapped):
+        for first, count in page_runs(mapped):
             start, end = base + first * P, base + (first + count) * P
             tiles, cursor = [], start
             while bi < len(blocks) and int(blocks[bi]["address"]) < end:

@@ -165,8 +165,8 @@ class Region:
         return np.flatnonzero(self.handles).tolist()
 
 
-def _runs(pages: list[int]) -> list[tuple[int, int]]:
-    """Sorted page indices -> (first, count) runs of consecutive pages."""
+def page_runs(pages) -> list[tuple[int, int]]:
+    """Page indices (any order) -> sorted (first, count) runs of consecutive pages."""
     runs: list[tuple[int, int]] = []
     for p in sorted(pages):
         if runs and runs[-1][0] + runs[-1][1] == p:
@@ -239,7 +239,7 @@ class AddressSpace:
                 region.handles[page] = handle
                 self.mapped += 1
                 done.append(page)
-            for first, count in _runs(pages):
+            for first, count in page_runs(pages):
                 self.driver.set_access(region.address(first), count * self.page_size)
         if txn is not None:
             txn.on_rollback(self.unmap, region, list(pages))

@@ -82,6 +82,7 @@ class FaultInjector:
             return target(*args)
 
         call.__name__ = name
+        self.__dict__[name] = call  # found directly from now on: __getattr__ runs once per name
         return call
 
 
