@@ -596,7 +596,7 @@ def main(args) -> int:
     Arguments are checked before any benchmark runs; a bad one raises
     `defrag.cli.UsageError` (one line on stderr, exit code 2).
     """
-    from defrag.cli import UsageError, device_arg, device_label, out_dir_arg
+    from defrag.arguments import UsageError, device_arg, device_label, out_dir_arg
 
     only = [n.strip() for n in (args.only or "").split(",") if n.strip()] or None
     unknown = [n for n in only or () if n not in REGISTRY]

@@ -199,7 +199,7 @@ def main(args) -> int:
 
     A bad one raises `defrag.cli.UsageError` (one line on stderr, exit 2).
     """
-    from .cli import UsageError, capacity_fits, device_arg, out_dir_arg, pool_open_error, size_arg
+    from .arguments import UsageError, capacity_fits, device_arg, out_dir_arg, pool_open_error, size_arg
 
     out = out_dir_arg(args.out)
     if (out / "defrag-demo.png").is_dir():

@@ -56,7 +56,6 @@ from .core import Block, Core, OutOfRoom
 from .driver import Driver, open_driver
 from .oom import OutOfMemoryError
 from .units import format_bytes, parse_size
-from .vmm import AddressSpace
 
 _log = logging.getLogger("defrag")
 _open_pools: "weakref.WeakSet[Pool]" = weakref.WeakSet()
@@ -235,7 +234,8 @@ class Pool:
         if self.kind == "cuda":
             self.core.defer = self._stream_events
         self._mover = _TorchMover(self)
-        self._finalizer = weakref.finalize(self, AddressSpace.release_all, self.core.space)
+        # Holds the address space, not the pool: it runs when the pool is collected or closed idle.
+        self._finalizer = weakref.finalize(self, self.core.space.release_all)
         self._finalizer.atexit = False
         _open_pools.add(self)
 
@@ -726,7 +726,7 @@ class Pool:
             if any(True for _ in self.core.blocks()):
                 self.core.give_back_idle()  # keep what is live; give back the rest now
             return
-        self._finalizer()  # AddressSpace.release_all, exactly once
+        self._finalizer()  # the address space's release_all, exactly once
         self._finalizer = None
 
     # ------------------------------------------------------------------ compaction

@@ -564,7 +564,7 @@ def _goal_line(r: ReplayResult) -> str:
 def _check_real_pool(capacity: int, device) -> None:
     """Open (and close) the pool a real replay will use, so that a device or capacity that cannot work
     is a `defrag.cli.UsageError` before any work, not a traceback half-way."""
-    from .cli import pool_open_error
+    from .arguments import pool_open_error
     from .errors import CudaError
 
     try:
@@ -583,7 +583,7 @@ def main(args) -> int:
     Bad input (arguments, a file that is not a trace) raises `defrag.cli.UsageError`:
     one line on stderr, exit code 2.
     """
-    from .cli import UsageError, device_arg, device_label, out_file_arg, size_arg
+    from .arguments import UsageError, device_arg, device_label, out_file_arg, size_arg
 
     capacity = size_arg(args.capacity, "--capacity", at_least=DEFAULT_PAGE,
                         at_least_what=f"one page ({format_bytes(DEFAULT_PAGE)})")

@@ -148,7 +148,7 @@ def test_the_argument_checks_are_shared():
     # One helper each for sizes, devices and output paths, used by every command.
     for module in ("defrag/demo.py", "defrag/replay.py", "benchmarks/runner.py"):
         text = (README.parent / module).read_text()
-        assert "from .cli import" in text or "from defrag.cli import" in text, module
+        assert "from .arguments import" in text or "from defrag.arguments import" in text, module
         assert "device_arg(" in text and ("out_dir_arg(" in text or "out_file_arg(" in text), module
     assert "parse_size(args." not in (README.parent / "defrag/replay.py").read_text()
 
