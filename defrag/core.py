@@ -698,6 +698,7 @@ class Core:
         for _, b in sorted(self._blocks.items()):
             dtype, shape = getattr(b.info, "dtype", None), getattr(b.info, "shape", None)
             blocks.append({"address": b.address, "size": b.size, "nbytes": b.nbytes, "region": b.region.index,
+                           "kind": getattr(b.info, "kind", None) or "block",
                            "pinned": b.pins > 0, "dtype": str(dtype).replace("torch.", "") if dtype else None,
                            "shape": list(shape) if shape is not None else None,
                            "state": "retired" if b.retired else ("live" if b.counted else "pending-free")})

@@ -109,6 +109,20 @@ class TensorInfo:
     streams: set = field(default_factory=set)  # CUDA streams that used it (record_stream)
     alloc_stream: int = 0
     tensors: list = field(default_factory=list)  # weakrefs to the tensors the pool made ("rebind" mode only)
+    kind: str = "tensor"
+
+
+@dataclass(eq=False)
+class SegmentInfo:
+    """What the torch face keeps on a raw segment handed to PyTorch's allocator (`Pool.alloc_segment`).
+
+    PyTorch sub-allocates tensors inside a segment, so the pool cannot know
+    who uses it: a segment never moves. Its bytes count as allocated.
+    """
+
+    alloc_stream: int = 0
+    streams: set = field(default_factory=set)
+    kind: str = "segment"
 
 
 @dataclass(frozen=True)
@@ -137,6 +151,8 @@ class _TorchMover:
 
     def can_rewrite(self, block: Block) -> str:
         info = block.info
+        if isinstance(info, SegmentInfo):
+            return "a segment of PyTorch's allocator (capture): PyTorch sub-allocates inside it, so it never moves"
         if info is None or info.storage_ref is None or info.storage_ref.expired():
             return "its storage is being released"
         if not self.pool._can_swap and self.pool._rebindable(block) is None:
@@ -234,6 +250,7 @@ class Pool:
         if self.kind == "cuda":
             self.core.defer = self._stream_events
         self._mover = _TorchMover(self)
+        self._segments: dict[int, Block] = {}  # address -> segment handed to PyTorch's allocator
         # Holds the address space, not the pool: it runs when the pool is collected or closed idle.
         self._finalizer = weakref.finalize(self, self.core.space.release_all)
         self._finalizer.atexit = False
@@ -337,6 +354,8 @@ class Pool:
         info = block.info
         if info is None:
             return ""
+        if isinstance(info, SegmentInfo):
+            return "(a segment of PyTorch's allocator)"
         dtype = str(info.dtype).replace("torch.", "") if info.dtype else ""
         return f"{dtype}{list(info.shape) if info.shape is not None else ''}"
 
@@ -454,6 +473,51 @@ class Pool:
             fresh.view(-1)[:old.numel()].copy_(old)
             tensor.set_(fresh.untyped_storage(), 0, shape, tz.contiguous_strides(shape))
         return tensor
+
+    # ------------------------------------------------------------------ raw segments (PyTorch's allocator)
+    def alloc_segment(self, nbytes: int, stream: int = 0) -> int:
+        """Raw device memory for PyTorch's allocator: `nbytes` in pool pages; returns its address.
+
+        Climbs the same ladder as `empty` (empty mapped pages, stitching, then
+        compacting this pool's movable tensors) and raises OutOfMemoryError
+        when nothing helps. Makes no torch allocation: a compaction here only
+        copies with the driver or the numba kernel and swaps storages. The
+        segment belongs to no thread and never moves; `free_segment` gives it
+        back. `stream`: the CUDA stream PyTorch allocates it for.
+        """
+        nbytes = int(nbytes)
+        if nbytes <= 0:
+            raise ValueError(f"a segment needs at least one byte, got {nbytes}")
+        with self.core.gate:
+            self._enter()
+            block = self._allocate(nbytes)
+            block.info = SegmentInfo(alloc_stream=int(stream))
+            block.owner, block.shared = None, True
+            self._segments[block.address] = block
+            if self.core.history is not None:
+                self.core.history.block_allocated(block)
+            return block.address
+
+    def free_segment(self, address: int) -> bool:
+        """Give back a segment from `alloc_segment`; False (and nothing changes) if `address` is not one.
+
+        Works after `close()` too (PyTorch may free its cached segments late).
+        On CUDA the pages are reused only after the segment's streams are done.
+        """
+        with self.core.gate:
+            block = self._segments.pop(int(address), None)
+            if block is None:
+                return False
+            self.core.release(block)
+            self.core.drain()
+            if self.core.closed:
+                self._release_if_idle()
+            return True
+
+    def segments(self) -> list[tuple[int, int]]:
+        """(address, bytes) of every segment handed to PyTorch's allocator and not given back."""
+        with self.core.gate:
+            return sorted((b.address, b.nbytes) for b in self._segments.values())
 
     # ------------------------------------------------------------------ lookup
     def _find(self, tensor: torch.Tensor) -> Block | None:
@@ -687,7 +751,10 @@ class Pool:
         """
         with self.core.gate:
             self.core.drain()
-            return self.core.stats_locked()
+            stats = self.core.stats_locked()
+            stats["segments"] = len(self._segments)
+            stats["segment_bytes"] = sum(b.size for b in self._segments.values())
+            return stats
 
     def check_invariants(self) -> None:
         """Raise AssertionError if any of DESIGN.md's pool invariants is broken (a test aid); see `Core`."""
