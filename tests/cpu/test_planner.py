@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import random
 from contextlib import nullcontext
 
@@ -10,14 +11,20 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+import defrag.planner as planner
 from defrag.planner import (
+    ArrayPlan,
     LiveBlock,
     Move,
     Plan,
     PlanError,
     lower_bound_pages,
+    plan_arrays,
     plan_compaction,
+    plan_hole,
+    plan_hole_arrays,
     touched_pages,
+    validate_arrays,
     validate_plan,
 )
 
@@ -357,22 +364,22 @@ def test_later_waves_reuse_space_vacated_by_earlier_ones():
 # --------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize(
-    "blocks, kwargs",
-    [
-        ([LiveBlock(1, 0, 1024, True), LiveBlock(2, 512, 512, True)], {}),  # overlap
-        ([LiveBlock(1, 256, 512, True)], {}),  # misaligned offset
-        ([LiveBlock(1, 0, 700, True)], {}),  # misaligned size
-        ([LiveBlock(1, 0, 0, True)], {}),  # empty block
-        ([LiveBlock(1, -512, 512, True)], {}),  # before the region
-        ([LiveBlock(1, 16384 - 512, 1024, True)], {}),  # past the span
-        ([LiveBlock(1, 0, 512, True), LiveBlock(1, 1024, 512, True)], {}),  # duplicate key
-        ([], {"page_size": 1000}),  # page not a multiple of the alignment
-        ([], {"span": 4096 * 3 + 512}),  # span not a multiple of the page
-        ([], {"alignment": 0}),
-        ([], {"max_new_pages": -1}),
-    ],
-)
+BAD_INPUTS = [
+    ([LiveBlock(1, 0, 1024, True), LiveBlock(2, 512, 512, True)], {}),  # overlap
+    ([LiveBlock(1, 256, 512, True)], {}),  # misaligned offset
+    ([LiveBlock(1, 0, 700, True)], {}),  # misaligned size
+    ([LiveBlock(1, 0, 0, True)], {}),  # empty block
+    ([LiveBlock(1, -512, 512, True)], {}),  # before the region
+    ([LiveBlock(1, 16384 - 512, 1024, True)], {}),  # past the span
+    ([LiveBlock(1, 0, 512, True), LiveBlock(1, 1024, 512, True)], {}),  # duplicate key
+    ([], {"page_size": 1000}),  # page not a multiple of the alignment
+    ([], {"span": 4096 * 3 + 512}),  # span not a multiple of the page
+    ([], {"alignment": 0}),
+    ([], {"max_new_pages": -1}),
+]
+
+
+@pytest.mark.parametrize("blocks, kwargs", BAD_INPUTS)
 def test_bad_input_raises_plan_error(blocks, kwargs):
     args = {"page_size": 4096, "span": 16384, **kwargs}
     with pytest.raises(PlanError):
@@ -421,29 +428,29 @@ def test_validate_accepts_a_safe_hand_written_plan():
     validate_plan(BLOCKS, plan_of([("c", 3072)], [("d", PAGE)]), span=SPAN)
 
 
-@pytest.mark.parametrize(
-    "plan, why",
-    [
-        (plan_of([("pin", 3072)]), "pinned block moves"),
-        (plan_of([("c", 3072)], [("c", PAGE + 2048)]), "block moves twice"),
-        (plan_of([("c", 3072), ("d", 3072)]), "two destinations overlap"),
-        (plan_of([("c", 2048)]), "lands on a pinned block"),
-        (plan_of([("d", PAGE)]), "lands on a block that never moves"),
-        (plan_of([("d", PAGE)], [("c", 3072)]), "lands on a block that moves only later"),
-        (plan_of([("c", 3072), ("d", PAGE)]), "destination overlaps a source of the same wave"),
-        (plan_of([("c", PAGE + 512)]), "overlaps its own source"),
-        (plan_of([("c", 3072 + 256)]), "misaligned destination"),
-        (plan_of([("big", 5 * PAGE + 512)]), "large block off a page boundary"),
-        (plan_of([("d", SPAN - 512)]), "past the span"),
-        (plan_of([("c", -1024)]), "before the region"),
-        (plan_of([("c", 3072)], []), "empty wave"),
-        (plan_of([("c", 3072)], after=4), "wrong pages_after"),
-        (plan_of([("c", 3072)], moved=0), "wrong moved_bytes"),
-        (Plan(((Move("zzz", 0, 3072, 1024),),), PAGE, 4, 4, 1024), "unknown block"),
-        (Plan(((Move("c", PAGE, 3072, 512),),), PAGE, 4, 3, 512), "wrong size"),
-        (Plan(((Move("c", 0, 3072, 1024),),), PAGE, 4, 3, 1024), "wrong source"),
-    ],
-)
+UNSAFE_PLANS = [
+    (plan_of([("pin", 3072)]), "pinned block moves"),
+    (plan_of([("c", 3072)], [("c", PAGE + 2048)]), "block moves twice"),
+    (plan_of([("c", 3072), ("d", 3072)]), "two destinations overlap"),
+    (plan_of([("c", 2048)]), "lands on a pinned block"),
+    (plan_of([("d", PAGE)]), "lands on a block that never moves"),
+    (plan_of([("d", PAGE)], [("c", 3072)]), "lands on a block that moves only later"),
+    (plan_of([("c", 3072), ("d", PAGE)]), "destination overlaps a source of the same wave"),
+    (plan_of([("c", PAGE + 512)]), "overlaps its own source"),
+    (plan_of([("c", 3072 + 256)]), "misaligned destination"),
+    (plan_of([("big", 5 * PAGE + 512)]), "large block off a page boundary"),
+    (plan_of([("d", SPAN - 512)]), "past the span"),
+    (plan_of([("c", -1024)]), "before the region"),
+    (plan_of([("c", 3072)], []), "empty wave"),
+    (plan_of([("c", 3072)], after=4), "wrong pages_after"),
+    (plan_of([("c", 3072)], moved=0), "wrong moved_bytes"),
+    (Plan(((Move("zzz", 0, 3072, 1024),),), PAGE, 4, 4, 1024), "unknown block"),
+    (Plan(((Move("c", PAGE, 3072, 512),),), PAGE, 4, 3, 512), "wrong size"),
+    (Plan(((Move("c", 0, 3072, 1024),),), PAGE, 4, 3, 1024), "wrong source"),
+]
+
+
+@pytest.mark.parametrize("plan, why", UNSAFE_PLANS)
 def test_validate_rejects_unsafe_plans(plan, why):
     with pytest.raises(PlanError):
         validate_plan(BLOCKS, plan, span=SPAN)
@@ -473,8 +480,6 @@ def test_lower_bound_counts_forced_pages_and_live_bytes():
 
 
 def test_plan_hole_merges_two_free_ranges_with_one_move():
-    from defrag.planner import plan_hole
-
     page = 64 * 1024
     # One page: blocks of 1 KiB everywhere except two 1 KiB holes around the block at 2 KiB,
     # and a 1 KiB hole at the end where that block can go.
@@ -490,3 +495,301 @@ def test_plan_hole_merges_two_free_ranges_with_one_move():
     pinned = [LiveBlock(b.key, b.offset, b.size, b.offset != 2048) for b in blocks]
     assert plan_hole(pinned, free, 3072, page_size=page, span=page) is None
     assert plan_hole(blocks, free, 3584, page_size=page, span=page) is None
+
+
+# --------------------------------------------------------------------------
+# The array form: plan_arrays / ArrayPlan / validate_arrays / plan_hole_arrays
+# --------------------------------------------------------------------------
+
+
+def arrays_of(blocks: list[LiveBlock]) -> tuple[list, np.ndarray, np.ndarray, np.ndarray]:
+    """Keys and the parallel arrays of ``blocks`` (index i = blocks[i])."""
+    return (
+        [b.key for b in blocks],
+        np.array([b.offset for b in blocks], np.int64),
+        np.array([b.size for b in blocks], np.int64),
+        np.array([b.movable for b in blocks], bool),
+    )
+
+
+def check_arrays(off: np.ndarray, size: np.ndarray, movable: np.ndarray, plan: ArrayPlan, span: int) -> None:
+    """What every planner-made ArrayPlan promises, checked independently of validate_arrays."""
+    validate_arrays(off, size, movable, plan, span=span)
+    n = len(plan)
+    for name in ("index", "src", "dst", "size", "wave"):
+        a = getattr(plan, name)
+        assert a.dtype == np.int64 and a.shape == (n,) and not a.flags.writeable
+    assert plan.empty == (n == 0) and plan.moved_bytes == int(plan.size.sum())
+    assert len(set(plan.index.tolist())) == n
+    assert np.array_equal(plan.src, off[plan.index]) and np.array_equal(plan.size, size[plan.index])
+    assert movable[plan.index].all() and (plan.size < plan.page_size).all()
+    # Sorted by wave, then destination; waves 1..waves, none empty.
+    assert np.array_equal(np.lexsort((plan.dst, plan.wave)), np.arange(n))
+    assert sorted(set(plan.wave.tolist())) == list(range(1, plan.waves + 1))
+    slices = plan.wave_slices()
+    assert len(slices) == plan.waves and (not slices or (slices[0][0], slices[-1][1]) == (0, n))
+    for w, (a, b) in enumerate(slices, start=1):
+        assert b > a and (plan.wave[a:b] == w).all()
+        # Within a wave no destination overlaps a source or another destination.
+        d, e = plan.dst[a:b], plan.dst[a:b] + plan.size[a:b]
+        assert (d[1:] >= e[:-1]).all()
+        o = np.argsort(plan.src[a:b])
+        s, se = plan.src[a:b][o], plan.src[a:b][o] + plan.size[a:b][o]
+        first = np.searchsorted(se, d, side="right")  # first source ending after each destination starts
+        assert not (s[np.minimum(first, s.size - 1)] < e)[first < s.size].any()
+
+
+params_with_budget = layout_params.flatmap(
+    lambda p: st.sampled_from([None, 0, 1, 3]).map(lambda mnp: (p, mnp))
+)
+
+
+@SETTINGS
+@given(params_with_budget, st.randoms(use_true_random=False))
+def test_array_plan_is_the_object_plan(pm, rnd):
+    params, max_new_pages = pm
+    blocks, span = make_layout(**params)
+    page = params["page"]
+    keys, off, size, movable = arrays_of(blocks)
+    arrays = plan_arrays(off, size, movable, page_size=page, span=span, max_new_pages=max_new_pages)
+    plan = plan_compaction(blocks, page_size=page, span=span, max_new_pages=max_new_pages)
+    assert arrays.to_plan(keys) == plan
+    assert (len(arrays), arrays.waves, arrays.empty) == (len(plan.moves), len(plan.waves), plan.empty)
+    assert [b - a for a, b in arrays.wave_slices()] == [len(w) for w in plan.waves]
+    assert arrays.pages_lower_bound == plan.pages_lower_bound == lower_bound_pages(blocks, page_size=page)
+    check_arrays(off, size, movable, arrays, span)
+    validate_plan(blocks, arrays, span=span)
+    # Input order does not matter: the keys follow their blocks.
+    perm = np.array(rnd.sample(range(len(blocks)), len(blocks)), np.int64)
+    shuffled = plan_arrays(off[perm], size[perm], movable[perm], page_size=page, span=span,
+                           max_new_pages=max_new_pages)
+    assert np.array_equal(perm[shuffled.index], arrays.index)
+    assert dataclasses.replace(shuffled, index=arrays.index) == arrays
+
+
+@SETTINGS
+@given(params_with_budget)
+def test_page_tables_and_binary_search_make_the_same_plan(pm):
+    # Regions much sparser than their blocks use binary search instead of
+    # per-page tables; force that path and compare.
+    params, max_new_pages = pm
+    blocks, span = make_layout(**params)
+    _, off, size, movable = arrays_of(blocks)
+    args = dict(page_size=params["page"], span=span, max_new_pages=max_new_pages)
+    expect = plan_arrays(off, size, movable, **args)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(planner, "_TABLE_RATIO", 0)
+        mp.setattr(planner, "_TABLE_MIN", 0)
+        assert plan_arrays(off, size, movable, **args) == expect
+
+
+def test_arrays_plan_a_sparse_region_without_page_tables():
+    page = 4096
+    span = page << 30  # 4 TiB, 2^30 pages: too many for a page table
+    blocks = [LiveBlock(i, (i * 7919 % 4096) * (page << 16) + 512 * (i % 4), 512, True) for i in range(64)]
+    blocks += [LiveBlock(("x", i), i * page, 1024, True) for i in range(1, 9)]
+    keys, off, size, movable = arrays_of(blocks)
+    plan = plan_arrays(off, size, movable, page_size=page, span=span)
+    check_arrays(off, size, movable, plan, span)
+    assert plan.pages_after < plan.pages_before
+    assert plan.to_plan(keys) == plan_compaction(blocks, page_size=page, span=span)
+
+
+def _digest(plan: ArrayPlan) -> tuple:
+    rows = np.stack([plan.index, plan.src, plan.dst, plan.size, plan.wave], axis=1)
+    return (plan.pages_before, plan.pages_after, plan.moved_bytes, len(plan), plan.waves,
+            hashlib.sha256(np.ascontiguousarray(rows, np.int64).tobytes()).hexdigest()[:16])
+
+
+#: Plans of the planner before it worked on arrays (the object planner of
+#: issue 12), on fixed layouts: (pages before, after, bytes moved, moves,
+#: waves, sha256 of the (index, src, dst, size, wave) rows). The array
+#: planner must make exactly these plans.
+OLD_PLANS = [
+    (("layout", 0, "coarse"), None, (25, 13, 107008, 13, 2, "e0920fa9b63a60dc")),
+    (("layout", 0, "coarse"), 0, (25, 13, 151040, 16, 2, "de286c2b00f963c8")),
+    (("layout", 1, "mixed"), None, (25, 16, 65024, 21, 1, "9862c322215782d6")),
+    (("layout", 1, "mixed"), 0, (25, 16, 65024, 21, 2, "af7e789e7f71123c")),
+    (("layout", 2, "small"), None, (30, 12, 87040, 39, 2, "ff72d1303bdc364b")),
+    (("layout", 2, "small"), 0, (30, 12, 87040, 39, 2, "61cf87964a226b10")),
+    (("layout", 3, "divisor"), None, (24, 13, 65536, 16, 1, "f5debeecbcf21ad6")),
+    (("layout", 3, "divisor"), 0, (24, 13, 65536, 16, 1, "f5debeecbcf21ad6")),
+    (("layout", 4, "tiny"), None, (19, 7, 39424, 52, 1, "dced387932ec066f")),
+    (("layout", 4, "tiny"), 0, (19, 7, 39424, 52, 1, "dced387932ec066f")),
+    (("bench", 3000, 0), None, (890, 585, 352004096, 2020, 2, "04ba5ab1e0c19343")),
+    (("bench", 3000, 0), 0, (890, 582, 322061312, 1898, 4, "a4aeec5c79025fc2")),
+    (("bench", 20000, 1), None, (5389, 3393, 2600371200, 14126, 2, "2c9f8afc026a7b01")),
+    (("bench", 20000, 1), 0, (5389, 3377, 2289344512, 12857, 4, "97c11dc67fa6b97f")),
+]
+
+
+@pytest.mark.parametrize("case, max_new_pages, expect", OLD_PLANS)
+def test_array_planner_makes_the_old_planners_plans(case, max_new_pages, expect):
+    if case[0] == "layout":
+        _, seed, style = case
+        page = 16384
+        blocks, span = make_layout(seed, page=page, pages=40, style=style, keep=0.5, pinned=0.05, large=0.05, tail=3)
+        keys, off, size, movable = arrays_of(blocks)
+    else:
+        from defrag.benchmarks.bench_planner import PAGE as page, fragmented_arrays
+
+        _, n, seed = case
+        keys, off, size, movable, span = fragmented_arrays(n, seed)
+    plan = plan_arrays(off, size, movable, page_size=page, span=span, max_new_pages=max_new_pages)
+    check_arrays(off, size, movable, plan, span)
+    assert _digest(plan) == expect
+
+
+# ArrayPlan and validate_arrays
+
+
+def arrays_plan_of(plan: Plan, blocks=BLOCKS) -> ArrayPlan:
+    """``plan`` in array form (unknown keys get index 99)."""
+    pos = {b.key: i for i, b in enumerate(blocks)}
+    rows = [(pos.get(m.key, 99), m.src, m.dst, m.size, w) for w, wave in enumerate(plan.waves, 1) for m in wave]
+    a = np.array(rows, np.int64).reshape(-1, 5).T
+    return ArrayPlan(*a, plan.page_size, plan.pages_before, plan.pages_after, plan.moved_bytes)
+
+
+def test_validate_arrays_accepts_a_safe_hand_written_plan():
+    plan = arrays_plan_of(plan_of([("c", 3072)], [("d", PAGE)]))
+    _, off, size, movable = arrays_of(BLOCKS)
+    validate_arrays(off, size, movable, plan, span=SPAN)
+    validate_plan(BLOCKS, plan, span=SPAN)
+    assert plan.wave_slices() == [(0, 1), (1, 2)] and plan.waves == 2 and len(plan) == 2
+    assert plan.to_plan([b.key for b in BLOCKS]) == plan_of([("c", 3072)], [("d", PAGE)])
+
+
+def _unsafe_array_plans():
+    for plan, why in UNSAFE_PLANS:
+        if why != "empty wave":  # an array plan has no way to spell an empty last wave
+            yield pytest.param(arrays_plan_of(plan), None, id=why)
+    good = arrays_plan_of(plan_of([("c", 3072)], [("d", PAGE)]))
+    yield pytest.param(dataclasses.replace(good, wave=np.array([2, 1])), "wave order", id="waves out of order")
+    yield pytest.param(dataclasses.replace(good, wave=np.array([2, 2])), "wave 1 is empty", id="wave 1 empty")
+    yield pytest.param(dataclasses.replace(good, wave=np.array([1, 3])), "wave 2 is empty", id="wave 2 empty")
+    yield pytest.param(dataclasses.replace(good, index=np.array([3, -1])), "unknown block", id="negative index")
+    yield pytest.param(dataclasses.replace(good, index=np.array([3, 3])), "moves twice", id="index repeats")
+
+
+@pytest.mark.parametrize("plan, match", list(_unsafe_array_plans()))
+def test_validate_arrays_rejects_unsafe_plans(plan, match):
+    _, off, size, movable = arrays_of(BLOCKS)
+    with pytest.raises(PlanError, match=match):
+        validate_arrays(off, size, movable, plan, span=SPAN)
+    with pytest.raises(PlanError, match=match):
+        validate_plan(BLOCKS, plan, span=SPAN)
+
+
+def test_array_plan_values():
+    e = np.empty(0, np.int64)
+    empty = ArrayPlan(e, e, e, e, e, 4096, 3, 3, 0)
+    assert empty.empty and not empty and empty.waves == 0 and empty.wave_slices() == [] and empty.pages_freed == 0
+    assert empty.to_plan() == Plan((), 4096, 3, 3, 0)
+    one = ArrayPlan([0], [4096], [0], [512], [1], 4096, 2, 1, 512, 1)
+    assert one == ArrayPlan(np.array([0]), [4096], [0], [512], [1], 4096, 2, 1, 512, 1) != empty
+    assert one.to_plan(["k"]) == Plan(((Move("k", 4096, 0, 512),),), 4096, 2, 1, 512, 1)
+    assert one.to_plan().moves == (Move(0, 4096, 0, 512),)
+    with pytest.raises(ValueError):
+        one.dst[0] = 512  # read-only
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        one.pages_after = 0  # type: ignore[misc]
+    with pytest.raises(PlanError):
+        ArrayPlan([0, 1], [0], [0], [512], [1], 4096, 1, 1, 512)  # lengths differ
+    with pytest.raises(PlanError):
+        ArrayPlan([0], [0.5], [0], [512], [1], 4096, 1, 1, 512)  # not integers
+
+
+@pytest.mark.parametrize(
+    "blocks, kwargs",
+    [c for c in BAD_INPUTS if len({b.key for b in c[0]}) == len(c[0])],  # arrays have no duplicate keys
+)
+def test_bad_array_input_raises_plan_error(blocks, kwargs):
+    _, off, size, movable = arrays_of(blocks)
+    with pytest.raises(PlanError):
+        plan_arrays(off, size, movable, **{"page_size": 4096, "span": 16384, **kwargs})
+
+
+@pytest.mark.parametrize(
+    "arrays",
+    [
+        ([0, 512], [512], [True, True]),  # lengths differ
+        ([0.0], [512], [True]),  # offsets not integers
+        ([[0]], [[512]], [[True]]),  # not 1-d
+        ([0], [512], [0.5]),  # movable not booleans
+    ],
+)
+def test_malformed_arrays_raise_plan_error(arrays):
+    with pytest.raises(PlanError):
+        plan_arrays(*(np.array(a) for a in arrays), page_size=4096, span=16384)
+
+
+# plan_hole in both forms
+
+
+def reference_plan_hole(blocks, free, size, page):
+    """The hole planner of issue 12 as one loop (key, src, dst) or None, plus:
+    a block of a page or more needs a free range starting on a page boundary."""
+    by_offset = {b.offset: b for b in blocks}
+    best = None
+    for (a_off, a_sz), (b_off, b_sz) in zip(free, free[1:]):
+        blk = by_offset.get(a_off + a_sz)
+        if blk is None or not blk.movable or a_off + a_sz + blk.size != b_off or a_sz + blk.size + b_sz < size:
+            continue
+        if best is not None and blk.size >= best[0]:
+            continue
+        fits = sorted((sz, o) for o, sz in free if sz >= blk.size and o not in (a_off, b_off)
+                      and (blk.size < page or o % page == 0))
+        if fits:
+            best = (blk.size, blk, fits[0][1])
+    return None if best is None else (best[1].key, best[1].offset, best[2])
+
+
+def free_ranges(blocks, span):
+    out, pos = [], 0
+    for b in sorted(blocks, key=lambda b: b.offset):
+        if b.offset > pos:
+            out.append((pos, b.offset - pos))
+        pos = b.offset + b.size
+    return out + ([(pos, span - pos)] if pos < span else [])
+
+
+@SETTINGS
+@given(layout_params, st.sampled_from([512, 1024, 2048, 4096, 8192, 32768]))
+def test_plan_hole_forms_agree_with_the_reference(params, size):
+    params = {**params, "tail": 0, "keep": max(params["keep"], 0.3)}
+    blocks, span = make_layout(**params)
+    page = params["page"]
+    free = free_ranges(blocks, span)
+    plan = plan_hole(blocks, free, size, page_size=page, span=span)
+    expect = reference_plan_hole(blocks, free, size, page)
+    keys, off, sz, movable = arrays_of(blocks)
+    fo = np.array([o for o, _ in free], np.int64)
+    fs = np.array([s for _, s in free], np.int64)
+    arrays = plan_hole_arrays(off, sz, movable, fo, fs, size, page_size=page, span=span)
+    if expect is None:
+        assert plan is None and arrays is None
+        return
+    (m,) = plan.moves
+    assert (m.key, m.src, m.dst) == expect and len(plan.waves) == 1
+    assert arrays.to_plan(keys) == plan
+    validate_plan(blocks, plan, span=span)  # pages_after may exceed pages_before: the free range may be on a new page
+    execute(blocks, plan, span, mode="wave")
+    validate_arrays(off, sz, movable, arrays, span=span)
+
+
+def test_plan_hole_moves_a_large_block_only_to_a_page_boundary():
+    page = 4096
+    big = LiveBlock("big", page + 1024, page, True)  # between [page, +1024) and [2 * page + 1024, +1024)
+    blocks = [LiveBlock("a", 0, page, False), big, LiveBlock("b", 2 * page + 2048, 2048, False),
+              LiveBlock("c", 3 * page + 512, 512, False)]
+    # Free: [page, +1024), [2 * page + 1024, +1024), [3 * page, +512), [3 * page + 1024, ...)
+    free = free_ranges(blocks, 8 * page)
+    assert free[3] == (3 * page + 1024, 5 * page - 1024)
+    # The best-fitting free range [3 * page + 1024, ...) holds the block but not
+    # on a page boundary: no plan (the planner of issue 12 raised PlanError).
+    assert plan_hole(blocks, free, 3 * 1024, page_size=page, span=8 * page) is None
+    # With a free page boundary at 4 * page it goes there.
+    free = free[:3] + [(3 * page + 1024, page - 1024), (4 * page, 4 * page)]
+    plan = plan_hole(blocks, free, 3 * 1024, page_size=page, span=8 * page)
+    assert plan.moves == (Move("big", page + 1024, 4 * page, page),)
