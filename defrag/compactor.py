@@ -59,7 +59,7 @@ import numpy as np
 
 from .core import Core, NoSpace, Scope
 from .errors import CompactionError, CudaError
-from .planner import LiveBlock, Plan, plan_compaction, plan_hole
+from .planner import ArrayPlan, plan_arrays, plan_hole_arrays
 from .units import format_bytes
 from .vmm import Transaction
 
@@ -200,25 +200,28 @@ def compact_core(core: Core, mover: Mover, *, verify: bool = False, progress: bo
     with _Timer(phases, "plan"):
         plans = []
         for region in core.regions:
-            blocks, held = _collect(core, mover, region, scope)
-            if held and hole_for is not None:
-                plan = _hole_plan(core, region, blocks, hole_for)
+            layout = _collect(core, mover, region, scope)
+            if not layout.held:
+                continue
+            if hole_for is not None:
+                plan = _hole_plan(core, region, layout, hole_for)
                 if plan is not None:
-                    plans.append((region, plan, held))
+                    plans.append((region, plan, layout))
                     break  # one hole is all the request needs
-            elif held:
+            else:
                 # Destinations on pages no live block touches are backed by the
                 # pool's empty mapped pages (in place, or unmapped and remapped),
                 # so an explicit compaction never raises the number of mapped
                 # pages. A rescue may also use cached or creatable pages: the
                 # request it serves is about to need every free page anyway.
                 budget = core.empty_page_count() + (core.space.store.available if automatic else 0)
-                plan = plan_compaction(blocks, page_size=core.page_size, span=region.size, max_new_pages=budget)
+                plan = plan_arrays(layout.offsets, layout.sizes, layout.movable, page_size=core.page_size,
+                                   span=region.size, max_new_pages=budget)
                 if not plan.empty:
-                    plans.append((region, plan, held))
+                    plans.append((region, plan, layout))
 
     total_bytes = sum(p.moved_bytes for _, p, _ in plans)
-    total_moves = sum(len(p.moves) for _, p, _ in plans)
+    total_moves = sum(len(p) for _, p, _ in plans)
     bar = None
     if progress or (progress is None and (total_bytes > PROGRESS_BYTES or total_moves > PROGRESS_MOVES)):
         from tqdm.auto import tqdm
@@ -226,16 +229,16 @@ def compact_core(core: Core, mover: Mover, *, verify: bool = False, progress: bo
         bar = tqdm(total=total_bytes, unit="B", unit_scale=True, unit_divisor=1024, desc="defrag compact",
                    leave=bool(progress))
     try:
-        for region, plan, held in plans:
-            for wave in plan.waves:
-                _run_wave(core, mover, region, wave, held, engine, verify, report)
+        for region, plan, layout in plans:
+            for a, b in plan.wave_slices():
+                _run_wave(core, mover, region, plan, a, b, layout, engine, verify, report)
                 report.waves += 1
                 if bar is not None:
-                    bar.update(sum(m.size for m in wave))
-            held.clear()
+                    bar.update(int(plan.size[a:b].sum()))
+            layout.held.clear()
     finally:
-        for _, _, held in plans:
-            held.clear()  # strong references to the owners end here, error or not
+        for _, _, layout in plans:
+            layout.held.clear()  # strong references to the owners end here, error or not
         if bar is not None:
             bar.close()
         # Release the pages the moves emptied, even after a failed wave: earlier
@@ -272,82 +275,107 @@ def compact_core(core: Core, mover: Mover, *, verify: bool = False, progress: bo
     return report
 
 
-def _hole_plan(core: Core, region, blocks: list[LiveBlock], size: int) -> Plan | None:
-    """`defrag.planner.plan_hole` over this region's free ranges."""
-    free = [(off - region.base, sz) for off, sz in core.heap(region).free_ranges()]
-    return plan_hole(blocks, free, size, page_size=core.page_size, span=region.size)
+def _hole_plan(core: Core, region, layout: "_Layout", size: int) -> ArrayPlan | None:
+    """`defrag.planner.plan_hole_arrays` over this region's free ranges."""
+    free = core.heap(region).free_ranges()
+    free_off = np.fromiter((off - region.base for off, _ in free), dtype=np.int64, count=len(free))
+    free_size = np.fromiter((sz for _, sz in free), dtype=np.int64, count=len(free))
+    return plan_hole_arrays(layout.offsets, layout.sizes, layout.movable, free_off, free_size, size,
+                            page_size=core.page_size, span=region.size)
 
 
-def _collect(core: Core, mover: Mover, region, scope: Scope) -> tuple[list[LiveBlock], dict]:
+@dataclass
+class _Layout:
+    """One region's blocks as the planner takes them (arrays, in `blocks` order), and the face's holds."""
+
+    blocks: list
+    offsets: np.ndarray
+    sizes: np.ndarray
+    movable: np.ndarray
+    held: dict  # block address -> the face's hold (movable blocks only)
+
+
+def _collect(core: Core, mover: Mover, region, scope: Scope) -> _Layout:
     """The region's blocks for the planner, and the face's hold on each movable one.
 
     A block the face cannot hold now is passed to the planner as unmovable.
     """
-    blocks, held = [], {}
+    blocks, movable, held = [], [], {}
     for block in core.blocks():
         if block.region is not region:
             continue
-        movable, _ = core.movable(block, scope, mover.can_rewrite)
-        if movable:
+        ok, _ = core.movable(block, scope, mover.can_rewrite)
+        if ok:
             grip = mover.hold(block)
             if grip is None:
-                movable = False
+                ok = False
             else:
                 held[block.address] = grip
-        blocks.append(LiveBlock(block.address, block.address - region.base, block.size, movable))
-    return blocks, held
+        blocks.append(block)
+        movable.append(ok)
+    n = len(blocks)
+    offsets = np.fromiter((b.address - region.base for b in blocks), dtype=np.int64, count=n)
+    sizes = np.fromiter((b.size for b in blocks), dtype=np.int64, count=n)
+    return _Layout(blocks, offsets, sizes, np.array(movable, dtype=bool), held)
 
 
-def _run_wave(core: Core, mover: Mover, region, wave, held, engine, verify, report) -> None:
-    """One wave: prepare, copy, (verify), commit, release. All-or-nothing before the commit."""
+def _run_wave(core: Core, mover: Mover, region, plan: ArrayPlan, a: int, b: int, layout: _Layout, engine, verify,
+              report) -> None:
+    """Moves [a, b) of `plan` (one wave): prepare, copy, (verify), commit, release. All-or-nothing before the commit."""
     phases = report.phases
     heap = core.heap(region)
     P = core.page_size
-    dests = []  # (move, old Block, new Block, the face's destination)
+    olds = [layout.blocks[i] for i in plan.index[a:b].tolist()]
+    dsts = (plan.dst[a:b] + region.base).tolist()
+    held = layout.held
+    dests = []  # (old Block, new Block, the face's destination)
     with Transaction() as txn:
         # 1. prepare: map destination pages, carve destination ranges, make the face's destinations.
         with _Timer(phases, "prepare"):
-            dest_pages = {p for m in wave for p in range(m.dst // P, (m.dst + m.size - 1) // P + 1)}
+            first = (plan.dst[a:b] // P).tolist()
+            last = ((plan.dst[a:b] + plan.size[a:b] - 1) // P).tolist()
+            dest_pages = {p for f, l in zip(first, last) for p in range(f, l + 1)}
             to_map = sorted(p for p in dest_pages if not region.handles[p])
             _make_physical_room(core, region, dest_pages, len(to_map))
             core.map_pages(region, to_map, txn)
-            for move in wave:
-                old = core.block_at(move.key)
-                address = heap.allocate_at(region.base + move.dst, old.size)
+            for old, dst in zip(olds, dsts):
+                address = heap.allocate_at(dst, old.size)
                 new = core.carve(region, address, old.size, old.nbytes, counted=False)
                 txn.on_rollback(core.free, new)
                 # Retired until the commit: not live, not counted. If the wave is
                 # abandoned the face's destination goes, and with it `new`.
                 new.retired = True
-                dests.append((move, old, new, mover.destination(new)))
+                dests.append((old, new, mover.destination(new)))
             txn.on_rollback(dests.clear)
 
         # 2. copy, then wait for it; 2b. verify.
+        moves = [(old.address, new.address, old.size) for old, new, _ in dests]
         with _Timer(phases, "copy"):
             # Whole blocks (512-byte multiples): 16-byte aligned for the kernel, and
             # the rounding stays inside each block.
-            _copy(core, mover, engine, [(old.address, new.address, old.size) for _, old, new, _ in dests])
+            _copy(core, mover, engine, moves)
             core.driver.synchronize()
         if verify:
             with _Timer(phases, "verify"):
-                _verify(core, mover, engine, [(old.address, new.address, old.size) for _, old, new, _ in dests])
+                _verify(core, mover, engine, moves)
 
         # Everything the commit needs, checked before the first commit.
-        for move, old, new, dest in dests:
-            if not mover.check(old, held[move.key], dest):
+        for old, new, dest in dests:
+            if not mover.check(old, held[old.address], dest):
                 raise CompactionError(f"block at {old.address:#x} changed during compaction; nothing was moved")
         txn.commit()
 
     # 3. commit: cannot fail (the face only exchanges fields).
     with _Timer(phases, "swap"):
-        for move, old, new, dest in dests:
+        history = core.history
+        for old, new, dest in dests:
             new.retired, new.counted = False, True
             old.counted = False
             new.pins, new.owner, new.shared, new.info = old.pins, old.owner, old.shared, old.info
             old.retired = True
-            mover.commit(old, new, held.pop(move.key), dest)
-            if core.history is not None:
-                core.history.block_moved(old, new)
+            mover.commit(old, new, held.pop(old.address), dest)
+            if history is not None:
+                history.block_moved(old, new)
             report.moved_tensors += 1
             report.moved_bytes += old.nbytes
         # Loop variables would keep the last destination (and its old range) alive.
@@ -485,7 +513,7 @@ def rescue(core: Core, mover: Mover, nbytes: int, tried: list[str], callbacks=()
     if size >= core.page_size:
         return None
     # Every page is needed, but the free bytes are split: merge two holes.
-    if not any(_hole_plan(core, region, _collect(core, mover, region, scope)[0], size) for region in core.regions):
+    if not any(_hole_plan(core, region, _collect(core, mover, region, scope), size) for region in core.regions):
         tried.append("no single move merges free ranges into a large enough hole")
         return None
     try:

@@ -595,6 +595,8 @@ class Core:
             return False, "pinned"
         if block.retired:
             return False, "retired (awaiting release)"
+        if block.pending:
+            return False, "released, waiting for the device to finish with it"
         reason = self.thread_reason(block, scope)
         if reason:
             return False, reason
