@@ -113,18 +113,10 @@ def imported_from(names=("defrag", "defrag.kernels", "defrag.benchmarks")) -> di
 
 
 def preload_libnvvm(path: str | None = None) -> str | None:
-    """Load the libNVVM named by `path` (default: $DEFRAG_LIBNVVM) before numba does; returns its path.
+    """`defrag.kernels.arena.preload_libnvvm`, once this checkout is importable (see the module doc)."""
+    from defrag.kernels.arena import preload_libnvvm as preload
 
-    Call it before anything compiles a numba CUDA kernel. A no-op when
-    neither names a library. Raises OSError when the file cannot be loaded.
-    """
-    import ctypes
-
-    path = path or os.environ.get("DEFRAG_LIBNVVM") or None
-    if not path:
-        return None
-    ctypes.CDLL(path, mode=getattr(os, "RTLD_NOW", 2) | getattr(os, "RTLD_GLOBAL", 0x100))
-    return path
+    return preload(path)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import os
 
 import numpy as np
 
@@ -20,9 +21,27 @@ class KernelUnavailableError(RuntimeError):
     """Raised when a kernel is called but neither a CUDA GPU nor the simulator is usable."""
 
 
+def preload_libnvvm(path: str | None = None) -> str | None:
+    """Load the libNVVM named by `path` (default: $DEFRAG_LIBNVVM) before numba does; returns its path.
+
+    cuda.pathfinder, which numba-cuda uses, takes a libNVVM that is already
+    loaded before searching site-packages, the loader path and CUDA_HOME: so
+    this is how to make numba use the libNVVM of a toolkit no newer than the
+    driver (a newer one emits PTX the driver rejects). A no-op when neither
+    names a library; OSError when the file cannot be loaded. Called before
+    the first kernel compiles.
+    """
+    path = path or os.environ.get("DEFRAG_LIBNVVM") or None
+    if not path:
+        return None
+    ctypes.CDLL(path, mode=getattr(os, "RTLD_NOW", 2) | getattr(os, "RTLD_GLOBAL", 0x100))
+    return path
+
+
 @functools.lru_cache(maxsize=None)
 def _probe() -> tuple[bool, str]:
     """Return ``(is_simulator, why_unavailable)``; ``why_unavailable`` is "" when usable."""
+    preload_libnvvm()
     from numba import cuda
 
     if cuda.config.ENABLE_CUDASIM:
