@@ -175,7 +175,7 @@ def bench_threads(device: str, smoke: bool) -> list[dict]:
             "ooms": r["ooms"],
             "byte_errors": len(r["errors"]),
             "goal": "no byte error, no crash",
-            "met": not r["errors"],
+            "goal_met": not r["errors"],
         })
     return rows
 

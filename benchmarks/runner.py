@@ -73,6 +73,10 @@ REGISTRY: dict[str, Benchmark] = {b.name: b for b in [
     Benchmark("rescue", "bench_rescue:bench_rescue",
               "automatic trigger on random adversarial traces: OOMs that compaction could make room for "
               "(live + request <= capacity - pinned pages), and how many it rescued"),
+    Benchmark("threads", "bench_threads:bench_threads",
+              "several threads allocate (empty, full, zeros), write and re-check every element of their tensors "
+              "while automatic and explicit compactions run: operations, compactions and moved tensors per second "
+              "(goal: no byte error, no crash)"),
     Benchmark("workloads", "bench_workloads:bench_workloads",
               "trace replays with compaction on/off (and PyTorch's allocator on a GPU): peak live, peak reserved, "
               "OOMs (goal: peak reserved <= 1.02x peak live + one page)",

@@ -16,6 +16,20 @@ def _version(dist: str) -> str:
         return "not installed"
 
 
+def _swap_line(tensors) -> str:
+    """How this torch moves a storage with its views (builds the storage-swap extension once if needed)."""
+    mode = tensors.swap_mode()
+    if mode == "native":
+        return "UntypedStorage._swap_data_ptr_ -> compaction can move every pool tensor, views follow"
+    if mode == "extension":
+        return ("defrag's storage-swap extension (torch < 2.12 lacks _swap_data_ptr_) -> compaction can move "
+                "every pool tensor, views follow")
+    from . import storage_ext
+    why = storage_ext.failure() or "no native swap and no extension"
+    return (f"rebinding only ({why}) -> compaction and adopt move a storage only when the pool can prove it "
+            f"knows every tensor over it; views and other holders keep a block in place")
+
+
 def doctor(args) -> int:
     """Say plainly what works here and what does not. Always exits 0."""
     import torch
@@ -27,10 +41,7 @@ def doctor(args) -> int:
     ok, reason = cuda_driver_usable()
     lines = [
         f"defrag {_version('defrag')}  python {sys.version.split()[0]}",
-        f"torch {torch.__version__}: UntypedStorage._swap_data_ptr_ "
-        + ("present -> compaction can move every pool tensor" if tensors.HAS_SWAP_DATA_PTR
-           else "MISSING (torch < 2.12) -> compaction and adopt move a storage only when the pool can prove it "
-                "knows every tensor over it; views and other holders keep a block in place"),
+        f"torch {torch.__version__}: moving storages: " + _swap_line(tensors),
         f"numba {_version('numba')}, numba-cuda {_version('numba-cuda')}, cuda-python {_version('cuda-python')} "
         f"(cuda-bindings {_version('cuda-bindings')})",
     ]
