@@ -46,19 +46,10 @@ def torch_stream():
 
 
 def cuda_ms(fn, *, repeat: int = 10, warmup: int = 3) -> float:
-    """Median milliseconds of fn() on the current stream, by a CUDA event pair per sample, after a warm-up."""
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    samples = []
-    for _ in range(repeat):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        samples.append(start.elapsed_time(end))
-    return float(np.median(samples))
+    """Median milliseconds of fn() on the current stream: the benchmarks' own CUDA-event timer."""
+    from defrag.benchmarks.runner import time_cuda
+
+    return time_cuda(fn, number=1, repeat=repeat, warmup=warmup).median_us / 1e3
 
 
 class DeviceArena:
