@@ -101,7 +101,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("replay", help="replay an allocation trace or PyTorch memory snapshot")
     p.add_argument("path", help="a defrag trace (.jsonl/.json) or a torch.cuda.memory._dump_snapshot pickle")
     p.add_argument("--capacity", required=True, help="pool capacity, e.g. 80GiB")
-    p.add_argument("--dry", action="store_true", help="accounting only: no bytes are mapped or copied")
+    p.add_argument("--dry", action="store_true", help="the pool's own code over a memory-less device: no bytes are mapped or copied")
     p.add_argument("--json", default=None, help="write the results as JSON to this path")
     p.add_argument("--device", default=None, help="'emulated' or 'cuda:N'")
     p.set_defaults(func=replay)

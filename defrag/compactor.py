@@ -9,7 +9,8 @@ The protocol, wave by wave (a wave is a set of moves whose destinations are
 free and overlap no source, see `defrag.planner`):
 
 1. **prepare**: map the destination pages that are not mapped yet and carve
-   the destination ranges in the heap; make a storage over each destination.
+   the destination ranges in the heap; the face makes what the commit needs
+   for each destination (`Mover.destination`: for torch, a storage over it).
 2. **copy**: every move of the wave in one batch (the numba kernel on a GPU;
    memmove, the simulated kernel or the driver's copy on the emulated device),
    then synchronize. With `verify=True`, checksums of sources and
@@ -32,17 +33,17 @@ Either way their physical pages can back any later request (stitching).
 
 Never moved: pinned blocks; blocks of a page or more (they start on a page
 boundary and moving one cannot free a page; see `defrag.planner`); blocks
-whose storage the pool cannot resolve or (torch < 2.12) whose users it
-cannot all prove known; and anything at all while a CUDA graph is being
-captured on the current stream (refused with an error). A graph captured
-*earlier* still holds the old addresses: pin the tensors a graph uses. Other
-pools are untouched.
+another thread may be using (`Core.scope`: the contract is in
+`defrag.pool`); blocks whose owner the face cannot rewrite (a storage being
+released, segments handed to PyTorch's allocator, or in rebind mode a
+storage whose users it cannot all prove known); and anything at all while a
+CUDA graph is being captured on the current stream (refused with an error).
+A graph captured *earlier* still holds the old addresses: pin the tensors a
+graph uses. Other pools are untouched.
 
-Concurrency: the pool's lock serializes pool calls, but a compaction cannot
-see kernels another thread is about to launch on pool tensors: work queued
-between the copy and the swap would write the old location. Compact (and
-allocate with auto_compact=True) from the thread that drives the device, or
-pin what other threads use.
+Concurrency: the caller holds the core's gate for the whole compaction, so
+no pool call of another thread runs meanwhile; threads waiting at the gate
+run none of their own code, which is why their blocks may move.
 """
 
 from __future__ import annotations
@@ -467,7 +468,7 @@ def _verify(core: Core, mover: Mover, engine: str, moves: list[tuple[int, int, i
 
 
 def rescue(core: Core, mover: Mover, nbytes: int, tried: list[str], callbacks=()):
-    """Ladder step 4: compact and retry when stranded memory could cover the request.
+    """The ladder's rescue step (see `Core.allocate`): compact and retry when packing could cover the request.
 
     Returns the placed Block, or None (with `tried` extended) when
     compaction is off, would not help, is rate-limited, or did not help.

@@ -82,31 +82,35 @@ class DryPool:
         if key in self._blocks:
             raise KeyError(f"block {key!r} is already live")
         core = self.core
-        core.drain()
-        try:
-            block = core.allocate(int(nbytes), self._rescue)
-        except OutOfRoom:
-            return False
-        block.info = key
-        self._blocks[key] = block
-        return True
+        with core.gate:
+            core.drain()
+            try:
+                block = core.allocate(int(nbytes), self._rescue)
+            except OutOfRoom:
+                return False
+            block.info = key
+            self._blocks[key] = block
+            return True
 
     def _rescue(self, nbytes: int, tried: list[str]):
         return rescue(self.core, self._mover, nbytes, tried)
 
     def free(self, key) -> None:
         """Free the block `key` (KeyError if it is not live). Its pages stay mapped."""
-        self.core.release(self._blocks.pop(key))
-        self.core.drain()
+        with self.core.gate:
+            self.core.release(self._blocks.pop(key))
+            self.core.drain()
 
     def compact(self, *, release: bool = True) -> CompactionReport:
         """An explicit compaction, as `Pool.compact()` runs it (CompactionError where the pool raises it)."""
-        return compact_core(self.core, self._mover, automatic=False, release=release)
+        with self.core.gate:
+            return compact_core(self.core, self._mover, automatic=False, release=release)
 
     def stats(self) -> dict:
         """`Pool.stats()`'s keys and values for the same history."""
-        self.core.drain()
-        return self.core.stats_locked()
+        with self.core.gate:
+            self.core.drain()
+            return self.core.stats_locked()
 
     def check_invariants(self) -> None:
         self.core.check_invariants()

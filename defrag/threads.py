@@ -12,8 +12,8 @@ hooks in user code:
 - `is_alive(ref)` says whether that thread still runs;
 - `describe(ref)` names it for error messages.
 
-This module knows nothing of pools or torch; `defrag.pool` decides what a
-compaction may move from these facts.
+This module knows nothing of pools or torch; `defrag.core` decides what a
+compaction may move from these facts (`Core.scope`).
 """
 
 from __future__ import annotations

@@ -170,7 +170,7 @@ class Driver:
         """Bytes of unmapped memory accessed since the last call: the emulated device records
         stale accesses (see `EmulatedCuda.touched_unmapped`); a real GPU reports them itself,
         as an illegal-address error, so this is 0 there."""
-        probe = getattr(self.faults._api, "touched_unmapped", None)
+        probe = getattr(self.api, "touched_unmapped", None)
         return probe() if probe is not None else 0
 
     def is_capturing(self, stream: int = 0) -> bool:

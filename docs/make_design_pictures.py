@@ -1,0 +1,167 @@
+"""Draw docs/img/design-layers.png, the layer picture of docs/design.md.
+
+    python docs/make_design_pictures.py            # writes docs/img/design-layers.png
+
+Boxes and arrows only (matplotlib, Agg canvas; no display needed). Keep it in
+step with the "Layers" section of docs/design.md and with the import rules that
+tests/cpu/test_layers.py checks: an arrow means "calls / imports"; every arrow
+points down or sideways, never up.
+"""
+
+from __future__ import annotations
+
+import pathlib
+import sys
+
+from matplotlib.backends.backend_agg import FigureCanvasAgg
+from matplotlib.figure import Figure
+from matplotlib.patches import FancyArrowPatch, FancyBboxPatch
+
+OUT = pathlib.Path(__file__).resolve().parent / "img" / "design-layers.png"
+
+# Colours: grey = callers, orange = torch faces, green = torch-free face and
+# core, light green = pure bookkeeping, blue = address space / driver, peach =
+# what actually holds the bytes.
+GREY, TORCH, CORE, PURE, LOW, METAL, BAND = "#ececec", "#f5e1c0", "#d5ead0", "#e8f3e3", "#dbe6f3", "#fbe3d6", "#f7f7f7"
+EDGE, ARROW, NOTE = "#44546a", "#44546a", "#5a6a80"
+
+W, H = 1000, 800  # drawing units = pixels at dpi 100
+
+
+def _box(ax, x, y, w, h, title, body="", color=CORE, dashed=False, title_size=11.5, body_size=8.6):
+    """A rounded box with a bold title and a smaller body, (x, y) = top-left corner."""
+    ax.add_patch(FancyBboxPatch((x, H - y - h), w, h, boxstyle="round,pad=0,rounding_size=9",
+                                linewidth=1.3, edgecolor=EDGE, facecolor=color,
+                                linestyle=(0, (4, 3)) if dashed else "-"))
+    cx = x + w / 2
+    if body:
+        ax.text(cx, H - y - h * 0.30, title, ha="center", va="center", fontsize=title_size, fontweight="bold",
+                color="#111111")
+        ax.text(cx, H - y - h * 0.68, body, ha="center", va="center", fontsize=body_size, color="#111111",
+                linespacing=1.25)
+    else:
+        ax.text(cx, H - y - h / 2, title, ha="center", va="center", fontsize=title_size, fontweight="bold",
+                color="#111111")
+    return x, y, w, h
+
+
+def _band(ax, y, h, label):
+    """A pale horizontal band behind one layer, labelled on the left."""
+    ax.add_patch(FancyBboxPatch((8, H - y - h), W - 16, h, boxstyle="round,pad=0,rounding_size=6",
+                                linewidth=0, facecolor=BAND, zorder=-2))
+    ax.text(16, H - y - 3, label, ha="left", va="top", fontsize=8, style="italic", color=NOTE)
+
+
+def _arrow(ax, x0, y0, x1, y1, label="", label_dx=6):
+    ax.add_patch(FancyArrowPatch((x0, H - y0), (x1, H - y1), arrowstyle="-|>", mutation_scale=11,
+                                 linewidth=1.2, color=ARROW, shrinkA=0, shrinkB=0))
+    if label:
+        ax.text((x0 + x1) / 2 + label_dx, H - (y0 + y1) / 2, label, ha="left", va="center", fontsize=7.8,
+                style="italic", color=NOTE)
+
+
+def draw(path: pathlib.Path = OUT) -> pathlib.Path:
+    fig = Figure(figsize=(W / 100, H / 100), dpi=100)
+    FigureCanvasAgg(fig)
+    ax = fig.add_axes((0, 0, 1, 1))
+    ax.set_xlim(0, W)
+    ax.set_ylim(0, H)
+    ax.axis("off")
+
+    ax.text(W - 10, H - 8, "data flows down; nothing flows up", ha="right", va="top", fontsize=9,
+            style="italic", color=NOTE)
+
+    # ---- callers
+    _box(ax, 40, 22, 220, 58, "retry.py", "retry_on_oom: compact + retry", GREY)
+    _box(ax, 280, 22, 680, 58, "user code  /  CLI: defrag demo | doctor | bench | replay",
+         "Pool(...).empty / adopt / pin / compact,   defrag.compact(),   replay --dry,   PyTorch's allocator",
+         GREY)
+
+    # ---- faces
+    _band(ax, 94, 138, "faces")
+    _box(ax, 40, 114, 330, 112, "pool.py  Pool",
+         "torch storages over blocks: empty, adopt,\npin, claim/share, compact, stats, snapshot;\n"
+         "_TorchMover; alloc_segment / free_segment\n+ tensors.py, storage_ext.py (torch glue)",
+         TORCH)
+    _box(ax, 390, 114, 260, 112, "capture.py  TorchAllocator",
+         "PyTorch's pluggable allocator\nover the same pages (segments\nfrom Pool.alloc_segment)\n(being written)",
+         TORCH, dashed=True)
+    _box(ax, 670, 114, 290, 112, "dry.py  DryPool",
+         "the same core, blocks named by keys;\n_KeyMover rewrites a dict entry;\n"
+         "no torch: dry replays (replay --dry)",
+         CORE)
+
+    # ---- core
+    _band(ax, 246, 126, "core (no torch)")
+    _box(ax, 40, 266, 450, 96, "core.py  Core",
+         "blocks (Block), placement + stitching, release queue (drain),\npage accounting, counters, the allocation "
+         "ladder,\nthread scopes (scope, movable) + threads.py Gate",
+         CORE)
+    _box(ax, 510, 266, 450, 96, "compactor.py  compact_core / rescue",
+         "plan, prepare, copy, verify, commit, release, per wave\nin a Transaction; owners rewritten by the face's "
+         "Mover\n(stream, can_rewrite, hold, destination, check, commit)",
+         CORE)
+
+    # ---- pure parts, address space, kernels
+    _box(ax, 40, 400, 190, 78, "heap.py", "pure: best fit, split,\ncoalesce over offsets", PURE)
+    _box(ax, 250, 400, 200, 78, "planner.py", "pure: layout arrays ->\nwaves of moves (ArrayPlan)", PURE)
+    _box(ax, 470, 400, 250, 78, "vmm.py", "AddressSpace, PageStore, Region,\nTransaction: reserve, map, unmap",
+         LOW)
+    _box(ax, 740, 400, 220, 78, "defrag.kernels", "kernels/ (numba-cuda):\nbatched_move, fill, checksum", LOW)
+
+    # ---- driver
+    _band(ax, 496, 220, "driver: one surface, three implementations")
+    _box(ax, 40, 518, 680, 68, "driver/cuda.py  Driver",
+         "the one adapter: CUresult -> CudaError;  FaultInjector (driver/faults.py) in front;  open_driver(spec)",
+         LOW)
+    _box(ax, 740, 518, 220, 68, "GPU / numba simulator", "kernels run on the device\nor on the CPU", METAL,
+         title_size=10.5)
+    _box(ax, 40, 620, 210, 84, "cuda.bindings.driver", "a real GPU (only the\nCUDA kind loads libcuda)", METAL,
+         title_size=10.5)
+    _box(ax, 270, 620, 220, 84, "EmulatedCuda", "driver/emulated.py: memfd\npages at fixed addresses;\n"
+         "tombstones when unmapped", METAL, title_size=10.5, body_size=8.2)
+    _box(ax, 510, 620, 210, 84, "MemorylessCuda", "driver/memoryless.py: the\nsame rules and books,\nno bytes",
+         METAL, title_size=10.5, body_size=8.2)
+
+    notes = [
+        "errors.py, units.py: used by every layer (no torch).   oom.py: OutOfMemoryError (a torch.OutOfMemoryError),"
+        " raised by the torch faces from the core's OutOfRoom.",
+        "core and compactor also call the Driver itself (synchronize, copy, is_capturing, touched_unmapped).",
+        "stats.py and viz.py read the core's layout and counters and change nothing.   An arrow: calls / imports.",
+    ]
+    for i, note in enumerate(notes):
+        ax.text(W / 2, H - 738 - 18 * i, note, ha="center", va="center", fontsize=8.2, color=NOTE)
+
+    # ---- arrows: callers -> faces
+    _arrow(ax, 150, 80, 150, 114)                       # retry_on_oom -> Pool.compact
+    _arrow(ax, 330, 80, 330, 114)
+    _arrow(ax, 520, 80, 520, 114)
+    _arrow(ax, 815, 80, 815, 114)
+    _arrow(ax, 390, 170, 370, 170)                      # TorchAllocator -> Pool.alloc_segment / free_segment
+    # faces -> core and compactor
+    _arrow(ax, 160, 226, 160, 266)
+    _arrow(ax, 300, 226, 560, 266, "Mover", label_dx=-34)
+    _arrow(ax, 745, 226, 420, 266)
+    _arrow(ax, 860, 226, 860, 266, "Mover")
+    # compactor -> core (sideways); core, compactor -> heap, planner, vmm, kernels
+    ax.annotate("", xy=(490, H - 314), xytext=(510, H - 314),
+                arrowprops=dict(arrowstyle="-|>", color=ARROW, lw=1.2, mutation_scale=11))
+    _arrow(ax, 135, 362, 135, 400)
+    _arrow(ax, 300, 362, 560, 400)
+    _arrow(ax, 600, 362, 350, 400)
+    _arrow(ax, 830, 362, 850, 400)
+    # vmm -> driver; kernels -> device
+    _arrow(ax, 595, 478, 595, 518)
+    _arrow(ax, 850, 478, 850, 518)
+    # driver -> implementations
+    _arrow(ax, 200, 586, 145, 620)
+    _arrow(ax, 380, 586, 380, 620)
+    _arrow(ax, 560, 586, 615, 620)
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=100, facecolor="white")
+    return path
+
+
+if __name__ == "__main__":
+    print(draw(pathlib.Path(sys.argv[1]) if len(sys.argv) > 1 else OUT))
