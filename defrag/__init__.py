@@ -5,6 +5,7 @@ moves live tensors so that the physical pages they strand become free, and the
 pool stitches free pages into one virtual range for a large request.
 """
 
+from .capture import TorchAllocator, install
 from .compactor import CompactionReport
 from .errors import (CompactionError, ConcurrencyError, CudaError, CudaOutOfMemoryError, PoolClosedError,
                      StaleAccessError)
@@ -18,5 +19,5 @@ __version__ = "0.1.0"
 __all__ = [
     "Pool", "compact", "retry_on_oom", "save_snapshot", "CompactionReport", "CompactionError", "LiveTensor", "open_pools",
     "ConcurrencyError", "CudaError", "CudaOutOfMemoryError", "OutOfMemoryError", "PoolClosedError", "StaleAccessError",
-    "parse_size", "format_bytes",
+    "parse_size", "format_bytes", "TorchAllocator", "install",
 ]

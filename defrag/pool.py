@@ -51,6 +51,9 @@ import torch
 from . import stats as observe
 from . import tensors as tz
 from . import threads
+from .capture import capture as capture_block
+from .capture import in_callback
+from .capture import release_cached as release_captured
 from .compactor import CompactionReport, compact_core, rescue
 from .core import Block, Core, OutOfRoom
 from .driver import Driver, open_driver
@@ -240,6 +243,9 @@ class Pool:
         self.device = torch.device("cpu") if self.kind == "emulated" else torch.device("cuda", self.driver.ordinal)
         self.on_compact: list = []  # callbacks(report) after every compaction
         self.on_oom: list = []  # callbacks(OutOfMemoryError) before an allocation raises it
+        # Callables run (outside the lock) before an explicit compaction or trim, to hand
+        # back memory cached elsewhere (pool.capture() adds PyTorch's cached segments).
+        self.on_pressure: list = []
         # How a moved storage takes its new memory, fixed for the pool's life: torch's
         # _swap_data_ptr_, else defrag's small extension (built here on first use, once
         # per machine), else rebinding the tensors the pool knows (views pin blocks).
@@ -333,10 +339,10 @@ class Pool:
                 self._release_if_idle()
 
     # ------------------------------------------------------------------ allocation
-    def _allocate(self, nbytes: int) -> Block:
+    def _allocate(self, nbytes: int, *, compact: bool = True) -> Block:
         """Place `nbytes` (the ladder, with automatic compaction); OutOfMemoryError when nothing helps."""
         try:
-            return self.core.allocate(nbytes, self._rescue, self._describe)
+            return self.core.allocate(nbytes, self._rescue if compact else None, self._describe)
         except OutOfRoom as room:
             error = OutOfMemoryError(room.message, **room.figures)
         for observer in list(self.on_oom):
@@ -475,7 +481,7 @@ class Pool:
         return tensor
 
     # ------------------------------------------------------------------ raw segments (PyTorch's allocator)
-    def alloc_segment(self, nbytes: int, stream: int = 0) -> int:
+    def alloc_segment(self, nbytes: int, stream: int = 0, *, compact: bool = True) -> int:
         """Raw device memory for PyTorch's allocator: `nbytes` in pool pages; returns its address.
 
         Climbs the same ladder as `empty` (empty mapped pages, stitching, then
@@ -483,14 +489,15 @@ class Pool:
         when nothing helps. Makes no torch allocation: a compaction here only
         copies with the driver or the numba kernel and swaps storages. The
         segment belongs to no thread and never moves; `free_segment` gives it
-        back. `stream`: the CUDA stream PyTorch allocates it for.
+        back. `stream`: the CUDA stream PyTorch allocates it for. `compact`:
+        False stops the ladder before compacting (see `defrag.capture`).
         """
         nbytes = int(nbytes)
         if nbytes <= 0:
             raise ValueError(f"a segment needs at least one byte, got {nbytes}")
         with self.core.gate:
             self._enter()
-            block = self._allocate(nbytes)
+            block = self._allocate(nbytes, compact=compact)
             block.info = SegmentInfo(alloc_stream=int(stream))
             block.owner, block.shared = None, True
             self._segments[block.address] = block
@@ -768,6 +775,7 @@ class Pool:
         Returns the number of bytes handed back to the driver. Live tensors are
         never touched.
         """
+        self._relieve()
         with self.core.gate:
             self.core.check_open()
             return self.core.trim()
@@ -815,11 +823,31 @@ class Pool:
         thread that used the pool still runs.
         Returns a `CompactionReport`.
         """
+        self._relieve()
         with self.core.gate:
             self.core.check_open()
             scope = self.core.scope(threads)
             return compact_core(self.core, self._mover, verify=verify, progress=progress, engine=engine,
                                 automatic=False, release=release, scope=scope, callbacks=self.on_compact)
+
+    def _relieve(self) -> None:
+        """Run the `on_pressure` hooks, outside the lock (never from inside PyTorch's allocator)."""
+        if in_callback():
+            return
+        for hook in list(self.on_pressure):
+            try:
+                hook()
+            except Exception:  # a hook that fails must not stop the compaction or trim it helps
+                _log.error("defrag: an on_pressure hook raised; ignored\n%s", traceback.format_exc())
+
+    # ------------------------------------------------------------------ PyTorch's own allocations
+    def capture(self, *, allocator=None):
+        """`with pool.capture():` routes this thread's PyTorch CUDA allocations to pool pages (see `defrag.capture`)."""
+        return capture_block(self, allocator=allocator)
+
+    def release_cached(self) -> int:
+        """Hand back to the pool the segments PyTorch caches for `capture()` blocks and no longer uses."""
+        return release_captured(self)
 
     # ------------------------------------------------------------------ observability
     def layout(self) -> dict:

@@ -84,8 +84,8 @@ def draw(path: pathlib.Path = OUT) -> pathlib.Path:
          "_TorchMover; alloc_segment / free_segment\n+ tensors.py, storage_ext.py (torch glue)",
          TORCH)
     _box(ax, 390, 114, 260, 112, "capture.py  TorchAllocator",
-         "PyTorch's pluggable allocator\nover the same pages (segments\nfrom Pool.alloc_segment)\n(being written)",
-         TORCH, dashed=True)
+         "PyTorch's pluggable allocator\nover the same pages (segments\nfrom Pool.alloc_segment);\npool.capture(), install()",
+         TORCH)
     _box(ax, 670, 114, 290, 112, "dry.py  DryPool",
          "the same core, blocks named by keys;\n_KeyMover rewrites a dict entry;\n"
          "no torch: dry replays (replay --dry)",
