@@ -64,7 +64,7 @@ REGISTRY: dict[str, Benchmark] = {b.name: b for b in [
               "pages mapped per ms: one cuMemSetAccess per range vs per page; unmap; a stitched pool request",
               "bench_stitching:plot_stitching"),
     Benchmark("planner", "runner:bench_planner_adapter",
-              "planner time vs live block count, 1k to 1M (goal: < 0.5 s at 100k)",
+              "planner time vs live block count, 1k to 1M (goals: plan_arrays < 0.3 s at 100k, < 2 s at 1M)",
               "runner:plot_planner"),
     Benchmark("compaction", "bench_compaction:bench_compaction",
               "pool.compact() of a pool with 3 of 4 tensors per page freed, vs memmove (emulated) / torch copy_ "
@@ -354,10 +354,13 @@ def bench_planner_adapter(device: str, smoke: bool) -> list[dict]:
         raise Skip(f"benchmarks/bench_planner.py is not available ({exc})") from None
     counts = PLANNER_SMOKE_COUNTS if smoke else PLANNER_COUNTS
     rows = [dict(r, timing="perf_counter, best of 3") for r in bench_planner(block_counts=counts, seed=0, smoke=smoke)]
+    # The compactor plans with plan_arrays (`seconds_arrays`); `seconds` is the Move-object wrapper.
+    goals = {100_000: 0.3, 1_000_000: 2.0}
     for r in rows:
-        if r["blocks"] == 100_000:
-            r["goal"] = "plan < 0.5 s at 100k live blocks"
-            r["goal_met"] = r["seconds"] < 0.5
+        if r["blocks"] in goals and "seconds_arrays" in r:
+            limit = goals[r["blocks"]]
+            r["goal"] = f"plan_arrays < {limit} s at {r['blocks'] // 1000}k live blocks"
+            r["goal_met"] = r["seconds_arrays"] < limit
     return rows
 
 
