@@ -25,6 +25,12 @@ default 165 s with ``--smoke``, 450 s without), so a hang costs one stage:
    device. Benchmarks that measure only the emulated device or the host
    (rescue, planner; workloads, whose full run is mostly CPU-bound dry
    replays) are not run unless named in ``--only``.
+4. ``model:native``, ``model:expandable`` (on a GPU only; ``--no-model``
+   skips them): the generators' traces (and, in a full run, an 80 GiB-class
+   serving trace) replayed on PyTorch's real caching allocator, capped with
+   ``set_per_process_memory_fraction``, beside the model of it that dry
+   replays use (`defrag.traces.torch_model`), same cap: peak reserved, peak
+   live and OOMs side by side.
 
 The report, ``DIR/gpu_report.md`` and ``DIR/gpu_report.json``, is written
 before and after every stage, so a run killed at any point still leaves one;
@@ -68,6 +74,7 @@ GPU_BENCHMARKS = {
     "compaction": (None, 120),
 }
 OTHER_BENCH_TIMEOUT = (60, 150)
+MODEL_TIMEOUT = (45, 120)  # per model stage (native, expandable): (smoke, full)
 ENV_TIMEOUT = 120
 TEST_TIMEOUT = (120, 240)
 DEFAULT_BUDGET = (165, 450)  # a stopped stage may take 10 s more: under 3 and 8 minutes
@@ -452,6 +459,79 @@ def stage_bench(args, name: str) -> dict:
             "figures": res.get("rows", [])[:40]}
 
 
+def model_traces(smoke: bool) -> dict:
+    """The traces the model stages replay: small ones for --smoke, else every generator's default and an
+    80 GiB-class serving trace; name -> (trace, capacity)."""
+    from defrag.traces import GENERATORS, checkerboard, llm_serving
+
+    KiB, MiB, GiB, page = 1 << 10, 1 << 20, 1 << 30, 2 << 20
+    if smoke:
+        traces = {"llm_serving (steps=400)": llm_serving(seed=0, steps=400),
+                  "checkerboard (32 MiB)": checkerboard(seed=0, total_bytes=32 * MiB, rounds=2)}
+    else:
+        traces = {name: gen(seed=0) for name, gen in GENERATORS.items()}
+    out = {name: (t, (-(-int(t.stats().peak_live_bytes * 1.25) // page) + 1) * page) for name, t in traces.items()}
+    if not smoke:
+        out["llm_serving 80 GiB-class"] = (llm_serving(steps=18000, kv_bytes_per_token=160 * KiB,
+                                                       weights_bytes=40 * GiB, hidden=8192, vocab=128000,
+                                                       max_batch=64), 80 * GiB)
+    return out
+
+
+def stage_model(args, expandable: bool) -> dict:
+    """PyTorch's caching allocator (as PYTORCH_CUDA_ALLOC_CONF, set by the parent, configures it) and its
+    model on the same traces and caps, in this process: one row per trace."""
+    import torch
+
+    from defrag.replay import replay_model
+    from defrag.traces.format import ALLOC, FREE
+
+    if not torch.cuda.is_available():
+        return {"rows": [], "reason": "no CUDA GPU"}
+    torch.cuda.init()
+    total = torch.cuda.get_device_properties(0).total_memory
+    rows = []
+    for name, (trace, capacity) in model_traces(args.smoke).items():
+        row = {"trace": name, "expandable": expandable, "capacity": capacity, "events": len(trace.events)}
+        if capacity > total:
+            rows.append(dict(row, skipped=f"the cap exceeds the GPU's {total} bytes"))
+            continue
+        fraction = capacity / total
+        allowed = int(fraction * total)  # what PyTorch computes from the fraction (double arithmetic)
+        torch.cuda.empty_cache()
+        torch.cuda.set_per_process_memory_fraction(fraction)
+        torch.cuda.reset_peak_memory_stats()
+        live, failed, ooms, seen_expandable = {}, set(), 0, None
+        t0 = time.perf_counter()
+        for ev in trace.events:
+            if ev[0] == ALLOC:
+                try:
+                    live[ev[1]] = torch.empty(ev[2], dtype=torch.uint8, device="cuda")
+                except torch.cuda.OutOfMemoryError:
+                    ooms += 1
+                    failed.add(ev[1])
+                if seen_expandable is None and live:
+                    segs = torch.cuda.memory._snapshot().get("segments", [])
+                    seen_expandable = any(sg.get("is_expandable") for sg in segs)
+            elif ev[0] == FREE:
+                if live.pop(ev[1], None) is None:
+                    failed.discard(ev[1])
+        torch.cuda.synchronize()
+        st = torch.cuda.memory_stats()
+        real_s = time.perf_counter() - t0
+        live.clear()
+        torch.cuda.empty_cache()
+        model = replay_model(trace, allowed, expandable=expandable, device_memory=total)
+        rows.append(dict(row, allowed=allowed, real_expandable=seen_expandable,
+                         real_peak_reserved=st.get("reserved_bytes.all.peak", 0),
+                         real_peak_live=st.get("allocated_bytes.all.peak", 0), real_ooms=ooms,
+                         real_retries=st.get("num_alloc_retries", 0), real_seconds=round(real_s, 2),
+                         model_peak_reserved=model.peak_reserved_bytes, model_peak_live=model.peak_live_bytes,
+                         model_ooms=model.ooms, model_seconds=round(model.seconds, 2)))
+    return {"rows": rows, "total_memory": total, "torch": torch.__version__,
+            "alloc_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF")}
+
+
 def run_child_stage(args) -> int:
     """`--stage NAME`: run one stage in this process and write its JSON to --stage-out."""
     t0 = time.perf_counter()
@@ -460,6 +540,8 @@ def run_child_stage(args) -> int:
             data = stage_env(args)
         elif args.stage.startswith("bench:"):
             data = stage_bench(args, args.stage.split(":", 1)[1])
+        elif args.stage in ("model:native", "model:expandable"):
+            data = stage_model(args, args.stage == "model:expandable")
         else:
             raise SystemExit(f"unknown stage {args.stage!r}")
         data["ok"] = True
@@ -705,6 +787,35 @@ class Check:
                 st["summary"] = data["error"].strip().splitlines()[-1]
         self.write()
 
+    def do_model(self) -> None:
+        """Stage 4: PyTorch's allocator against its model, native then expandable (GPU only)."""
+        if not self.report["probe"]["gpu"]:  # no stage at all: nothing to compare against
+            self.report["model_vs_real_skipped"] = "no GPU: PyTorch's allocator only runs on a GPU"
+            self.write()
+            return
+        rows = self.report.setdefault("model_vs_real", [])
+        for label, conf in (("model:native", None), ("model:expandable", "expandable_segments:True")):
+            env = dict(self.env)
+            env.pop("PYTORCH_ALLOC_CONF", None)
+            env.pop("PYTORCH_CUDA_ALLOC_CONF", None)
+            if conf:
+                env["PYTORCH_CUDA_ALLOC_CONF"] = conf
+            extra = ["--smoke"] if self.args.smoke else []
+            st = self.run_stage(label, self.child(label, extra), MODEL_TIMEOUT[0 if self.args.smoke else 1], env)
+            data = self.child_data(label)
+            if data and data.get("ok"):
+                new = data.get("rows", [])
+                rows.extend(new)
+                done = [r for r in new if "skipped" not in r]
+                same = sum(r["model_peak_reserved"] == r["real_peak_reserved"] for r in done)
+                worst = max((abs(r["model_peak_reserved"] / r["real_peak_reserved"] - 1) for r in done
+                             if r["real_peak_reserved"]), default=0.0)
+                st["summary"] = (f"{len(done)} traces: model peak reserved = real on {same}, worst "
+                                 f"{100 * worst:.1f}% off" if done else data.get("reason") or "no trace ran")
+            elif data and data.get("error"):
+                st["summary"] = data["error"].strip().splitlines()[-1]
+            self.write()
+
     # ------------------------------------------------------------------ verdict and report
     def finish(self) -> int:
         stages = self.report["stages"]
@@ -902,6 +1013,25 @@ def render_markdown(r: dict) -> str:
             lines.append(f"| {g['benchmark']} | {g['goal']} | {g['where']} | {met} |")
     if b["results"]:
         lines += ["", "Tables and plots: [bench/results.md](bench/results.md)"]
+    if r.get("model_vs_real_skipped"):
+        lines += ["", "## PyTorch's caching allocator: real vs model", "", f"Not run: {r['model_vs_real_skipped']}"]
+    if r.get("model_vs_real"):
+        lines += ["", "## PyTorch's caching allocator: real vs model (defrag.traces.torch_model)", "",
+                  "Same trace, same cap (`set_per_process_memory_fraction`); MiB.", "",
+                  "| trace | allocator | cap | real peak reserved | model peak reserved | model / real | "
+                  "real OOMs | model OOMs | real peak live | model peak live |", "|---" * 10 + "|"]
+        mib = 1 << 20
+        for m in r["model_vs_real"]:
+            kind = "expandable" if m["expandable"] else "native"
+            if "skipped" in m:
+                lines.append(f"| {m['trace']} | {kind} | {m['capacity'] / mib:.0f} | skipped: {m['skipped']} |||||||")
+                continue
+            ratio = m["model_peak_reserved"] / m["real_peak_reserved"] if m["real_peak_reserved"] else float("nan")
+            if m["expandable"] and m.get("real_expandable") is False:
+                kind += " (**real segments not expandable**)"
+            lines.append(f"| {m['trace']} | {kind} | {m['capacity'] / mib:.0f} | {m['real_peak_reserved'] / mib:.1f} | "
+                         f"{m['model_peak_reserved'] / mib:.1f} | {ratio:.4f} | {m['real_ooms']} | {m['model_ooms']} | "
+                         f"{m['real_peak_live'] / mib:.1f} | {m['model_peak_live'] / mib:.1f} |")
     failed = [s for s in r["stages"] if s["status"] in ("failed", "timed out")]
     if failed:
         lines += ["", "## Output of failed stages", ""]
@@ -920,6 +1050,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--only", default=None, help="comma-separated benchmark names (default: the GPU benchmarks)")
     ap.add_argument("--no-tests", action="store_true", help="do not run tests/gpu")
     ap.add_argument("--no-bench", action="store_true", help="do not run benchmarks")
+    ap.add_argument("--no-model", action="store_true",
+                    help="do not compare PyTorch's allocator with its model (stage 4, GPU only)")
     ap.add_argument("--rehearse", action="store_true",
                     help="without a GPU, run tests/gpu as the rehearsal on the emulated device (DEFRAG_GPU_REHEARSAL=1)")
     ap.add_argument("--budget", type=float, default=None,
@@ -988,6 +1120,10 @@ def main(argv=None) -> int:
         for name in check.bench_names():
             check.do_bench(name)
             print(f"[gpu_check] bench {name}: {check.report['stages'][-1]['summary']}", flush=True)
+    if not args.no_model:
+        check.do_model()
+        print("[gpu_check] PyTorch's allocator vs its model: "
+              + (check.report.get("model_vs_real_skipped") or check.report["stages"][-1]["summary"]), flush=True)
     return check.finish()
 
 

@@ -11,6 +11,9 @@ runs the trace against
     subprocess, the capacity imposed with
     ``torch.cuda.set_per_process_memory_fraction``. Without a GPU these rows
     are skipped with the reason; nothing is invented.
+(d) ``torch (model)`` and ``torch-expandable (model)``: a model of PyTorch's
+    caching allocator (`defrag.traces.torch_model`), natively and with
+    expandable segments, on any machine: placement only, no memory.
 
 For each it reports peak live bytes, peak reserved bytes (mapped pages for
 the pool, ``reserved_bytes.all.peak`` for PyTorch), the number of
@@ -48,12 +51,16 @@ from pathlib import Path
 from .dry import DryPool
 from .errors import CompactionError
 from .traces.format import ALLOC, FREE, Trace, TraceError
+from .traces.torch_model import CachingAllocatorModel
 from .units import format_bytes, parse_size
 
 DEFAULT_PAGE = 2 << 20
 PROGRESS_EVENTS = 50_000  # show a progress bar (on a terminal) for traces at least this long
 MIN_CAPACITY_STEPS = 14
 SEARCH_BUDGET_S = 15.0  # per smallest-capacity search in the CLI; the result says when it stopped early
+# The models of PyTorch's caching allocator: allocator name -> expandable_segments.
+TORCH_MODELS = {"torch (model)": False, "torch-expandable (model)": True}
+MODEL_PAGE = 2 << 20  # every segment and mapping of PyTorch's allocator is a multiple of 2 MiB
 
 
 class ReplayError(RuntimeError):
@@ -84,7 +91,7 @@ class MinCapacity:
 class ReplayResult:
     """What one replay of a trace did at one capacity."""
 
-    allocator: str  # "defrag", "defrag-no-compaction", "torch", "torch-expandable"
+    allocator: str  # "defrag", "defrag-no-compaction", "torch", "torch-expandable", or a TORCH_MODELS name
     trace: str
     capacity: int
     page_size: int
@@ -168,7 +175,7 @@ def replay(trace: Trace, capacity, *, device=None, dry: bool = False, compaction
     """Replay `trace` on a defrag pool of `capacity` (bytes or "8GiB") and return what happened.
 
     ``compaction``: compact at every phase marker and on a failed allocation
-    (else neither). ``dry``: on the accounting model (no memory); otherwise a
+    (else neither). ``dry``: on `DryPool` (the pool's core, no memory); otherwise a
     real `defrag.Pool` on ``device`` (None: the GPU if one works, else the
     emulated device). A failed allocation is counted and skipped (its free is
     ignored). ``stop_at_first_oom`` ends the replay at the first failure (for
@@ -227,6 +234,54 @@ def _replay_dry(trace, capacity, page, compaction, name, progress, stop_at_first
                         compactions=st["num_compactions"], compactions_automatic=st["num_compactions.automatic"],
                         moved_bytes=st["compaction.moved_bytes"], moved_tensors=st["compaction.moved_tensors"],
                         seconds=time.perf_counter() - t0, error=error)
+
+
+def replay_model(trace: Trace, capacity, *, expandable: bool = False, progress: bool | None = None,
+                 stop_at_first_oom: bool = False, **settings) -> ReplayResult:
+    """Replay `trace` on the model of PyTorch's caching allocator (`defrag.traces.torch_model`).
+
+    The allocator is ``"torch-expandable (model)"`` with ``expandable`` (PyTorch's
+    ``expandable_segments:True``), else ``"torch (model)"``; ``settings`` go to
+    `CachingAllocatorModel` (``max_split_size``, ``device_memory``, ...). As in
+    the GPU baseline, a failed allocation is counted and skipped (its free is
+    ignored), and peak live / peak reserved are ``allocated_bytes.all.peak`` /
+    ``reserved_bytes.all.peak`` (whole blocks: a block handed out unsplit
+    counts whole). Phase markers do nothing (PyTorch has no compaction).
+    """
+    capacity = parse_size(capacity, what="capacity")
+    name = "torch-expandable (model)" if expandable else "torch (model)"
+    t0 = time.perf_counter()
+    model = CachingAllocatorModel(capacity, expandable_segments=expandable, **settings)
+    failed: set = set()
+    ooms = failed_bytes = 0
+    bar = _progress(len(trace.events), progress, name)
+    alloc, free = model.alloc, model.free_key
+    try:
+        for i, ev in enumerate(trace.events):
+            op = ev[0]
+            if op == ALLOC:
+                if not alloc(ev[1], ev[2]):
+                    ooms += 1
+                    failed_bytes += ev[2]
+                    failed.add(ev[1])
+                    if stop_at_first_oom:
+                        break
+            elif op == FREE:
+                if failed and ev[1] in failed:
+                    failed.discard(ev[1])
+                else:
+                    free(ev[1])
+            if bar is not None and i % 4096 == 0:
+                bar.n = i
+                bar.refresh()
+    finally:
+        if bar is not None:
+            bar.close()
+    st = model.stats()
+    return ReplayResult(name, trace.name, capacity, MODEL_PAGE, True, "none (model of PyTorch's caching allocator)",
+                        len(trace.events), peak_live_bytes=st["allocated_bytes.all.peak"],
+                        peak_reserved_bytes=st["reserved_bytes.all.peak"], ooms=ooms, failed_bytes=failed_bytes,
+                        seconds=time.perf_counter() - t0)
 
 
 def _pool_error(exc: Exception, index: int, event: tuple) -> str:
@@ -313,8 +368,13 @@ def _replay_real(trace, capacity, page, device, compaction, name, progress, stop
 
 def min_capacity(trace: Trace, *, compaction: bool = True, page_size=None, known_good: int | None = None,
                  known_bad: int | None = None, hint: int | None = None, max_steps: int = MIN_CAPACITY_STEPS,
-                 tolerance: float = 0.002, budget_s: float | None = None) -> MinCapacity:
+                 tolerance: float = 0.002, budget_s: float | None = None,
+                 allocator: str | None = None) -> MinCapacity:
     """Smallest capacity (whole pages) at which a dry replay completes, by bisection.
+
+    ``allocator``: None (or ``"defrag"`` / ``"defrag-no-compaction"``) searches
+    the pool (``compaction`` says which); a `TORCH_MODELS` name searches that
+    model of PyTorch's allocator (pages of 2 MiB unless ``page_size`` says).
 
     The bracket starts at ``ceil(peak live / page) - 1`` pages (cannot
     complete) or ``known_bad``, and ``known_good`` (or a capacity found by
@@ -325,11 +385,20 @@ def min_capacity(trace: Trace, *, compaction: bool = True, page_size=None, known
     replays, or once ``budget_s`` seconds are spent; ``exact`` says whether
     it got to one page. Failing probes stop at their first failed allocation.
     """
-    page = DEFAULT_PAGE if page_size is None else parse_size(page_size, what="page_size")
+    if allocator in ("defrag", "defrag-no-compaction"):
+        compaction, allocator = allocator == "defrag", None
+    if allocator is not None and allocator not in TORCH_MODELS:
+        raise ValueError(f"unknown allocator {allocator!r}: 'defrag', 'defrag-no-compaction' or one of "
+                         f"{sorted(TORCH_MODELS)}")
+    page = ((DEFAULT_PAGE if allocator is None else MODEL_PAGE) if page_size is None
+            else parse_size(page_size, what="page_size"))
     live_pages = max(1, -(-trace.stats().peak_live_bytes // page))
     deadline = None if budget_s is None else time.perf_counter() + budget_s
 
     def completes(pages: int) -> bool:
+        if allocator is not None:
+            return replay_model(trace, pages * page, expandable=TORCH_MODELS[allocator], progress=False,
+                                stop_at_first_oom=True).completed
         return replay(trace, pages * page, dry=True, compaction=compaction, page_size=page, progress=False,
                       stop_at_first_oom=True).completed
 
@@ -504,7 +573,8 @@ def format_table(results: list[ReplayResult], skipped: list[dict]) -> str:
             mcap = format_bytes(mc.bytes)
         else:
             mcap = f"{format_bytes(mc.failed_below)} < x <= {format_bytes(mc.bytes)}"
-        rows.append([r.allocator + (" (dry)" if r.dry else ""), format_bytes(r.peak_live_bytes),
+        rows.append([r.allocator + (" (dry)" if r.dry and r.allocator not in TORCH_MODELS else ""),
+                     format_bytes(r.peak_live_bytes),
                      format_bytes(r.peak_reserved_bytes), f"{r.reserved_over_live:.3f}",
                      str(r.ooms) + (" +error" if r.error else ""),
                      str(r.compactions) if r.allocator.startswith("defrag") else "-",
@@ -526,8 +596,10 @@ def format_table(results: list[ReplayResult], skipped: list[dict]) -> str:
 
 def run_all(trace: Trace, capacity: int, *, dry: bool = False, device=None, page_size=None,
             baselines: bool = True, progress: bool | None = None,
-            search_budget_s: float | None = SEARCH_BUDGET_S) -> tuple[list[ReplayResult], list[dict]]:
-    """(a) and (b) at `capacity` plus their smallest capacities; (c) when a GPU is present.
+            search_budget_s: float | None = SEARCH_BUDGET_S,
+            models: bool = True) -> tuple[list[ReplayResult], list[dict]]:
+    """(a) and (b) at `capacity` plus their smallest capacities; (d) the models of PyTorch's allocator
+    (``models``), with theirs; (c) when a GPU is present (``baselines``).
 
     Each smallest-capacity search gets ``search_budget_s`` seconds (None: no
     limit; the step cap still applies).
@@ -542,6 +614,15 @@ def run_all(trace: Trace, capacity: int, *, dry: bool = False, device=None, page
                                       known_bad=bad, hint=r.peak_reserved_bytes if r.completed else None,
                                       budget_s=search_budget_s)
         results.append(r)
+    if models:
+        for name, expandable in TORCH_MODELS.items():
+            r = replay_model(trace, capacity, expandable=expandable, progress=progress)
+            # A model replay takes a fraction of a second: search to one page (2 MiB).
+            r.min_capacity = min_capacity(trace, allocator=name, known_good=r.capacity if r.completed else None,
+                                          known_bad=None if r.completed else r.capacity,
+                                          hint=r.peak_reserved_bytes if r.completed else None,
+                                          max_steps=2 * MIN_CAPACITY_STEPS, tolerance=0.0, budget_s=search_budget_s)
+            results.append(r)
     skipped: list[dict] = []
     if baselines:
         extra, skipped = torch_baselines(trace, capacity)
@@ -570,7 +651,7 @@ def _check_real_pool(capacity: int, device) -> None:
     try:
         pool, own_driver = _open_real_pool(capacity, DEFAULT_PAGE, device, True)
     except (CudaError, OSError) as exc:
-        raise pool_open_error(exc, capacity, hint=", or --dry (accounting only, no memory) for capacities this "
+        raise pool_open_error(exc, capacity, hint=", or --dry (the pool's own code over a memory-less device) for capacities this "
                                                   "large") from None
     pool.close()
     if own_driver is not None:
@@ -601,7 +682,7 @@ def main(args) -> int:
     st = trace.stats()
     print(f"{kind} {trace.name!r} ({args.path}): {st.events} events, {st.allocs} allocs, {st.phases} phase "
           f"markers, peak live {format_bytes(st.peak_live_bytes)}; capacity {format_bytes(capacity)}"
-          f"{', dry (accounting only)' if args.dry else ''}")
+          f"{', dry (memory-less device)' if args.dry else ''}")
     if kind == "snapshot":
         m = trace.meta
         print(f"  snapshot device {m['device']}: {m['entries']} recorded actions, {m['initial_allocs']} blocks live "
