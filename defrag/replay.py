@@ -192,22 +192,25 @@ def replay(trace: Trace, capacity, *, device=None, dry: bool = False, compaction
     return _replay_real(trace, capacity, page, device, compaction, name, progress, stop_at_first_oom)
 
 
-def _replay_dry(trace, capacity, page, compaction, name, progress, stop_at_first_oom) -> ReplayResult:
-    t0 = time.perf_counter()
-    model = DryPool(capacity, page, auto_compact=compaction)
-    failed: set = set()
-    ooms = failed_bytes = 0
-    error = None
-    bar = _progress(len(trace.events), progress, f"{name} (dry)")
-    alloc, free = model.alloc, model.free
-    i = 0
-    try:
-        for i, ev in enumerate(trace.events):
+class _Run:
+    """One pass over a trace's events against `alloc(key, nbytes) -> bool` and `free(key)`.
+
+    A failed allocation is counted (`ooms`, `failed_bytes`) and its later free
+    skipped; phase markers call `compact` when given. `i` is the index of the
+    event being replayed, for error messages.
+    """
+
+    def __init__(self):
+        self.i = self.ooms = self.failed_bytes = 0
+
+    def drive(self, trace, alloc, free, compact, bar, stop_at_first_oom: bool) -> None:
+        failed: set = set()
+        for self.i, ev in enumerate(trace.events):
             op = ev[0]
             if op == ALLOC:
                 if not alloc(ev[1], ev[2]):
-                    ooms += 1
-                    failed_bytes += ev[2]
+                    self.ooms += 1
+                    self.failed_bytes += ev[2]
                     failed.add(ev[1])
                     if stop_at_first_oom:
                         break
@@ -216,16 +219,27 @@ def _replay_dry(trace, capacity, page, compaction, name, progress, stop_at_first
                     failed.discard(ev[1])
                 else:
                     free(ev[1])
-            elif compaction:
-                model.compact()
-            if bar is not None and i % 4096 == 0:
-                bar.n = i
+            elif compact is not None:
+                compact()
+            if bar is not None and self.i % 4096 == 0:
+                bar.n = self.i
                 bar.refresh()
+
+
+def _replay_dry(trace, capacity, page, compaction, name, progress, stop_at_first_oom) -> ReplayResult:
+    t0 = time.perf_counter()
+    model = DryPool(capacity, page, auto_compact=compaction)
+    run = _Run()
+    error = None
+    bar = _progress(len(trace.events), progress, f"{name} (dry)")
+    try:
+        run.drive(trace, model.alloc, model.free, model.compact if compaction else None, bar, stop_at_first_oom)
     except CompactionError as exc:
-        error = _pool_error(exc, i, trace.events[i])
+        error = _pool_error(exc, run.i, trace.events[run.i])
     finally:
         if bar is not None:
             bar.close()
+    ooms, failed_bytes = run.ooms, run.failed_bytes
     st = model.stats()
     model.close()
     return ReplayResult(name, trace.name, model.capacity, page, True, "none (memory-less device)", len(trace.events),
@@ -252,31 +266,14 @@ def replay_model(trace: Trace, capacity, *, expandable: bool = False, progress: 
     name = "torch-expandable (model)" if expandable else "torch (model)"
     t0 = time.perf_counter()
     model = CachingAllocatorModel(capacity, expandable_segments=expandable, **settings)
-    failed: set = set()
-    ooms = failed_bytes = 0
+    run = _Run()
     bar = _progress(len(trace.events), progress, name)
-    alloc, free = model.alloc, model.free_key
     try:
-        for i, ev in enumerate(trace.events):
-            op = ev[0]
-            if op == ALLOC:
-                if not alloc(ev[1], ev[2]):
-                    ooms += 1
-                    failed_bytes += ev[2]
-                    failed.add(ev[1])
-                    if stop_at_first_oom:
-                        break
-            elif op == FREE:
-                if failed and ev[1] in failed:
-                    failed.discard(ev[1])
-                else:
-                    free(ev[1])
-            if bar is not None and i % 4096 == 0:
-                bar.n = i
-                bar.refresh()
+        run.drive(trace, model.alloc, model.free_key, None, bar, stop_at_first_oom)
     finally:
         if bar is not None:
             bar.close()
+    ooms, failed_bytes = run.ooms, run.failed_bytes
     st = model.stats()
     return ReplayResult(name, trace.name, capacity, MODEL_PAGE, True, "none (model of PyTorch's caching allocator)",
                         len(trace.events), peak_live_bytes=st["allocated_bytes.all.peak"],
@@ -314,36 +311,26 @@ def _replay_real(trace, capacity, page, device, compaction, name, progress, stop
     t0 = time.perf_counter()
     pool, own_driver = _open_real_pool(capacity, page, device, compaction)
     tensors: dict = {}
-    failed: set = set()
-    ooms = failed_bytes = 0
     error = None
     bar = _progress(len(trace.events), progress, name)
-    i = 0
-    try:
-        empty, uint8 = pool.empty, torch.uint8
+    run = _Run()
+    empty, uint8 = pool.empty, torch.uint8
+
+    def alloc(key, nbytes) -> bool:
         try:
-            for i, ev in enumerate(trace.events):
-                op = ev[0]
-                if op == ALLOC:
-                    try:
-                        tensors[ev[1]] = empty(ev[2], dtype=uint8)
-                    except OutOfMemoryError:
-                        ooms += 1
-                        failed_bytes += ev[2]
-                        failed.add(ev[1])
-                        if stop_at_first_oom:
-                            break
-                elif op == FREE:
-                    if tensors.pop(ev[1], None) is None:
-                        failed.discard(ev[1])
-                elif compaction:
-                    pool.compact(progress=False)
-                if bar is not None and i % 4096 == 0:
-                    bar.n = i
-                    bar.refresh()
+            tensors[key] = empty(nbytes, dtype=uint8)
+            return True
+        except OutOfMemoryError:
+            return False
+
+    try:
+        try:
+            run.drive(trace, alloc, tensors.pop, (lambda: pool.compact(progress=False)) if compaction else None,
+                      bar, stop_at_first_oom)
         except (CompactionError, ValueError) as exc:
             # A compaction that could not run (e.g. its plan needs more physical pages than can be freed).
-            error = _pool_error(exc, i, trace.events[i])
+            error = _pool_error(exc, run.i, trace.events[run.i])
+        ooms, failed_bytes = run.ooms, run.failed_bytes
         st = pool.stats()
         where = str(pool.device) if pool.kind == "cuda" else "emulated"
     except OSError as exc:
