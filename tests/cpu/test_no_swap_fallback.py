@@ -45,6 +45,16 @@ def old_torch_with_extension(monkeypatch):
     return calls
 
 
+def _intact_and_usable(pool, survivors, versions) -> None:
+    """Every survivor kept its bytes and autograd version, and the freed half of the pool serves one request."""
+    for s, t in survivors.items():
+        assert check_pattern(t, s) and t._version == versions[s]
+    big = pool.empty(pool.capacity // 2 - PAGE, dtype=torch.uint8)
+    fill_pattern(big, 0)
+    assert all(check_pattern(t, s) for s, t in survivors.items())
+    pool.check_invariants()
+
+
 def test_tensors_without_views_move_and_tensors_with_views_stay(make_pool, no_swap):
     pool = make_pool("1MiB", auto_compact=False)
     ts = [pool.empty(PAGE // 4, dtype=torch.uint8) for _ in range(64)]
@@ -62,12 +72,7 @@ def test_tensors_without_views_move_and_tensors_with_views_stay(make_pool, no_sw
     report = pool.compact()
     assert report.moved_tensors == 12 and report.pages_after == 4  # the viewed one stays, its page is kept
     assert viewed.data_ptr() == viewed_at and view.data_ptr() == viewed_at + 10
-    for s, t in survivors.items():
-        assert check_pattern(t, s) and t._version == versions[s]
-    big = pool.empty(pool.capacity // 2 - PAGE, dtype=torch.uint8)
-    fill_pattern(big, 0)
-    assert all(check_pattern(t, s) for s, t in survivors.items())
-    pool.check_invariants()
+    _intact_and_usable(pool, survivors, versions)
 
 
 def test_autograd_keeps_working_across_a_rebind(make_pool, no_swap):
@@ -119,12 +124,7 @@ def test_old_torch_moves_a_storage_that_has_views(make_pool, old_torch_with_exte
     assert viewed.data_ptr() != viewed_at
     assert view.data_ptr() == viewed.data_ptr() + 10 and also.data_ptr() == viewed.data_ptr()
     assert torch.equal(view, viewed[10:20].clone()) and torch.equal(also, viewed.view(-1, 16).t().clone())
-    for s, t in survivors.items():
-        assert check_pattern(t, s) and t._version == versions[s]
-    big = pool.empty(pool.capacity // 2 - PAGE, dtype=torch.uint8)
-    fill_pattern(big, 0)
-    assert all(check_pattern(t, s) for s, t in survivors.items())
-    pool.check_invariants()
+    _intact_and_usable(pool, survivors, versions)
 
 
 def test_old_torch_moves_autograd_saved_tensors_and_their_views(make_pool, old_torch_with_extension):
