@@ -45,6 +45,15 @@ def old_torch_with_extension(monkeypatch):
     return calls
 
 
+def _quarter_filled(pool) -> dict:
+    """64 quarter-page tensors, each with its own pattern; every fourth survives (seed -> tensor)."""
+    ts = [pool.empty(PAGE // 4, dtype=torch.uint8) for _ in range(64)]
+    ts.sort(key=lambda t: t.data_ptr())
+    for i, t in enumerate(ts):
+        fill_pattern(t, i + 1)
+    return {i + 1: t for i, t in enumerate(ts) if i % 4 == 0}
+
+
 def _intact_and_usable(pool, survivors, versions) -> None:
     """Every survivor kept its bytes and autograd version, and the freed half of the pool serves one request."""
     for s, t in survivors.items():
@@ -57,12 +66,7 @@ def _intact_and_usable(pool, survivors, versions) -> None:
 
 def test_tensors_without_views_move_and_tensors_with_views_stay(make_pool, no_swap):
     pool = make_pool("1MiB", auto_compact=False)
-    ts = [pool.empty(PAGE // 4, dtype=torch.uint8) for _ in range(64)]
-    ts.sort(key=lambda t: t.data_ptr())
-    for i, t in enumerate(ts):
-        fill_pattern(t, i + 1)
-    survivors = {i + 1: t for i, t in enumerate(ts) if i % 4 == 0}
-    del ts, t
+    survivors = _quarter_filled(pool)
     viewed = survivors[61]  # on the last page, which an evacuation would empty
     view = viewed[10:20]
     viewed_at = viewed.data_ptr()
@@ -107,12 +111,7 @@ def test_adopt_fallback_needs_a_sole_tensor(make_pool, no_swap):
 
 def test_old_torch_moves_a_storage_that_has_views(make_pool, old_torch_with_extension):
     pool = make_pool("1MiB", auto_compact=False)
-    ts = [pool.empty(PAGE // 4, dtype=torch.uint8) for _ in range(64)]
-    ts.sort(key=lambda t: t.data_ptr())
-    for i, t in enumerate(ts):
-        fill_pattern(t, i + 1)
-    survivors = {i + 1: t for i, t in enumerate(ts) if i % 4 == 0}
-    del ts, t
+    survivors = _quarter_filled(pool)
     viewed = survivors[61]  # on the last page, which an evacuation must empty
     view = viewed[10:20]
     also = viewed.view(-1, 16).t()
