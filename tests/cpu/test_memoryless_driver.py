@@ -112,14 +112,8 @@ def test_memoryless_calls_match_the_cuda_python_signatures():
 
 # ---------------------------------------------------------------- the same rules on both devices
 
-@pytest.mark.parametrize("size", [0, G - 4096, G + 4096, -G])
-def test_create_rejects_bad_sizes(drv, size):
-    expect_error(drv, drv.create, size, call="cuMemCreate")
-
-
-@pytest.mark.parametrize("size, alignment", [(G + 4096, 0), (0, 0), (G, 4096), (G, 3 * G), (G, G + 4096)])
-def test_reserve_rejects_bad_size_or_alignment(drv, size, alignment):
-    expect_error(drv, drv.reserve, size, alignment, call="cuMemAddressReserve")
+# test_driver's own rule tests, collected here again: this module's `drv` runs them on both devices.
+from .test_driver import test_create_rejects_bad_sizes, test_reserve_rejects_bad_size_or_alignment  # noqa: E402,F401
 
 
 def test_reservations_are_aligned_and_disjoint(drv):
