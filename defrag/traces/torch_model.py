@@ -401,9 +401,10 @@ class CachingAllocatorModel:
             return remaining >= K_MIN_BLOCK_SIZE
         return (self.max_split_size is None or size < self.max_split_size) and remaining > K_SMALL_SIZE
 
-    def _split(self, block: Block, size: int, pool: BlockPool) -> None:
-        """``alloc_found_block``'s split: the request keeps the low end, the rest goes back to the pool."""
-        rest = Block(block.addr + size, block.size - size, block.segment)
+    def _split(self, block: Block, size: int, pool: BlockPool, *, mapped: bool = True) -> None:
+        """``alloc_found_block``'s split: the request keeps the low end, the rest goes back to the pool
+        (unmapped, with `mapped=False`: the part of an expandable segment's hole left unmapped)."""
+        rest = Block(block.addr + size, block.size - size, block.segment, mapped=mapped)
         rest.prev, rest.next = block, block.next
         if block.next is not None:
             block.next.prev = rest
@@ -562,13 +563,7 @@ class CachingAllocatorModel:
         pool.erase(block)
         block.mapped = True
         if nbytes < block.size:
-            rest = Block(block.addr + nbytes, block.size - nbytes, seg, mapped=False)
-            rest.prev, rest.next = block, block.next
-            if block.next is not None:
-                block.next.prev = rest
-            block.next = rest
-            block.size = nbytes
-            pool.insert(rest)
+            self._split(block, nbytes, pool, mapped=False)
         self._merge(block, block.prev, pool)
         self._merge(block, block.next, pool)
         pool.insert(block)
