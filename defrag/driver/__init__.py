@@ -34,8 +34,7 @@ class DeviceUnavailableError(RuntimeError):
 
 _lock = threading.Lock()
 _cuda_drivers: dict[int, Driver] = {}
-_emulated: Driver | None = None
-_memoryless: Driver | None = None
+_shared: dict[str, Driver | None] = {}  # kind -> this process's emulated / memory-less device
 
 
 def _env_bytes(name: str, default: int) -> int:
@@ -46,6 +45,18 @@ def _env_bytes(name: str, default: int) -> int:
     return parse_size(raw, what=name)
 
 
+def _shared_driver(kind: str) -> Driver:
+    """This process's one device of `kind` ("emulated" or "memoryless"), sized by
+    DEFRAG_<KIND>_CAPACITY (default 16GiB) and DEFRAG_<KIND>_GRANULARITY (default 2MiB)."""
+    prefix = f"DEFRAG_{kind.upper()}"
+    with _lock:
+        if _shared.get(kind) is None:
+            _shared[kind] = getattr(Driver, kind)(
+                capacity=_env_bytes(f"{prefix}_CAPACITY", DEFAULT_CAPACITY),
+                granularity=_env_bytes(f"{prefix}_GRANULARITY", DEFAULT_GRANULARITY))
+        return _shared[kind]
+
+
 def default_emulated_driver() -> Driver:
     """This process's emulated device (one per process, like a GPU).
 
@@ -53,13 +64,7 @@ def default_emulated_driver() -> Driver:
     16GiB; memfd pages cost nothing until written) and
     DEFRAG_EMULATED_GRANULARITY (default 2MiB, as on H100/H200).
     """
-    global _emulated
-    with _lock:
-        if _emulated is None:
-            _emulated = Driver.emulated(
-                capacity=_env_bytes("DEFRAG_EMULATED_CAPACITY", DEFAULT_CAPACITY),
-                granularity=_env_bytes("DEFRAG_EMULATED_GRANULARITY", DEFAULT_GRANULARITY))
-        return _emulated
+    return _shared_driver("emulated")
 
 
 def default_memoryless_driver() -> Driver:
@@ -70,13 +75,7 @@ def default_memoryless_driver() -> Driver:
     (default 2MiB). A dry replay that needs its own size builds
     `Driver.memoryless(capacity=..., granularity=...)` instead.
     """
-    global _memoryless
-    with _lock:
-        if _memoryless is None:
-            _memoryless = Driver.memoryless(
-                capacity=_env_bytes("DEFRAG_MEMORYLESS_CAPACITY", DEFAULT_CAPACITY),
-                granularity=_env_bytes("DEFRAG_MEMORYLESS_GRANULARITY", DEFAULT_GRANULARITY))
-        return _memoryless
+    return _shared_driver("memoryless")
 
 
 def _cuda_driver(ordinal: int) -> Driver:

@@ -89,7 +89,7 @@ def test_memoryless_defaults_and_validation():
 
 
 def test_open_memoryless_is_one_device_per_process(monkeypatch):
-    monkeypatch.setattr(driver_mod, "_memoryless", None)
+    monkeypatch.setitem(driver_mod._shared, "memoryless", None)
     monkeypatch.setenv("DEFRAG_MEMORYLESS_CAPACITY", "80GiB")
     monkeypatch.setenv("DEFRAG_MEMORYLESS_GRANULARITY", "4MiB")
     d = open_driver("memoryless")
