@@ -478,7 +478,6 @@ def rescue(core: Core, mover: Mover, nbytes: int, tried: list[str], callbacks=()
         return None
     size = core.round(nbytes)
     scope = core.scope(None)  # the allocating thread's blocks, parked threads', or all when it is the only one
-    pinned_pages, movable = core.packing_floor(scope, mover.can_rewrite)
     if size < core.page_size:
         # A sub-page request needs a hole, not a page. Movable blocks can also fill
         # holes in pages that blocks which cannot move keep (other threads' blocks
@@ -488,6 +487,7 @@ def rescue(core: Core, mover: Mover, nbytes: int, tried: list[str], callbacks=()
             tried.append(f"compaction cannot help: even packed, only {format_bytes(max(slack, 0))} would be free")
             return None
     else:
+        pinned_pages, movable = core.packing_floor(scope, mover.can_rewrite)
         need = -(-size // core.page_size)
         could_free = core.capacity_pages - pinned_pages - -(-movable // core.page_size)
         if need > could_free:

@@ -352,10 +352,6 @@ class Core:
         """Pages that hold at least one block."""
         return int(sum(int((c > 0).sum()) for c in self._live_count))
 
-    def live_mask(self, region: Region) -> np.ndarray:
-        """Per page of `region`: whether a block (live or retired) touches it (a copy)."""
-        return self._live_count[region.index] > 0
-
     def empty_page_count(self) -> int:
         """Mapped pages that no block touches (kept incrementally)."""
         return self._empty
