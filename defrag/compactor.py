@@ -25,11 +25,19 @@ free and overlap no source, see `defrag.planner`):
 A failure in steps 1-2 of a wave (driver error, copy failure, checksum
 mismatch, any exception) drops that wave's destinations and unmaps the pages
 it mapped: every tensor keeps its old location and bytes. Earlier waves stay
-done (their tensors are valid at their new places). After the last wave, with
-`release=True` (explicit compactions' default), every mapped page that holds
-no block is unmapped (after a synchronize) and its physical page cached; with
-`release=False` (automatic compactions) emptied pages stay mapped and free.
-Either way their physical pages can back any later request (stitching).
+done (their tensors are valid at their new places). After the last wave the
+emptied pages stay mapped and free (`release=False`, the default): unmapping
+them would free no device memory (their handles stay in the pool) and costs
+a driver call per mapping, here and again when they are reused. A request
+that needs their physical page elsewhere unmaps them then (stitching), and
+`trim()` returns them to the device. With `release=True` every mapped page
+that holds no block is unmapped at the end (after a synchronize) and its
+physical page cached.
+
+Destinations go, in order of preference, into holes of pages that stay
+(wave 1), into empty mapped pages, and only then into unmapped pages (which
+an explicit compaction backs by unmapping empty pages elsewhere, so it never
+raises the number of mapped pages).
 
 Never moved: pinned blocks; blocks of a page or more (they start on a page
 boundary and moving one cannot free a page; see `defrag.planner`); blocks
@@ -160,14 +168,14 @@ class _Timer:
 
 
 def compact_core(core: Core, mover: Mover, *, verify: bool = False, progress: bool | None = None,
-                 engine: str | None = None, automatic: bool = False, release: bool = True,
+                 engine: str | None = None, automatic: bool = False, release: bool = False,
                  hole_for: int | None = None, scope: Scope | None = None, callbacks=()) -> CompactionReport:
     """Compact every region of `core` (its gate held by the caller). See the module docstring.
 
-    `release=True` unmaps the pages the compaction emptied (after a
-    synchronize), so `reserved_bytes` drops; with `release=False` they stay
-    mapped and empty, free for any later request (which unmaps only what it
-    must), saving the unmap/remap round trip. Automatic compactions use False.
+    `release=True` also unmaps every empty page at the end (after a
+    synchronize), so `reserved_bytes` drops; with `release=False` (default)
+    they stay mapped and empty, free for any later request (which unmaps
+    only what it must), saving the unmap/remap round trip.
     `hole_for=n` plans instead the single cheapest move that merges two free
     ranges into one hole of at least n bytes (see `_hole_plan`). `scope`
     (from `Core.scope`) says which threads' blocks may move: by default,
@@ -217,7 +225,7 @@ def compact_core(core: Core, mover: Mover, *, verify: bool = False, progress: bo
                 # request it serves is about to need every free page anyway.
                 budget = core.empty_page_count() + (core.space.store.available if automatic else 0)
                 plan = plan_arrays(layout.offsets, layout.sizes, layout.movable, page_size=core.page_size,
-                                   span=region.size, max_new_pages=budget)
+                                   span=region.size, max_new_pages=budget, mapped=region.handles != 0)
                 if not plan.empty:
                     plans.append((region, plan, layout))
 

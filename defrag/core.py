@@ -492,9 +492,12 @@ class Core:
             region, start = best[2], best[3]
         window = list(range(start, start + k))
         to_map = [p for p in window if not region.handles[p]]
-        shortfall = len(to_map) - self.space.store.available
-        if shortfall > 0:
-            # Stitching: take physical pages from empty mapped pages elsewhere.
+        shortfall = len(to_map) - len(self.space.store.cached)
+        if shortfall > 0 and self._empty > k - len(to_map):
+            # Stitching: physical pages of empty mapped pages elsewhere come
+            # before new ones, so mapped pages (reserved bytes) grow only when
+            # no empty page is left; compaction leaves its emptied pages mapped
+            # for exactly this.
             donors = self.empty_mapped_pages(region, window)[:shortfall]
             self.unmap_empty(donors)
         with Transaction() as txn:

@@ -101,7 +101,7 @@ class DryPool:
             self.core.release(self._blocks.pop(key))
             self.core.drain()
 
-    def compact(self, *, release: bool = True) -> CompactionReport:
+    def compact(self, *, release: bool = False) -> CompactionReport:
         """An explicit compaction, as `Pool.compact()` runs it (CompactionError where the pool raises it)."""
         with self.core.gate:
             return compact_core(self.core, self._mover, automatic=False, release=release)

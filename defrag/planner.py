@@ -737,7 +737,8 @@ class _Result:
 class _Planner:
     """Per-region state shared by the attempts of one plan."""
 
-    def __init__(self, lay: _Layout, page_size: int, span: int, alignment: int, max_new_pages: int | None):
+    def __init__(self, lay: _Layout, page_size: int, span: int, alignment: int, max_new_pages: int | None,
+                 mapped: np.ndarray | None = None):
         self.lay, self.P, self.span, self.A = lay, page_size, span, alignment
         P = page_size
         off, size = lay.off, lay.size
@@ -783,11 +784,18 @@ class _Planner:
         free_s, free_e = _gaps(t_s, t_e, span)
         limit = n if max_new_pages is None else min(n, max_new_pages)
         run_s, run_n = free_s // P, (free_e - free_s) // P
-        o = np.argsort(-run_n, kind="stable")
-        run_s, run_n = run_s[o], run_n[o]
-        before = np.cumsum(run_n) - run_n
-        use = np.clip(limit - before, 0, run_n)
-        self.fresh = _expand_runs(run_s, use)
+        if mapped is not None:
+            # Mapped pages first (a destination there costs no mapping), each
+            # kind in runs, longest first.
+            pages = _expand_runs(run_s, run_n)
+            on = mapped[pages]
+            self.fresh = np.concatenate((_runs_first(pages[on]), _runs_first(pages[~on])))[:limit]
+        else:
+            o = np.argsort(-run_n, kind="stable")
+            run_s, run_n = run_s[o], run_n[o]
+            before = np.cumsum(run_n) - run_n
+            use = np.clip(limit - before, 0, run_n)
+            self.fresh = _expand_runs(run_s, use)
 
     # -- page bookkeeping ---------------------------------------------------
 
@@ -1087,6 +1095,7 @@ def plan_arrays(
     span: int,
     alignment: int = 512,
     max_new_pages: int | None = None,
+    mapped: np.ndarray | None = None,
 ) -> ArrayPlan:
     """Plan moves that leave the live blocks on as few pages as possible (array form).
 
@@ -1097,6 +1106,11 @@ def plan_arrays(
     (likely unmapped) the plan may use as destinations; ``None``: no cap;
     ``0``: only pages touched now, for when no physical page is free to map
     (the plan then never needs more pages than the region holds now).
+    ``mapped`` (optional, one bool per page of ``span``) says which pages are
+    mapped: untouched mapped pages are then used before unmapped ones, so a
+    destination costs no mapping while an empty mapped page is left. Never
+    more pages remain than without the hint (when the hinted plan misses the
+    lower bound, the plain one is computed too and the better one kept).
 
     Raises :class:`PlanError` on bad input (blocks named by index). The input
     arrays are not modified. The plan passes :func:`validate_arrays`, is
@@ -1112,8 +1126,20 @@ def plan_arrays(
     _check_geometry(page_size, span, alignment)
     if max_new_pages is not None and max_new_pages < 0:
         raise PlanError(f"max_new_pages must be >= 0 or None, got {max_new_pages}")
-    return _plan(_layout(off, size, mov, span=span, alignment=alignment), page_size, span, alignment,
-                 max_new_pages)
+    if mapped is not None:
+        mapped = np.asarray(mapped, dtype=bool)
+        if mapped.shape != (span // page_size,):
+            raise PlanError(f"mapped needs one entry per page of the span ({span // page_size}), got shape "
+                            f"{mapped.shape}")
+    lay = _layout(off, size, mov, span=span, alignment=alignment)
+    plan = _plan(lay, page_size, span, alignment, max_new_pages, mapped)
+    if mapped is not None and plan.pages_lower_bound is not None and plan.pages_after > plan.pages_lower_bound:
+        # Scattered mapped pages can cost the packing of blocks that would have
+        # straddled two adjacent unmapped pages: keep the hint only if it loses nothing.
+        plain = _plan(lay, page_size, span, alignment, max_new_pages)
+        if plain.pages_after < plan.pages_after:
+            plan = plain
+    return plan
 
 
 def plan_compaction(
@@ -1144,10 +1170,11 @@ def plan_compaction(
     return _plan(lay, page_size, span, alignment, max_new_pages).to_plan(keys)
 
 
-def _plan(lay: _Layout, page_size: int, span: int, alignment: int, max_new_pages: int | None) -> ArrayPlan:
+def _plan(lay: _Layout, page_size: int, span: int, alignment: int, max_new_pages: int | None,
+          mapped: np.ndarray | None = None) -> ArrayPlan:
     if lay.off.size == 0:
         return _empty_arrays(page_size, 0, 0)
-    pl = _Planner(lay, page_size, span, alignment, max_new_pages)
+    pl = _Planner(lay, page_size, span, alignment, max_new_pages, mapped)
     target = pl.lower_bound
     if pl.pages_before <= target:
         return _empty_arrays(page_size, pl.pages_before, target)

@@ -90,7 +90,7 @@ def save_snapshot(path, pool: "Pool | None" = None) -> str:
 
 
 def compact(*, verify: bool = False, progress: bool | None = None, engine: str | None = None,
-            release: bool = True, threads: str | None = None) -> list[CompactionReport]:
+            release: bool = False, threads: str | None = None) -> list[CompactionReport]:
     """Compact every open pool of this process (same options as `Pool.compact`); one report per pool.
 
     Pools are compacted one after the other; an error in one propagates
@@ -806,13 +806,17 @@ class Pool:
 
     # ------------------------------------------------------------------ compaction
     def compact(self, *, verify: bool = False, progress: bool | None = None, engine: str | None = None,
-                release: bool = True, threads: str | None = None) -> CompactionReport:
+                release: bool = False, threads: str | None = None) -> CompactionReport:
         """Move live tensors so that the pages they strand become free; see `defrag.compactor`.
 
         `verify`: compare checksums of every moved block; `progress`: a progress
         bar (None: only for large compactions); `engine`: "kernel" (GPU
-        default), "memmove" (emulated default) or "driver"; `release`: unmap
-        the emptied pages (else they stay mapped, empty and free for reuse).
+        default), "memmove" (emulated default) or "driver"; `release`: also
+        unmap every empty page at the end (default False: emptied pages stay
+        mapped and free, so the next request needs no driver call; a request
+        that needs their physical page unmaps them then, and `trim()` returns
+        them to the device). A compaction never frees device memory by itself:
+        its unmapped pages' handles stay cached in the pool.
 
         `threads` says whose tensors may move (the module docstring has the
         contract): None (default) moves the calling thread's own tensors,

@@ -301,3 +301,37 @@ class CompactMachine(PoolMachine):
 CompactMachine.TestCase.settings = settings(max_examples=30, stateful_step_count=25, deadline=None,
                                             suppress_health_check=[HealthCheck.too_slow])
 test_compaction_random_sequences = CompactMachine.TestCase
+
+
+def _driver_calls(pool, *names):
+    calls = pool.driver.faults.calls
+    return {n: calls.get(n, 0) for n in names}
+
+
+def test_compaction_leaves_emptied_pages_mapped_and_a_large_request_reuses_them(make_pool):
+    """By default a compaction makes no mapping call; the pages it empties stay mapped and free, and
+    a request of several pages is stitched from them (unmapped there, mapped in its window) instead of
+    new physical pages, though the pool could still create 16 more: reserved bytes never grow."""
+    pool = make_pool("2MiB", auto_compact=False)  # 32 pages of 64 KiB; the fill maps 16
+    survivors = fragment(pool)
+    created = pool.core.space.store.created
+    before = _driver_calls(pool, "cuMemMap", "cuMemUnmap", "cuMemCreate")
+    report = pool.compact()
+    assert report.released_pages == 12 and report.unmapped_pages == 0
+    assert _driver_calls(pool, "cuMemMap", "cuMemUnmap", "cuMemCreate") == before
+    st_ = pool.stats()
+    assert st_["pages.mapped"] == 16 and st_["reserved_bytes.all.current"] == 16 * PAGE
+    big = pool.empty(8 * PAGE, dtype=torch.uint8)
+    fill_pattern(big, 77)
+    st_ = pool.stats()
+    assert st_["pages.mapped"] == 16 and st_["reserved_bytes.all.peak"] == 16 * PAGE
+    assert pool.core.space.store.created == created  # no new physical page
+    assert check_pattern(big, 77) and all(check_pattern(t, s) for s, t in survivors.items())
+    pool.check_invariants()
+    # release=True still unmaps every empty page at the end (handles cached, not freed).
+    del big
+    report = pool.compact(release=True)
+    assert report.unmapped_pages == 12 and pool.stats()["pages.mapped"] == 4
+    assert pool.trim() == 12 * PAGE
+    assert all(check_pattern(t, s) for s, t in survivors.items())
+    pool.check_invariants()

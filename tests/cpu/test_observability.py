@@ -203,7 +203,7 @@ def test_history_records_allocs_frees_maps_moves_and_oom_in_order(pool2m):
     survivors = dict(b=b, d=d, p=p)
     pool.stats()  # a safe point: queued releases are applied (and recorded) here
     n_before_compact = len(pool.core.history)
-    report = pool.compact()
+    report = pool.compact(release=True)  # unmaps recorded too
     assert report.moved_tensors >= 1 and report.released_pages >= 1
     with pytest.raises(defrag.OutOfMemoryError):
         pool.empty(40 * MiB, dtype=torch.uint8)

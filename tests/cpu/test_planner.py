@@ -793,3 +793,51 @@ def test_plan_hole_moves_a_large_block_only_to_a_page_boundary():
     free = free[:3] + [(3 * page + 1024, page - 1024), (4 * page, 4 * page)]
     plan = plan_hole(blocks, free, 3 * 1024, page_size=page, span=8 * page)
     assert plan.moves == (Move("big", page + 1024, 4 * page, page),)
+
+
+def test_mapped_untouched_pages_receive_destinations_before_unmapped_ones():
+    """Eight pages hold one 40 KiB block each (5/8 of a page): none fits another's hole, so packing
+    fills five zone pages. With `mapped`, the zone is the run of five mapped untouched pages (20-24),
+    not the start of the longest untouched run (8); the page counts do not change."""
+    page, n = 64 * 1024, 8
+    span = 32 * page
+    offsets = (np.arange(n) * page).astype(np.int64)
+    sizes = np.full(n, 40 * 1024, np.int64)
+    movable = np.ones(n, bool)
+    mapped = np.zeros(32, bool)
+    mapped[:n] = True
+    mapped[20:25] = True
+    plain = planner.plan_arrays(offsets, sizes, movable, page_size=page, span=span)
+    hinted = planner.plan_arrays(offsets, sizes, movable, page_size=page, span=span, mapped=mapped)
+    assert plain.pages_after == hinted.pages_after == 5
+    assert set((plain.dst // page).tolist()) == set(range(8, 13))
+    assert set((hinted.dst // page).tolist()) == set(range(20, 25))
+    planner.validate_arrays(offsets, sizes, movable, hinted, span=span)
+    with pytest.raises(planner.PlanError, match="one entry per page"):
+        planner.plan_arrays(offsets, sizes, movable, page_size=page, span=span, mapped=mapped[:3])
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_the_mapped_hint_never_leaves_more_pages(seed):
+    rng = np.random.default_rng(seed)
+    page, npg = 65536, 64
+    offs, sizes = [], []
+    for p in range(40):
+        cur = p * page
+        while True:
+            sz = int(rng.choice([512 * k for k in (1, 8, 24, 40, 64, 100, 128)]))
+            if cur + sz > (p + 1) * page:
+                break
+            if rng.random() < 0.4:
+                offs.append(cur)
+                sizes.append(sz)
+            cur += sz
+    o, s = np.array(offs, np.int64), np.array(sizes, np.int64)
+    m = np.ones(o.size, bool)
+    mapped = np.zeros(npg, bool)
+    mapped[:40] = True
+    mapped[40:] = rng.random(npg - 40) < 0.3
+    plain = planner.plan_arrays(o, s, m, page_size=page, span=npg * page)
+    hinted = planner.plan_arrays(o, s, m, page_size=page, span=npg * page, mapped=mapped)
+    assert hinted.pages_after <= plain.pages_after
+    planner.validate_arrays(o, s, m, hinted, span=npg * page)

@@ -223,7 +223,7 @@ pool = defrag.Pool(Driver.emulated(capacity=8 << 20, granularity=64 << 10), capa
 ts = [pool.full((4096,), float(i)) for i in range(8)]   # 16 KiB each, 4 per 64 KiB page
 del ts[::2]
 old = [t.data_ptr() for t in ts]
-report = pool.compact()                                  # moves, then unmaps the emptied pages
+report = pool.compact(release=True)                      # moves, then unmaps the emptied pages
 assert report.moved_tensors and report.unmapped_pages, report
 stale = next(p for p, t in zip(old, ts) if t.data_ptr() != p)
 ctypes.memset(stale, 0x7F, 4096)                         # a stale write: a segfault before the tombstones
