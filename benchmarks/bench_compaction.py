@@ -160,6 +160,9 @@ def plot_copy_bandwidth(rows, path) -> bool:
 def _fill_fragmented(pool, npages: int) -> list:
     """4 tensors of a quarter page per page, written (non-zero), then 3 of every 4 dropped."""
     quarter = pool.page_size // 4
+    # Statistics first return ranges kept for reuse to the heap: every round fills
+    # the same coalesced free space, so every round builds the same layout.
+    pool.stats()
     tensors = [pool.empty(quarter, dtype=torch.uint8) for _ in range(4 * npages)]
     for i, t in enumerate(tensors):
         t.fill_(i % 251 + 1)

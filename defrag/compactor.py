@@ -199,6 +199,7 @@ def compact_core(core: Core, mover: Mover, *, verify: bool = False, progress: bo
     phases = report.phases
     core.drain()
     core.wait_pending()
+    core.flush_reuse()  # the plan and the destinations read the heap's free space
     with _Timer(phases, "sync"):
         core.driver.synchronize()  # queued kernels may still use blocks we are about to move
     before = core.stats_locked()
@@ -393,6 +394,7 @@ def _run_wave(core: Core, mover: Mover, region, plan: ArrayPlan, a: int, b: int,
     with _Timer(phases, "release"):
         dests.clear()
         core.drain()
+        core.flush_reuse()  # later waves' destinations lie in what this one vacated
 
 
 def _make_physical_room(core: Core, region, dest_pages: set, needed: int) -> None:
@@ -522,6 +524,7 @@ def rescue(core: Core, mover: Mover, nbytes: int, tried: list[str], callbacks=()
     if size >= core.page_size:
         return None
     # Every page is needed, but the free bytes are split: merge two holes.
+    core.flush_reuse()
     if not any(_hole_plan(core, region, _collect(core, mover, region, scope), size) for region in core.regions):
         tried.append("no single move merges free ranges into a large enough hole")
         return None

@@ -68,6 +68,7 @@ class Block:
     shared: bool = False  # declared used by several threads: no thread owns it
     info: object = None  # the face's data about the block's user; follows the data when it moves
     deferral: list = field(default_factory=list)  # the face's "device done with it" markers (have .query())
+    keepalive: object = None  # the face's release hook for this range (dropped when the block is freed)
 
 
 @dataclass(frozen=True)
@@ -139,6 +140,11 @@ class Core:
         self._pending: list[Block] = []  # released, waiting on their deferral markers
         self._threads: dict[int, object] = {}  # token id -> owner ref of every thread that used the core
         self._empty = 0  # mapped pages that no block touches, kept as blocks come and go
+        # Freed ranges kept carved for a request of the same size: rounded size ->
+        # [(region, address)]. Off the pages' live counts and the counters (free in every
+        # statistic), still allocated in the heap until `flush_reuse` (see `free`).
+        self._reuse: dict[int, list] = {}
+        self._reuse_count = 0
         self.counters: collections.Counter = collections.Counter()
         self.peaks: collections.Counter = collections.Counter()
         self.add_region(self.capacity_pages * max(1, int(virtual_factor)))
@@ -149,7 +155,9 @@ class Core:
         return self.space.regions
 
     def heap(self, region: Region) -> Heap:
-        """The heap of `region` (free ranges; faces and the compactor read it, the core carves it)."""
+        """The heap of `region` (free ranges; faces and the compactor read it, the core carves it),
+        with every range kept for reuse back in it."""
+        self.flush_reuse()
         return self._heaps[region.index]
 
     def blocks(self):
@@ -325,8 +333,22 @@ class Core:
         return block
 
     def free(self, block: Block) -> None:
-        """Give a block's range back to the heap (the gate is held; nothing may use it any more)."""
-        self._heaps[block.region.index].free(block.address)
+        """Free a block's range (the gate is held; nothing may use it any more).
+
+        The range is kept carved for the next request of its exact size
+        (`place` takes it without touching the heap: the common case of a
+        training step or a decode loop, which frees and asks for the same
+        sizes again). Everything else that reads or changes the heap's free
+        space first returns every kept range to it (`flush_reuse`): a request
+        of a size not kept, unmapping, compaction, statistics, layout and
+        invariant checks. So kept ranges never make the pool map a page,
+        never leave a hole uncoalesced for a request of another size, and
+        never make a statistic wrong. Pages and counters count the range as
+        free at once.
+        """
+        self._reuse.setdefault(block.size, []).append((block.region, block.address))
+        self._reuse_count += 1
+        block.keepalive = None
         self._account(block, -1)
         del self._blocks[block.address]
         if block.counted:
@@ -337,6 +359,17 @@ class Core:
             self.counters["num_frees"] += 1
         if self.history is not None:
             self.history.block_freed(block)
+
+    def flush_reuse(self) -> None:
+        """Give every range `free` kept for reuse back to the heap (coalescing it with its neighbours)."""
+        if not self._reuse_count:
+            return
+        heaps = self._heaps
+        for entries in self._reuse.values():
+            for region, address in entries:
+                heaps[region.index].free(address)
+        self._reuse.clear()
+        self._reuse_count = 0
 
     def bump(self, key: str, delta: int) -> None:
         """Add `delta` to a counter, tracking its peak (and the active bytes' peak)."""
@@ -388,6 +421,7 @@ class Core:
 
     def unmap_empty(self, pages: list[tuple[Region, int]]) -> None:
         """Unmap mapped pages that hold no block; their handles become cached."""
+        self.flush_reuse()
         by_region: dict[int, list[int]] = collections.defaultdict(list)
         for region, page in pages:
             by_region[region.index].append(page)
@@ -426,6 +460,14 @@ class Core:
     def place(self, nbytes: int) -> Block:
         """Place `nbytes` without compacting; NoSpace when it does not fit now."""
         size = self.round(nbytes)
+        kept = self._reuse.get(size)
+        if kept:
+            region, address = kept.pop()
+            self._reuse_count -= 1
+            return self.carve(region, address, size, nbytes)
+        # A size not kept: every kept range goes back first, so best fit sees the
+        # coalesced free space (leftovers next to kept ranges would fragment it).
+        self.flush_reuse()
         if size < self.page_size:
             return self._place_small(size, nbytes)
         return self._place_large(size, nbytes)
@@ -632,6 +674,7 @@ class Core:
 
     def stats_locked(self) -> dict:
         """Counters and gauges in PyTorch's key grammar (the gate is held; see `Pool.stats`)."""
+        self.flush_reuse()
         P = self.page_size
         allocated = self.counters["allocated_bytes"]
         pending = self.counters["pending_bytes"]
@@ -688,6 +731,7 @@ class Core:
 
     def layout(self) -> dict:
         """A plain-dict picture of the core (for `defrag.viz` and snapshots); see `Pool.layout`."""
+        self.flush_reuse()
         regions = []
         for region in self.space.regions:
             live = self._live_count[region.index] > 0
@@ -713,6 +757,7 @@ class Core:
         allocated + free-inside-mapped == mapped bytes; page live counts match
         the blocks; heaps are internally consistent.
         """
+        self.flush_reuse()
         prev_end = None
         counts = [np.zeros_like(c) for c in self._live_count]
         for address, b in sorted(self._blocks.items()):

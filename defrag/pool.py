@@ -366,9 +366,10 @@ class Pool:
         return f"{dtype}{list(info.shape) if info.shape is not None else ''}"
 
     def _storage_over(self, block: Block) -> torch.UntypedStorage:
-        """A storage over `block` whose death releases it."""
-        return tz.storage_over(self.kind, self.device, block.address, block.nbytes,
-                               lambda b=block: self._on_release(b))
+        """A storage over `block` whose death releases it (the block keeps the release hook)."""
+        storage, block.keepalive = tz.storage_over(self.kind, self.device, block.address, block.nbytes,
+                                                   self._on_release, block)
+        return storage
 
     def _storage_for(self, block: Block, dtype, shape, origin: str = "empty") -> torch.UntypedStorage:
         """The user's storage over a new block, with the block's TensorInfo."""
@@ -376,6 +377,14 @@ class Pool:
         block.info = TensorInfo(dtype, shape, tz.weak_storage(storage), origin,
                                 alloc_stream=self._current_stream())
         return storage
+
+    def _tensor_for(self, block: Block, dtype, shape: tuple, stride: tuple) -> torch.Tensor:
+        """The user's tensor over a new block (its own storage), with the block's TensorInfo."""
+        tensor, block.keepalive = tz.tensor_at(self.kind, self.device, block.address, block.nbytes, dtype, shape,
+                                               stride, self._on_release, block)
+        block.info = TensorInfo(dtype, shape, tz.weak_storage(tensor.untyped_storage()), "empty",
+                                alloc_stream=self._current_stream() if self.kind == "cuda" else 0)
+        return tensor
 
     # ------------------------------------------------------------------ public: creation
     def empty(self, *shape, dtype: torch.dtype | None = None, requires_grad: bool = False) -> torch.Tensor:
@@ -410,13 +419,12 @@ class Pool:
                                            requires_grad=requires_grad)
             block = self._allocate(nbytes)
             try:
-                storage = self._storage_for(block, dtype, shape)
+                tensor = self._tensor_for(block, dtype, shape, stride)
             except BaseException:
                 self.core.free(block)
                 raise
             if self.core.history is not None:
                 self.core.history.block_allocated(block)
-        tensor = tz.tensor_over(storage, dtype, shape, self.device, stride)
         if not self._can_swap:  # "rebind" mode only: otherwise no weakref on users' tensors (swap_tensors works)
             block.info.tensors.append(weakref.ref(tensor))
         if requires_grad:

@@ -2,8 +2,9 @@
 
 A pool block becomes an ordinary `torch.UntypedStorage` through an *owner*
 object that the storage keeps alive for exactly as long as any tensor or view
-uses it. When the last one dies, PyTorch drops the owner and a
-`weakref.finalize` on it tells the pool the block is free.
+uses it. When the last one dies, PyTorch drops the owner and a `ReleaseHook`
+(a weak reference to it, kept alive by the pool with the block) tells the
+pool the block is free.
 
 - Emulated device: the owner is a ctypes array over the block's host address,
   wrapped by `torch.frombuffer` (a CPU storage).
@@ -66,29 +67,72 @@ class _CudaBuffer:
         }
 
 
-def storage_over(kind: str, device: torch.device, ptr: int, nbytes: int, on_release) -> torch.UntypedStorage:
-    """An UntypedStorage of `nbytes` at `ptr`; `on_release()` runs when torch drops it.
+class ReleaseHook(weakref.ref):
+    """A weak reference to a storage's owner that calls `on_release(key)` once, when the owner dies.
+
+    The caller must keep the hook alive at least as long as the owner (the
+    pool keeps it on the block): a weak reference that dies first never
+    fires. Cheaper than `weakref.finalize` (no registry, no atexit pass), and
+    like it never fires while the owner lives, at interpreter exit included.
+    """
+
+    __slots__ = ("on_release", "key")
+
+    def __new__(cls, owner, on_release, key):
+        self = super().__new__(cls, owner, _fire)
+        self.on_release, self.key = on_release, key
+        return self
+
+    def __init__(self, owner, on_release, key):
+        super().__init__(owner, _fire)
+
+
+def _fire(hook: ReleaseHook) -> None:
+    hook.on_release(hook.key)
+
+
+def storage_over(kind: str, device: torch.device, ptr: int, nbytes: int, on_release,
+                 key=None) -> tuple[torch.UntypedStorage, ReleaseHook]:
+    """An UntypedStorage of `nbytes` at `ptr`, and the hook that runs `on_release(key)` when torch drops it.
 
     Guarantees `on_release` runs exactly once, when the last storage/tensor
     referencing this memory dies (possibly on another thread, e.g. autograd's),
-    and never while anything still uses it. It must be cheap and must not take
-    locks that the dying thread may hold: the pool only queues the release.
+    and never while anything still uses it, provided the caller keeps the
+    returned hook alive until then. It must be cheap and must not take locks
+    that the dying thread may hold: the pool only queues the release.
     """
     if nbytes <= 0:
         raise ValueError("a pool storage needs at least one byte")
     if kind == "emulated":
-        owner = (ctypes.c_uint8 * nbytes).from_address(ptr)
-        _release_with(owner, on_release)
-        return torch.frombuffer(owner, dtype=torch.uint8).untyped_storage()
+        owner = _bytes_at(ptr, nbytes)
+        return torch.frombuffer(owner, dtype=torch.uint8).untyped_storage(), ReleaseHook(owner, on_release, key)
     owner = _CudaBuffer(ptr, nbytes)
-    _release_with(owner, on_release)
-    return torch.as_tensor(owner, device=device).untyped_storage()
+    return torch.as_tensor(owner, device=device).untyped_storage(), ReleaseHook(owner, on_release, key)
 
 
-def _release_with(owner, on_release) -> None:
-    # Not at interpreter exit: tensors still alive then keep using the memory
-    # until the process is gone, so their blocks must not be released early.
-    weakref.finalize(owner, on_release).atexit = False
+def _bytes_at(ptr: int, nbytes: int):
+    """A ctypes byte array over host memory at `ptr` (the emulated device's owner object)."""
+    return (ctypes.c_uint8 * nbytes).from_address(ptr)
+
+
+def tensor_at(kind: str, device: torch.device, ptr: int, nbytes: int, dtype: torch.dtype, shape: tuple,
+              stride: tuple, on_release, key=None) -> tuple[torch.Tensor, ReleaseHook]:
+    """A tensor of `shape`/`stride`/`dtype` over its own storage of `nbytes` at `ptr`, and its release hook.
+
+    The same guarantees as `storage_over` (and the same storage), made in
+    fewer steps on the emulated device: `torch.frombuffer` with the dtype
+    gives the tensor at once when it is one-dimensional and dense. No
+    autograd base; `nbytes` must be a multiple of the item size.
+    """
+    if kind == "emulated" and nbytes > 0:
+        owner = _bytes_at(ptr, nbytes)
+        hook = ReleaseHook(owner, on_release, key)
+        t = torch.frombuffer(owner, dtype=dtype)
+        if len(shape) != 1 or stride[0] != 1 or shape[0] * dtype.itemsize != nbytes:
+            t.set_(t.untyped_storage(), 0, shape, stride)
+        return t, hook
+    storage, hook = storage_over(kind, device, ptr, nbytes, on_release, key)
+    return tensor_over(storage, dtype, shape, device, stride), hook
 
 
 def contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:

@@ -62,9 +62,11 @@ class Block:
         self.released = 0
 
     def storage(self) -> torch.UntypedStorage:
-        def release():
+        def release(_key):
             self.released += 1
-        return tz.storage_over("emulated", CPU, self.address, self.nbytes, release)
+        storage, hook = tz.storage_over("emulated", CPU, self.address, self.nbytes, release)
+        self.hooks = getattr(self, "hooks", []) + [hook]  # kept alive, as the pool keeps it on the block
+        return storage
 
     def scribble(self, value: int) -> None:
         ctypes.memset(self.buf, value, self.nbytes)
