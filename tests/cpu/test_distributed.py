@@ -218,6 +218,42 @@ def _scenario_ddp(rank, world):
     return out
 
 
+def _fsdp_run(rank, world, *, pooled, steps=4):
+    """FSDP (FULL_SHARD, CPU, gloo); with `pooled`, its sharded flat parameter is adopted between steps."""
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+    torch.manual_seed(1234)
+    net = FSDP(torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 8)),
+               device_id=torch.device("cpu"))
+    opt = torch.optim.SGD(net.parameters(), lr=0.05, momentum=0.9)
+    pool = _pool() if pooled else None
+    gen = torch.Generator().manual_seed(rank)
+    moves = adopted = 0
+    for step in range(steps):
+        x, y = torch.randn(8, 16, generator=gen), torch.randn(8, 8, generator=gen)
+        torch.nn.functional.mse_loss(net(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+        if pooled:
+            pool.adopt(net)  # between steps FSDP holds only the sharded flat parameter
+            adopted = sum(pool.owns(p) for p in net.parameters())
+            anchor = pool.empty(PAGE + 4 * KiB, dtype=torch.uint8)
+            before = [p.data_ptr() for p in net.parameters()]
+            assert ddist.compact(pool, min_stranded=16 * KiB) is not None
+            moves += sum(b != p.data_ptr() for b, p in zip(before, net.parameters()))
+            del anchor
+    with FSDP.summon_full_params(net):
+        full = [p.detach().clone() for p in net.parameters()]
+    return full, moves, adopted
+
+
+def _scenario_fsdp(rank, world):
+    plain, _, _ = _fsdp_run(rank, world, pooled=False)
+    pooled, moves, adopted = _fsdp_run(rank, world, pooled=True)
+    return {"equal": len(plain) == len(pooled) and all(torch.equal(a, b) for a, b in zip(plain, pooled)),
+            "moves": moves, "adopted": adopted, "params": len(plain)}
+
+
 def _scenario_timeout(rank, world, pool):
     """A subgroup with a short timeout: the last rank raises in its own code and never calls compact."""
     group = torch.distributed.new_group(backend="gloo", timeout=datetime.timedelta(seconds=SHORT_TIMEOUT))
@@ -247,7 +283,8 @@ def worker() -> None:
         pool = _pool()
         for name, fn in [("decisions", _scenario_decisions), ("ladder", _scenario_ladder),
                          ("bad_args", _scenario_bad_args), ("stats", _scenario_stats), ("hook", _scenario_hook),
-                         ("ddp", lambda r, w, p: _scenario_ddp(r, w)), ("timeout", _scenario_timeout)]:
+                         ("ddp", lambda r, w, p: _scenario_ddp(r, w)),
+                         ("fsdp", lambda r, w, p: _scenario_fsdp(r, w)), ("timeout", _scenario_timeout)]:
             t0 = time.monotonic()
             results[name] = fn(rank, world, pool)
             results.setdefault("seconds", {})[name] = round(time.monotonic() - t0, 3)
@@ -405,6 +442,13 @@ def test_ddp_with_pooled_parameters_and_collective_compactions_matches_plain_ddp
         # Every compaction moved the 4 parameters, and the grads once they were in the pool.
         assert d["param_moves"] == 4 * 6, d
         assert d["grads_in_pool"] == 4 and d["grad_moves"] >= 4 * 5, d
+
+
+def test_fsdp_with_its_sharded_parameter_in_a_pool_matches_plain_fsdp(ranks):
+    for rank, r in enumerate(ranks):
+        f = r["fsdp"]
+        assert f["equal"], f"rank {rank}: parameters differ from plain FSDP"
+        assert f["adopted"] == 1 and f["moves"] == 4, f  # one flat parameter, moved by each of 4 compactions
 
 
 def test_a_rank_that_never_reaches_the_collective_makes_the_others_raise_not_hang(ranks):
