@@ -160,7 +160,10 @@ def _exchange(what: str, group, local):
 
 
 def _decide(pool, min_stranded, group, what: str, check=None) -> Decision:
+    retries = None
+
     def local():
+        nonlocal retries
         if not isinstance(pool, Pool):
             raise TypeError(f"{what}: pool must be a defrag.Pool, got {type(pool).__name__}")
         threshold = parse_size(min_stranded, what="min_stranded")
@@ -173,16 +176,10 @@ def _decide(pool, min_stranded, group, what: str, check=None) -> Decision:
         retried = retries - _retries_seen.get(pool, 0)
         stranded = st["stranded_bytes"]
         wants = stranded >= threshold or (retried > 0 and stranded > 0)
-        return [stranded, retried, int(wants)], retries
+        return [stranded, retried, int(wants)]
 
-    def figures():
-        values, retries = local()
-        seen.append(retries)
-        return values
-
-    seen: list = []
-    rows = _exchange(what, group, figures)
-    _retries_seen[pool] = seen[0]  # only after a completed exchange: a failed one loses no ladder climb
+    rows = _exchange(what, group, local)
+    _retries_seen[pool] = retries  # only after a completed exchange: a failed one loses no ladder climb
     wanted = tuple(r for r, row in enumerate(rows) if row[_WANTS])
     return Decision(bool(wanted), tuple(row[_STRANDED] for row in rows), tuple(row[_RETRIED] for row in rows), wanted)
 
@@ -267,17 +264,31 @@ def stats(pool: Pool, group=None) -> GatheredStats | None:
     A collective (`gather_object`): every rank of `group` must call it. On
     NCCL, set each rank's CUDA device first (`torch.cuda.set_device`), as
     torch's object collectives require. `str()` of the result is one summary
-    line per rank.
+    line per rank. A rank given something that is not a pool still takes
+    part, then raises TypeError; rank 0 then raises CollectiveError naming it.
     """
     what = "defrag.distributed.stats"
     rank, world = _group_rank(group, what)
-    if not isinstance(pool, Pool):
-        raise TypeError(f"{what}: pool must be a defrag.Pool, got {type(pool).__name__}")
+    error = None
+    try:
+        if not isinstance(pool, Pool):
+            raise TypeError(f"{what}: pool must be a defrag.Pool, got {type(pool).__name__}")
+        mine = {"stats": pool.stats()}
+    except Exception as exc:  # re-raised below, after rank 0 was told
+        error, mine = exc, {"error": f"{type(exc).__name__}: {exc}"}
     dst = 0 if group is None else dist.get_global_rank(group, 0)
     gathered: list | None = [None] * world if rank == 0 else None
-    _run(what, "gather_object", rank, world,
-         lambda: dist.gather_object(pool.stats(), gathered, dst=dst, group=group))
-    return GatheredStats(tuple(gathered)) if rank == 0 else None
+    _run(what, "gather_object", rank, world, lambda: dist.gather_object(mine, gathered, dst=dst, group=group))
+    if error is not None:
+        raise error
+    if rank != 0:
+        return None
+    failed = {r: g["error"] for r, g in enumerate(gathered) if "error" in g}
+    if failed:
+        described = "; ".join(f"rank {r}: {note}" for r, note in failed.items())
+        raise CollectiveError(f"{what}: {len(failed)} of {world} ranks could not give their stats ({described})",
+                              collective=what, rank=rank, failed_ranks=failed)
+    return GatheredStats(tuple(g["stats"] for g in gathered))
 
 
 # ---------------------------------------------------------------------- the training-loop hook

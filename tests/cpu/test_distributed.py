@@ -32,7 +32,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[2]
 KiB, MiB = 1 << 10, 1 << 20
 PAGE = 64 * KiB  # the workers' emulated granularity: small pages keep every scenario cheap
 T = 256 * KiB  # min_stranded in the decision scenarios
-SHORT_TIMEOUT = 3.0  # seconds: the subgroup of the timeout scenario
+SHORT_TIMEOUT = 4.0  # seconds: the subgroup of the timeout scenario (ranks arrive within it even on a busy machine)
 SPAWN_DEADLINE = 150.0  # seconds for a whole world: far above a normal run, so only a hang reaches it
 
 
@@ -146,6 +146,10 @@ def _scenario_stats(rank, world, pool):
         out["allocated"] = [st["allocated_bytes.all.current"] for st in gathered.ranks]
         out["lines"] = gathered.lines()
         out["text"] = str(gathered)
+    try:  # the last rank hands over something that is not a pool
+        out["bad"] = repr(ddist.stats("not a pool" if rank == world - 1 else pool))
+    except Exception as exc:
+        out["bad"] = f"{type(exc).__name__}: {exc}"
     del keep
     return out
 
@@ -161,7 +165,7 @@ def _scenario_hook(rank, world, pool):
     return {"compacted": results, "steps": hook.steps, "compactions": hook.compactions}
 
 
-def _ddp_run(rank, world, *, pooled, gbv, steps=6):
+def _ddp_run(rank, world, *, pooled, gbv, steps=4):
     """SGD with DDP on the same data; with `pooled`, parameters (and grads) live in a pool that compacts."""
     from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -423,6 +427,11 @@ def test_stats_gathers_every_rank_on_rank_zero(ranks):
     assert len(got["lines"]) == world and got["text"] == "\n".join(got["lines"])
     assert all(line.startswith(f"rank {i}: allocated {defrag.format_bytes((i + 1) * 4 * KiB)}")
                for i, line in enumerate(got["lines"]))
+    last = world - 1
+    assert got["bad"] == (f"CollectiveError: defrag.distributed.stats: 1 of {world} ranks could not give their "
+                          f"stats (rank {last}: TypeError: defrag.distributed.stats: pool must be a defrag.Pool, got str)")
+    assert ranks[last]["stats"]["bad"].startswith("TypeError: defrag.distributed.stats: pool must be a defrag.Pool")
+    assert all(r["stats"]["bad"] == "None" for r in ranks[1:last])
 
 
 def test_the_hook_compacts_every_nth_step_on_every_rank(ranks):
@@ -438,10 +447,10 @@ def test_ddp_with_pooled_parameters_and_collective_compactions_matches_plain_ddp
         d = r["ddp"][gbv]
         assert d["equal"], f"rank {rank}: parameters differ from plain DDP"
         assert d["same_on_every_rank"]
-        assert d["compactions"] == 6
+        assert d["compactions"] == 4
         # Every compaction moved the 4 parameters, and the grads once they were in the pool.
-        assert d["param_moves"] == 4 * 6, d
-        assert d["grads_in_pool"] == 4 and d["grad_moves"] >= 4 * 5, d
+        assert d["param_moves"] == 4 * 4, d
+        assert d["grads_in_pool"] == 4 and d["grad_moves"] >= 4 * 3, d
 
 
 def test_fsdp_with_its_sharded_parameter_in_a_pool_matches_plain_fsdp(ranks):
@@ -512,12 +521,12 @@ def test_the_guide_ddp_example_runs_as_written(tmp_path):
     proc = subprocess.run([sys.executable, str(script)], cwd=tmp_path, capture_output=True, text=True, timeout=120,
                           env={**os.environ, "PYTHONPATH": str(ROOT), "MASTER_PORT": str(_free_port())})
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    lines = proc.stdout.splitlines()
-    compacted = sorted(line for line in lines if "compacted at step" in line)
-    assert compacted and len({line.split(":", 1)[1] for line in compacted}) == 1, lines  # same steps on both ranks
-    assert {line.split(":", 1)[0] for line in compacted} == {"rank 0", "rank 1"}
-    assert any(line.startswith("rank 0: allocated") for line in lines) and any(
-        line.startswith("rank 1: allocated") for line in lines), lines
+    out = proc.stdout
+    steps = {r: [int(s) for s in re.findall(rf"^rank {r}: compacted at step (\d+), moved \d+ tensors$", out, re.M)]
+             for r in (0, 1)}
+    assert steps[0] == steps[1] == [2, 4, 6], out  # what the guide says: the same steps on both ranks
+    assert re.search(r"^rank 0: allocated .*\nrank 1: allocated ", out, re.M), out  # stats' lines, on rank 0 only
+    assert out.count("rank 0: allocated") == 1
 
 
 def _free_port() -> int:
