@@ -13,6 +13,8 @@ from .oom import OutOfMemoryError
 from .pool import LiveTensor, Pool, compact, open_pools, save_snapshot
 from .retry import retry_on_oom
 from .units import format_bytes, parse_size
+from . import distributed
+from .errors import CollectiveError
 
 __version__ = "0.1.0"
 
@@ -20,4 +22,5 @@ __all__ = [
     "Pool", "compact", "retry_on_oom", "save_snapshot", "CompactionReport", "CompactionError", "LiveTensor", "open_pools",
     "ConcurrencyError", "CudaError", "CudaOutOfMemoryError", "OutOfMemoryError", "PoolClosedError", "StaleAccessError",
     "parse_size", "format_bytes", "TorchAllocator", "install",
+    "distributed", "CollectiveError",
 ]

@@ -52,3 +52,21 @@ class StaleAccessError(ConcurrencyError):
 
 class CompactionError(RuntimeError):
     """A compaction could not run (e.g. during CUDA graph capture) or failed and was rolled back."""
+
+
+class CollectiveError(RuntimeError):
+    """A collective of `defrag.distributed` failed on this rank.
+
+    Either another rank failed before the exchange (`failed_ranks` maps its
+    rank to its error) and no rank compacted, or the exchange itself failed
+    (another rank never reached it within the process group's timeout, or
+    exited): then `failed_ranks` is empty and the group may be out of step.
+    `collective` names the call (e.g. "defrag.distributed.compact"), `rank`
+    this process's rank in the group.
+    """
+
+    def __init__(self, message: str, *, collective: str = "", rank: int = -1, failed_ranks: dict | None = None):
+        super().__init__(message)
+        self.collective = collective
+        self.rank = rank
+        self.failed_ranks = dict(failed_ranks or {})
