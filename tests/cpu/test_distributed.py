@@ -193,8 +193,10 @@ def _ddp_run(rank, world, *, pooled, gbv, steps=4):
         info["grads_in_pool"] = sum(pool.owns(p.grad) for p in params)
         # A large block starts a fresh page and leaves its last page's tail free: the parameters'
         # page is then the sparse one, and the compaction moves them (and the grads) into that tail.
-        anchor = None
-        anchor = pool.empty(PAGE + 4 * KiB, dtype=torch.uint8)
+        # The new anchor is made while the old one lives (the pool reuses a freed range for the next
+        # request of its size: made after the old one died, it would land where that one was).
+        anchor = pool.empty(PAGE + 4 * KiB, dtype=torch.uint8) if anchor is None else (
+            pool.empty(PAGE + 4 * KiB, dtype=torch.uint8), anchor)[0]
         before = [(p.data_ptr(), p.grad.data_ptr()) for p in params]
         report = ddist.compact(pool, min_stranded=16 * KiB)
         assert report is not None, "every rank strands its parameters' page: every rank compacts"
@@ -233,6 +235,7 @@ def _fsdp_run(rank, world, *, pooled, steps=4):
     pool = _pool() if pooled else None
     gen = torch.Generator().manual_seed(rank)
     moves = adopted = 0
+    anchor = None
     for step in range(steps):
         x, y = torch.randn(8, 16, generator=gen), torch.randn(8, 8, generator=gen)
         torch.nn.functional.mse_loss(net(x), y).backward()
@@ -241,11 +244,12 @@ def _fsdp_run(rank, world, *, pooled, steps=4):
         if pooled:
             pool.adopt(net)  # between steps FSDP holds only the sharded flat parameter
             adopted = sum(pool.owns(p) for p in net.parameters())
-            anchor = pool.empty(PAGE + 4 * KiB, dtype=torch.uint8)
+            # Made while the last one lives, so it does not land where that one was (see _ddp_run).
+            anchor = (pool.empty(PAGE + 4 * KiB, dtype=torch.uint8), anchor)[0]
             before = [p.data_ptr() for p in net.parameters()]
             assert ddist.compact(pool, min_stranded=16 * KiB) is not None
             moves += sum(b != p.data_ptr() for b, p in zip(before, net.parameters()))
-            del anchor
+    del anchor
     with FSDP.summon_full_params(net):
         full = [p.detach().clone() for p in net.parameters()]
     return full, moves, adopted
