@@ -7,10 +7,11 @@ pool stitches free pages into one virtual range for a large request.
 
 from .capture import TorchAllocator, install
 from .compactor import CompactionReport
-from .errors import (CompactionError, ConcurrencyError, CudaError, CudaOutOfMemoryError, PoolClosedError,
-                     StaleAccessError)
+from .errors import (CompactionError, ConcurrencyError, CudaError, CudaOutOfMemoryError, NotSupportedError,
+                     PoolAsleepError, PoolClosedError, ResidencyError, StaleAccessError)
 from .oom import OutOfMemoryError
 from .pool import LiveTensor, Pool, compact, open_pools, save_snapshot
+from .residency import ResidencyReport
 from .retry import retry_on_oom
 from .units import format_bytes, parse_size
 
@@ -20,4 +21,5 @@ __all__ = [
     "Pool", "compact", "retry_on_oom", "save_snapshot", "CompactionReport", "CompactionError", "LiveTensor", "open_pools",
     "ConcurrencyError", "CudaError", "CudaOutOfMemoryError", "OutOfMemoryError", "PoolClosedError", "StaleAccessError",
     "parse_size", "format_bytes", "TorchAllocator", "install",
+    "ResidencyReport", "ResidencyError", "PoolAsleepError", "NotSupportedError",
 ]
