@@ -72,6 +72,7 @@ GPU_BENCHMARKS = {
     "stitching": (45, 60),
     "alloc_free": (None, 60),  # None: not in the smoke run
     "compaction": (None, 120),
+    "sleep": (None, 90),  # issue 15: sleep/wake and offload/reload vs copy_ to pinned host memory
 }
 OTHER_BENCH_TIMEOUT = (60, 150)
 MODEL_TIMEOUT = (45, 120)  # per model stage (native, expandable): (smoke, full)

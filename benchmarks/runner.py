@@ -77,6 +77,10 @@ REGISTRY: dict[str, Benchmark] = {b.name: b for b in [
               "several threads allocate (empty, full, zeros), write and re-check every element of their tensors "
               "while automatic and explicit compactions run: operations, compactions and moved tensors per second "
               "(goal: no byte error, no crash)"),
+    Benchmark("sleep", "bench_sleep:bench_sleep",
+              "pool.sleep()/wake() and offload()/reload() in seconds per GiB vs a host copy of the same bytes in the "
+              "same run (torch copy_ to pinned host memory on a GPU, a CPU copy_ on the emulated device)",
+              "bench_sleep:plot_sleep"),
     Benchmark("workloads", "bench_workloads:bench_workloads",
               "trace replays with compaction on/off (and PyTorch's allocator on a GPU): peak live, peak reserved, "
               "OOMs (goal: peak reserved <= 1.02x peak live + one page)",

@@ -7,10 +7,11 @@ pool stitches free pages into one virtual range for a large request.
 
 from .capture import TorchAllocator, install
 from .compactor import CompactionReport
-from .errors import (CompactionError, ConcurrencyError, CudaError, CudaOutOfMemoryError, PoolClosedError,
-                     StaleAccessError)
+from .errors import (CompactionError, ConcurrencyError, CudaError, CudaOutOfMemoryError, NotSupportedError,
+                     PoolAsleepError, PoolClosedError, ResidencyError, StaleAccessError)
 from .oom import OutOfMemoryError
 from .pool import LiveTensor, Pool, compact, open_pools, save_snapshot
+from .residency import ResidencyReport
 from .retry import retry_on_oom
 from .units import format_bytes, parse_size
 from . import distributed
@@ -23,4 +24,5 @@ __all__ = [
     "ConcurrencyError", "CudaError", "CudaOutOfMemoryError", "OutOfMemoryError", "PoolClosedError", "StaleAccessError",
     "parse_size", "format_bytes", "TorchAllocator", "install",
     "distributed", "CollectiveError",
+    "ResidencyReport", "ResidencyError", "PoolAsleepError", "NotSupportedError",
 ]

@@ -538,3 +538,63 @@ def rescue(core: Core, mover: Mover, nbytes: int, tried: list[str], callbacks=()
     except NoSpace as exc:
         tried.append(f"placement after merging holes ({exc})")
         return None
+
+
+# ---------------------------------------------------------------------- issue 15: moves the caller places
+def move_blocks(core: Core, mover: Mover, moves, *, engine: str | None = None, verify: bool = False,
+                scope: Scope | None = None) -> CompactionReport:
+    """Move each `(block, destination address)` of `moves` in one wave: the compaction protocol
+    (prepare, copy, verify, commit, release) for a placement the caller chose, not the planner.
+
+    `defrag.residency` packs the tensors it offloads into pages of their own
+    with it. Every block must lie in one region, and every destination in
+    that region's pages that no block touches, not overlapping another
+    destination (the caller's plan; unmapped pages there are mapped, stitched
+    from empty pages when the store is short). Every block must be movable
+    for `scope` (default: a compaction from the calling thread), or
+    CompactionError is raised before anything changes. All or nothing, like
+    one wave of `compact_core`; the caller holds the core's gate. Counts in no
+    compaction counter: the caller reports what it moved.
+    """
+    moves = list(moves)
+    engine = engine or default_engine(core.kind)
+    report = CompactionReport(engine=engine, verified=verify, page_size=core.page_size)
+    if not moves:
+        return report
+    if scope is None:
+        scope = core.scope(None)
+    if core.driver.is_capturing(mover.stream()):
+        raise CompactionError("cannot move blocks while a CUDA graph is being captured: "
+                              "captured kernels hold raw pointers that a move would invalidate")
+    region = moves[0][0].region
+    held = {}
+    for block, _ in moves:
+        if block.region is not region:
+            raise ValueError("move_blocks: every block must lie in one region")
+        ok, why = core.movable(block, scope, mover.can_rewrite)
+        grip = mover.hold(block) if ok else None
+        if grip is None:
+            raise CompactionError(f"block at {block.address:#x} ({format_bytes(block.nbytes)}) cannot move: "
+                                  f"{why or 'its owner cannot be held now'}; nothing was moved")
+        held[block.address] = grip
+    t0 = time.perf_counter()
+    core.drain()
+    core.wait_pending()
+    core.driver.synchronize()  # queued kernels may still use the blocks about to move
+    blocks = [b for b, _ in moves]
+    src = np.fromiter((b.address - region.base for b in blocks), dtype=np.int64, count=len(blocks))
+    dst = np.fromiter((d - region.base for _, d in moves), dtype=np.int64, count=len(blocks))
+    size = np.fromiter((b.size for b in blocks), dtype=np.int64, count=len(blocks))
+    order = np.argsort(dst, kind="stable")
+    plan = ArrayPlan(index=order, src=src[order], dst=dst[order], size=size[order],
+                     wave=np.ones(len(blocks), dtype=np.int64), page_size=core.page_size,
+                     pages_before=0, pages_after=0, moved_bytes=int(size.sum()))
+    layout = _Layout(blocks, src, size, np.ones(len(blocks), dtype=bool), held)
+    try:
+        _run_wave(core, mover, region, plan, 0, len(blocks), layout, engine, verify, report)
+        report.waves = 1
+    finally:
+        held.clear()  # strong references to the owners end here, error or not
+        core.drain()
+        report.seconds = time.perf_counter() - t0
+    return report

@@ -44,10 +44,10 @@ import numpy as np
 
 from . import threads
 from .driver import Driver
-from .errors import ConcurrencyError, CudaOutOfMemoryError, PoolClosedError, StaleAccessError
+from .errors import ConcurrencyError, CudaOutOfMemoryError, PoolAsleepError, PoolClosedError, StaleAccessError
 from .heap import ALIGNMENT, Heap
 from .units import format_bytes
-from .vmm import AddressSpace, Region, Transaction, page_runs
+from .vmm import ASLEEP, HOST, AddressSpace, Region, Transaction, page_runs
 
 THREAD_MODES = (None, "own", "all")
 
@@ -69,6 +69,7 @@ class Block:
     info: object = None  # the face's data about the block's user; follows the data when it moves
     deferral: list = field(default_factory=list)  # the face's "device done with it" markers (have .query())
     keepalive: object = None  # the face's release hook for this range (dropped when the block is freed)
+    offloaded: bool = False  # on host-located pages (defrag.residency): never moved until reloaded
 
 
 @dataclass(frozen=True)
@@ -182,6 +183,10 @@ class Core:
         """PoolClosedError after close; StaleAccessError if unmapped memory was touched (emulated device)."""
         if self.closed:
             raise PoolClosedError(f"{self.label} is closed")
+        if self.space.sleeping:  # issue 15: defrag.residency
+            raise PoolAsleepError(
+                f"{self.label} is asleep (pool.sleep()): its tensors have no device memory until pool.wake(). "
+                f"Only stats(), summary(), layout(), snapshot(), live_tensors(), wake() and close() work now")
         touched = self.driver.touched_unmapped()
         if touched:
             raise StaleAccessError(
@@ -273,12 +278,12 @@ class Core:
                     self.counters["pending_bytes"] += block.size
                     self._pending.append(block)
                     continue
-            self.free(block)
+            self.free(block, keep=True)
         if self._pending:
             still = []
             for block in self._pending:
                 if all(m.query() for m in block.deferral):
-                    self.free(block)
+                    self.free(block, keep=True)
                 else:
                     still.append(block)
             self._pending = still
@@ -288,7 +293,7 @@ class Core:
         if self._pending:
             self.driver.synchronize()
             for block in self._pending:
-                self.free(block)
+                self.free(block, keep=True)
             self._pending = []
 
     # ------------------------------------------------------------------ page accounting
@@ -332,10 +337,12 @@ class Core:
             self.counters["num_allocs"] += 1
         return block
 
-    def free(self, block: Block) -> None:
+    def free(self, block: Block, *, keep: bool = False) -> None:
         """Free a block's range (the gate is held; nothing may use it any more).
 
-        The range is kept carved for the next request of its exact size
+        It goes back to the heap at once, unless `keep` (the release path,
+        `drain`, passes it; undo steps never do, since the steps after them
+        expect the heap as it was). Then the range is kept carved for the next request of its exact size
         (`place` takes it without touching the heap: the common case of a
         training step or a decode loop, which frees and asks for the same
         sizes again). Everything else that reads or changes the heap's free
@@ -346,8 +353,11 @@ class Core:
         never make a statistic wrong. Pages and counters count the range as
         free at once.
         """
-        self._reuse.setdefault(block.size, []).append((block.region, block.address))
-        self._reuse_count += 1
+        if keep:
+            self._reuse.setdefault(block.size, []).append((block.region, block.address))
+            self._reuse_count += 1
+        else:
+            self._heaps[block.region.index].free(block.address)
         block.keepalive = None
         self._account(block, -1)
         del self._blocks[block.address]
@@ -638,6 +648,8 @@ class Core:
             return False, "retired (awaiting release)"
         if block.pending:
             return False, "released, waiting for the device to finish with it"
+        if block.offloaded:
+            return False, "offloaded to host memory (pool.reload(t) brings it back)"
         reason = self.thread_reason(block, scope)
         if reason:
             return False, reason
@@ -727,6 +739,20 @@ class Core:
             "live_blocks": sum(1 for b in self._blocks.values() if not b.retired),
             "pinned_blocks": sum(1 for b in self._blocks.values() if b.pins),
             "regions": len(self.space.regions),
+            # Residency (issue 15, defrag.residency): reserved_bytes above counts device pages only.
+            "offloaded_bytes.all.current": self.space.host_mapped * P,
+            "offloaded_bytes.all.peak": self.peaks["offloaded_bytes"],
+            "sleeping_bytes.all.current": self.space.asleep * P,
+            "sleeping_bytes.all.peak": self.peaks["sleeping_bytes"],
+            "pages.offloaded": self.space.host_mapped,
+            "pages.asleep": self.space.asleep,
+            "asleep": self.space.sleeping,
+            "sleep.host_bytes": c["sleep.host_bytes"],
+            "num_sleeps": c["num_sleeps"],
+            "num_wakes": c["num_wakes"],
+            "num_offloads": c["num_offloads"],
+            "num_reloads": c["num_reloads"],
+            "offload.moved_bytes": c["offload.moved_bytes"],
         }
 
     def layout(self) -> dict:
@@ -737,6 +763,8 @@ class Core:
             live = self._live_count[region.index] > 0
             mapped = region.handles != 0
             states = np.where(live, "live", np.where(mapped, "empty", "unmapped"))
+            # Issue 15: pages behind host memory (offloaded) or released by a sleep.
+            states = np.where(region.backing == HOST, "offloaded", np.where(region.backing == ASLEEP, "asleep", states))
             regions.append({"index": region.index, "base": region.base, "npages": region.npages,
                             "pages": states.tolist(), "free_ranges": self._heaps[region.index].free_ranges()})
         blocks = []
@@ -744,7 +772,8 @@ class Core:
             dtype, shape = getattr(b.info, "dtype", None), getattr(b.info, "shape", None)
             blocks.append({"address": b.address, "size": b.size, "nbytes": b.nbytes, "region": b.region.index,
                            "kind": getattr(b.info, "kind", None) or "block",
-                           "pinned": b.pins > 0, "dtype": str(dtype).replace("torch.", "") if dtype else None,
+                           "pinned": b.pins > 0, "offloaded": b.offloaded,
+                           "dtype": str(dtype).replace("torch.", "") if dtype else None,
                            "shape": list(shape) if shape is not None else None,
                            "state": "retired" if b.retired else ("live" if b.counted else "pending-free")})
         return {"kind": self.kind, "page_size": self.page_size, "capacity": self.capacity,
@@ -777,8 +806,8 @@ class Core:
         counted = sum(b.size for b in self._blocks.values() if b.counted)
         assert counted == self.counters["allocated_bytes"], "allocated counter disagrees with blocks"
         heap_free = sum(h.free_bytes() for h in self._heaps)
-        assert allocated + heap_free == self.space.mapped * self.page_size, (
-            f"allocated {allocated} + free {heap_free} != mapped {self.space.mapped * self.page_size}")
+        assert allocated + heap_free == self.space.book_pages * self.page_size, (
+            f"allocated {allocated} + free {heap_free} != mapped {self.space.book_pages * self.page_size}")
         assert self.space.store.total <= self.capacity_pages, "more physical pages than capacity"
         assert self.space.mapped + len(self.space.store.cached) == self.space.store.total
         empty = sum(int(((r.handles != 0) & (c == 0)).sum()) for r, c in zip(self.space.regions, self._live_count))

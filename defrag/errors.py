@@ -70,3 +70,17 @@ class CollectiveError(RuntimeError):
         self.collective = collective
         self.rank = rank
         self.failed_ranks = dict(failed_ranks or {})
+
+
+class NotSupportedError(RuntimeError):
+    """The device or its driver lacks what a call needs (e.g. host-located VMM pages before CUDA 12.2)."""
+
+
+class ResidencyError(RuntimeError):
+    """A sleep, wake, offload or reload that does not fit the pool's state (waking an awake pool,
+    sleeping twice, reloading what is not offloaded). Raised before anything changes."""
+
+
+class PoolAsleepError(ResidencyError):
+    """A pool call that needs device memory was made while the pool sleeps (`pool.sleep()`):
+    call `pool.wake()` first. Raised before anything changes."""

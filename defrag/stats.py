@@ -213,6 +213,9 @@ class HistoryRecorder:
 
 
 # ---------------------------------------------------------------------- snapshot
+_NOT_DEVICE = ("offloaded", "asleep")  # page states without a device page behind them (defrag.residency)
+
+
 def segments_from_layout(layout: dict, device: int = 0) -> list[dict]:
     """PyTorch snapshot segments for a `Pool.layout()` dict: one per run of mapped pages.
 
@@ -223,12 +226,17 @@ def segments_from_layout(layout: dict, device: int = 0) -> list[dict]:
     """
     P = int(layout["page_size"])
     by_region: dict[int, list[dict]] = collections.defaultdict(list)
+    away = {int(r["index"]): (int(r["base"]), r["pages"]) for r in layout["regions"]}
     for b in layout["blocks"]:
+        # Blocks on pages offloaded to host memory or asleep (issue 15) are in no device segment.
+        base, pages = away[int(b["region"])]
+        if pages[(int(b["address"]) - base) // P] in _NOT_DEVICE:
+            continue
         by_region[int(b["region"])].append(b)
     out = []
     for region in layout["regions"]:
         base = int(region["base"])
-        mapped = [i for i, s in enumerate(region["pages"]) if s != "unmapped"]
+        mapped = [i for i, s in enumerate(region["pages"]) if s not in ("unmapped", *_NOT_DEVICE)]
         blocks = sorted(by_region.get(int(region["index"]), []), key=lambda b: int(b["address"]))
         bi = 0
         for first, count in page_runs(mapped):
@@ -396,6 +404,9 @@ def summary(stats: dict, pool=None) -> str:
         _row("Allocated memory", fb(s["allocated_bytes.all.current"]), fb(s["allocated_bytes.all.peak"])),
         _row("Active memory", fb(s["active_bytes.all.current"]), fb(s["active_bytes.all.peak"])),
         _row("Reserved (mapped) memory", fb(s["reserved_bytes.all.current"]), fb(s["reserved_bytes.all.peak"])),
+        _row("Offloaded to host memory", fb(s["offloaded_bytes.all.current"]), fb(s["offloaded_bytes.all.peak"])),
+        _row("Asleep (device pages released)" + (" - ASLEEP" if s["asleep"] else ""),
+             fb(s["sleeping_bytes.all.current"]), fb(s["sleeping_bytes.all.peak"])),
         _row("Requested memory", fb(s["requested_bytes.all.current"]), "-"),
         _line(),
         _row("Events", "Count", ""),
@@ -428,6 +439,13 @@ def summary(stats: dict, pool=None) -> str:
         _row("Pages released", str(s["compaction.released_pages"]), ""),
         _row("Live blocks", str(s["live_blocks"]), ""),
         _row("Pinned blocks", str(s["pinned_blocks"]), ""),
+        _line(),
+        _row("Residency", "Count", ""),
+        _line(),
+        _row("Sleeps / wakes", f"{s['num_sleeps']} / {s['num_wakes']}", ""),
+        _row("Offloads / reloads", f"{s['num_offloads']} / {s['num_reloads']}", ""),
+        _row("Pages offloaded / asleep", f"{s['pages.offloaded']} / {s['pages.asleep']}", ""),
+        _row("Host buffer of the sleep", fb(s["sleep.host_bytes"]), ""),
         _line("="),
     ]
     return "\n".join(lines)

@@ -10,6 +10,9 @@
   compaction recovers);
 - ``empty``: a mapped page holding no block;
 - ``unmapped``: a virtual page with no physical page behind it;
+- ``offloaded``: a page backed by host memory (`pool.offload`), with its
+  blocks; ``asleep``: a page whose device memory `pool.sleep()` released
+  (its blocks keep their places and come back at `wake()`);
 - ``cached``: physical pages held but mapped nowhere have no address, so they
   are a count in the title, not cells.
 
@@ -47,6 +50,8 @@ COLORS = {
     "empty": "#8cd17d",     # light green
     "unmapped": "#d9d9d9",  # light grey
     "cached": "#9c755f",    # brown (not drawn: cached pages have no address; kept for callers' own legends)
+    "offloaded": "#b07aa1",  # purple: a page backed by host memory (pool.offload), its blocks too
+    "asleep": "#76b7b2",     # teal: a page released by pool.sleep(), mapped again at wake
 }
 LABELS = {
     "live": "live block",
@@ -55,6 +60,8 @@ LABELS = {
     "stranded": "stranded free space (page holds live data)",
     "empty": "empty mapped page (no block)",
     "unmapped": "unmapped page",
+    "offloaded": "offloaded to host memory (same addresses)",
+    "asleep": "asleep (device page released until wake)",
 }
 
 # What a compaction does, under the before/after caption: the picture shows it, the words must say it.
@@ -76,14 +83,22 @@ def layout_totals(layout: dict) -> dict:
     states = [s for r in layout["regions"] for s in r["pages"]]
     mapped = sum(s != "unmapped" for s in states)
     live_pages = sum(s == "live" for s in states)
-    held = sum(int(b["size"]) for b in layout["blocks"])
+    away = sum(s in ("offloaded", "asleep") for s in states)
+    on_device = {(int(r["index"]), i) for r in layout["regions"] for i, s in enumerate(r["pages"]) if s == "live"}
+    held = sum(int(b["size"]) for b in layout["blocks"]
+               if (int(b["region"]), (int(b["address"]) - _base(layout, b)) // P) in on_device)
     allocated = sum(int(b["size"]) for b in layout["blocks"] if b.get("state", "live") == "live")
     stranded = live_pages * P - held  # every block lies in live pages
     return {
-        "pages_mapped": mapped, "pages_live": live_pages, "pages_empty": mapped - live_pages,
+        "pages_mapped": mapped - away, "pages_live": live_pages, "pages_empty": mapped - away - live_pages,
+        "pages_offloaded": sum(s == "offloaded" for s in states), "pages_asleep": sum(s == "asleep" for s in states),
         "pages_cached": int(layout.get("cached_pages", 0)), "allocated": allocated, "stranded": stranded,
-        "fragmentation": stranded / (mapped * P) if mapped else 0.0, "page_size": P,
+        "fragmentation": stranded / ((mapped - away) * P) if mapped - away else 0.0, "page_size": P,
     }
+
+
+def _base(layout: dict, block: dict) -> int:
+    return next(int(r["base"]) for r in layout["regions"] if int(r["index"]) == int(block["region"]))
 
 
 def _shown_pages(region: dict, pages_per_row: int, max_pages: int) -> int:
@@ -128,7 +143,8 @@ def _draw(ax, layout: dict, *, pages_per_row: int, max_pages: int, shown: dict |
         for page in range(n):
             state = region["pages"][page]
             x, y = cell(page, first_row)
-            kind = {"live": "stranded", "empty": "empty"}.get(state, "unmapped")
+            kind = {"live": "stranded", "empty": "empty", "offloaded": "offloaded", "asleep": "asleep"}.get(
+                state, "unmapped")
             polys[kind].append(_rect(x, x + CELL_WIDTH, y))
         for r in range(math.ceil(n / pages_per_row)):
             yticks.append(first_row + r + ROW_HEIGHT / 2)
@@ -141,7 +157,11 @@ def _draw(ax, layout: dict, *, pages_per_row: int, max_pages: int, shown: dict |
         region, n, first_row = rows_of.get(int(b["region"]), (None, 0, 0))
         if region is None:
             continue
+        if b.get("kind") == "filler":
+            continue  # space held unused on an offloaded page: the page's colour shows it
         kind = "retired" if b.get("state", "live") != "live" else ("pinned" if b.get("pinned") else "live")
+        if b.get("offloaded"):
+            kind = "offloaded"
         start = int(b["address"]) - int(region["base"])
         end = start + int(b["size"])
         for page in range(start // P, (end - 1) // P + 1):
@@ -160,7 +180,7 @@ def _draw(ax, layout: dict, *, pages_per_row: int, max_pages: int, shown: dict |
             if lo > 0 and f1 - f0 > 4 * MIN_BLOCK_FRACTION:  # separates it from a block just before
                 seams.append(_rect(x + f0 * CELL_WIDTH, x + (f0 + SEAM) * CELL_WIDTH, y))
 
-    for kind in ("unmapped", "empty", "stranded", "live", "pinned", "retired"):
+    for kind in ("unmapped", "empty", "stranded", "asleep", "offloaded", "live", "pinned", "retired"):
         if polys[kind]:
             ax.add_collection(PolyCollection(polys[kind], facecolors=COLORS[kind], edgecolors="none",
                                              linewidths=0, antialiased=False))
@@ -170,7 +190,7 @@ def _draw(ax, layout: dict, *, pages_per_row: int, max_pages: int, shown: dict |
 
     # What is visible: a state whose polygons were drawn; stranded space only where a
     # drawn page holding live data is not covered by its blocks.
-    kinds = {k for k in ("live", "pinned", "retired", "empty", "unmapped") if polys[k]}
+    kinds = {k for k in ("live", "pinned", "retired", "empty", "unmapped", "offloaded", "asleep") if polys[k]}
     if any(region["pages"][page] == "live" and covered.get((int(region["index"]), page), 0) < P
            for region, n, _ in plan for page in range(n)):
         kinds.add("stranded")
@@ -191,7 +211,9 @@ def _draw(ax, layout: dict, *, pages_per_row: int, max_pages: int, shown: dict |
         title = f"defrag pool #{layout.get('pool', '?')} ({layout.get('kind', '?')})"
     head = (f"{totals['pages_mapped']} pages mapped ({format_bytes(totals['pages_mapped'] * P)}), "
             f"{format_bytes(totals['allocated'])} live, {format_bytes(totals['stranded'])} stranded "
-            f"({totals['fragmentation']:.1%}), {totals['pages_cached']} cached")
+            f"({totals['fragmentation']:.1%}), {totals['pages_cached']} cached"
+            + (f", {totals['pages_offloaded']} offloaded" if totals["pages_offloaded"] else "")
+            + (f", {totals['pages_asleep']} asleep" if totals["pages_asleep"] else ""))
     shown_note = ""
     if hidden:
         shown_note = (f"\nshowing {sum(n for _, n, _ in plan)} of {sum(len(r['pages']) for r in layout['regions'])} "

@@ -15,6 +15,16 @@ the pages mapped so far are unmapped and their handles go back to the store,
 so nothing is left behind. Unmapping synchronizes the device first, because
 cuMemUnmap does not wait for queued kernels the way cudaFree does.
 
+Residency (issue 15; the transactions are in `defrag.residency`): a page's
+`Region.backing` says what is behind it. `DEVICE`: a device page (or nothing,
+where the handle is 0). `HOST`: a host-located page mapped at the same address
+(`pool.offload`); not in the store, not in `mapped`, counted in `host_mapped`.
+`ASLEEP`: the page was mapped when the pool went to sleep and will be mapped
+again at wake; nothing is mapped there now (its handle is `ASLEEP_HANDLE`),
+counted in `asleep`. `book_pages` counts every page the books treat as
+mapped (device + host + asleep); `mapped` (and so `reserved_bytes`) counts
+device pages only.
+
 Nothing here knows about blocks or tensors.
 """
 
@@ -26,6 +36,10 @@ import numpy as np
 
 from .driver import Driver
 from .errors import CudaError
+
+# What backs a virtual page (Region.backing); see the module docstring.
+DEVICE, HOST, ASLEEP = 0, 1, 2
+ASLEEP_HANDLE = -1  # Region.handles of an ASLEEP page: nonzero (the books hold it), but no driver handle
 
 
 class Transaction:
@@ -139,10 +153,13 @@ class Region:
     npages: int
     page_size: int
     handles: np.ndarray = field(default=None)  # int64 per page; 0 = unmapped
+    backing: np.ndarray = field(default=None)  # int8 per page: DEVICE, HOST or ASLEEP (issue 15)
 
     def __post_init__(self):
         if self.handles is None:
             self.handles = np.zeros(self.npages, dtype=np.int64)
+        if self.backing is None:
+            self.backing = np.zeros(self.npages, dtype=np.int8)
 
     @property
     def size(self) -> int:
@@ -186,9 +203,19 @@ class AddressSpace:
         self.page_size = page_size
         self.store = PageStore(driver, page_size, max_pages)
         self.regions: list[Region] = []
-        self.mapped = 0  # pages currently mapped, all regions
+        self.mapped = 0  # device pages currently mapped, all regions
         self.map_calls = 0
         self.unmap_calls = 0
+        # Residency (issue 15, see the module docstring and defrag.residency).
+        self.host_mapped = 0  # pages backed by host-located handles
+        self.asleep = 0  # pages released by sleep, mapped again at wake
+        self.sleeping = False  # between a pool's sleep() and wake()
+        self.residency = None  # defrag.residency's state; release_all calls its release()
+
+    @property
+    def book_pages(self) -> int:
+        """Pages the books treat as mapped: device pages, host-located pages and pages asleep."""
+        return self.mapped + self.host_mapped + self.asleep
 
     def reserve(self, npages: int) -> Region:
         """Reserve a new region of `npages` pages (page-aligned)."""
@@ -249,8 +276,21 @@ class AddressSpace:
         if sync:
             self.driver.synchronize()
         for page in list(pages):
+            backing = region.backing[page]
+            if backing == ASLEEP:  # nothing is mapped there (sleep released it): only the books change
+                region.handles[page], region.backing[page] = 0, DEVICE
+                self.asleep -= 1
+                pages.remove(page)
+                continue
             self.driver.unmap(region.address(page), self.page_size)
             self.unmap_calls += 1
+            if backing == HOST:  # a host-located handle never enters the store of device pages
+                handle = int(region.handles[page])
+                region.handles[page], region.backing[page] = 0, DEVICE
+                self.host_mapped -= 1
+                pages.remove(page)
+                self.driver.release(handle)
+                continue
             self.store.put([int(region.handles[page])])
             region.handles[page] = 0
             self.mapped -= 1
@@ -271,6 +311,8 @@ class AddressSpace:
 
     def release_all(self) -> None:
         """Unmap every page, release every handle and free every reservation."""
+        if self.residency is not None:
+            self.residency.release()  # host buffers of a sleep, references held for offloads
         if any(r.handles.any() for r in self.regions):
             self.driver.synchronize()
         for region in self.regions:

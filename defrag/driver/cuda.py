@@ -18,13 +18,14 @@ import threading
 
 from cuda.bindings import driver as cu
 
-from ..errors import CudaError, CudaOutOfMemoryError
+from ..errors import CudaError, CudaOutOfMemoryError, NotSupportedError
 from .emulated import DEFAULT_CAPACITY, DEFAULT_GRANULARITY, EmulatedCuda
 from .faults import FaultInjector
 from .memoryless import MemorylessCuda
 
 R = cu.CUresult
 KINDS = ("cuda", "emulated", "memoryless")
+HOST_NUMA_MIN_DRIVER = 12020  # cuMemCreate with CU_MEM_LOCATION_TYPE_HOST_NUMA: CUDA 12.2 drivers and later
 
 
 def _check(call: str, result):
@@ -106,6 +107,9 @@ class Driver:
         raw_name = _check("cuDeviceGetName", self._api.cuDeviceGetName(256, self.device))
         self.name = bytes(raw_name).split(b"\0", 1)[0].decode(errors="replace")
         self.total_memory = int(_check("cuDeviceTotalMem", self._api.cuDeviceTotalMem(self.device)))
+        self._host_support: tuple[bool, str] | None = None  # host_pages_supported(), once known
+        self._host_prop = None
+        self._trial_handle = 0  # the probe's trial page, if releasing it failed (released at the next probe)
 
     # ------------------------------------------------------------ constructors
     @classmethod
@@ -185,14 +189,108 @@ class Driver:
         return int(free), int(total)
 
     # ------------------------------------------------------------ physical memory
-    def create(self, size: int) -> int:
-        """Create one physical allocation of `size` bytes; returns its handle."""
-        handle = _check("cuMemCreate", self._api.cuMemCreate(int(size), self._prop, 0))
+    def create(self, size: int, *, host: bool = False) -> int:
+        """Create one physical allocation of `size` bytes; returns its handle.
+
+        `host=True`: a host-located page (host NUMA memory the device maps and
+        reads over the bus); only where `host_pages_supported()` says so, else
+        RuntimeError naming why.
+        """
+        prop = self._prop
+        if host:
+            supported, reason = self.host_pages_supported()
+            if not supported:
+                raise NotSupportedError(f"host-located pages are not supported here: {reason}")
+            prop = self._host_prop
+        handle = _check("cuMemCreate", self._api.cuMemCreate(int(size), prop, 0))
         return int(handle)
 
     def release(self, handle: int) -> None:
         """Release a physical handle (its memory is freed at its last unmap)."""
         _check("cuMemRelease", self._api.cuMemRelease(int(handle)))
+
+    # ------------------------------------------------------------ host memory (sleep, offload)
+    def host_pages_supported(self) -> tuple[bool, str]:
+        """Whether `create(..., host=True)` works here: (supported, reason). Asked once, then cached.
+
+        Host-located VMM pages (`cuMemCreate` with a `CU_MEM_LOCATION_TYPE_HOST_NUMA`
+        location) need a CUDA 12.2 driver or later and a device reporting
+        `CU_DEVICE_ATTRIBUTE_HOST_NUMA_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED`; the
+        location's id is the device's `CU_DEVICE_ATTRIBUTE_HOST_NUMA_ID` (node 0
+        on a machine without NUMA). Then one granule is created and released as
+        a trial. A refusal the driver states (an old driver, an attribute it does
+        not know, CUDA_ERROR_NOT_SUPPORTED or CUDA_ERROR_INVALID_VALUE from the
+        trial) is a cached "no"; any other error propagates and nothing is cached.
+        """
+        if self._host_support is not None:
+            return self._host_support
+        if self._trial_handle:
+            _check("cuMemRelease", self._api.cuMemRelease(self._trial_handle))
+            self._trial_handle = 0
+        if self.kind == "cuda":
+            version = int(_check("cuDriverGetVersion", self._api.cuDriverGetVersion()))
+            if version < HOST_NUMA_MIN_DRIVER:
+                self._host_support = (False, f"the CUDA driver is {version // 1000}.{version % 1000 // 10}; "
+                                             f"host-located VMM pages need 12.2 or later")
+                return self._host_support
+        attr = cu.CUdevice_attribute
+        refused = {int(R.CUDA_ERROR_INVALID_VALUE), int(R.CUDA_ERROR_NOT_SUPPORTED)}
+        try:
+            vmm = _check("cuDeviceGetAttribute", self._api.cuDeviceGetAttribute(
+                attr.CU_DEVICE_ATTRIBUTE_HOST_NUMA_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED, self.device))
+            numa = _check("cuDeviceGetAttribute", self._api.cuDeviceGetAttribute(
+                attr.CU_DEVICE_ATTRIBUTE_HOST_NUMA_ID, self.device))
+        except CudaError as exc:
+            if exc.code not in refused:
+                raise
+            self._host_support = (False, f"the driver does not know the host NUMA attributes ({exc.name})")
+            return self._host_support
+        if not int(vmm):
+            self._host_support = (False, "the device reports no host NUMA virtual memory management support "
+                                         "(CU_DEVICE_ATTRIBUTE_HOST_NUMA_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED is 0)")
+            return self._host_support
+        prop = cu.CUmemAllocationProp()
+        prop.type = cu.CUmemAllocationType.CU_MEM_ALLOCATION_TYPE_PINNED
+        loc = cu.CUmemLocation()
+        loc.type = cu.CUmemLocationType.CU_MEM_LOCATION_TYPE_HOST_NUMA
+        loc.id = max(int(numa), 0)  # -1: not a NUMA machine; its one node is 0
+        prop.location = loc
+        try:
+            granularity = int(_check("cuMemGetAllocationGranularity", self._api.cuMemGetAllocationGranularity(
+                prop, cu.CUmemAllocationGranularity_flags.CU_MEM_ALLOC_GRANULARITY_MINIMUM)))
+            handle = _check("cuMemCreate", self._api.cuMemCreate(granularity, prop, 0))
+        except CudaError as exc:
+            if exc.code not in refused:
+                raise
+            self._host_support = (False, f"the driver refused a host-located page ({exc.call}: {exc.name})")
+            return self._host_support
+        self._trial_handle = int(handle)
+        _check("cuMemRelease", self._api.cuMemRelease(handle))
+        self._trial_handle = 0
+        self._host_prop = prop
+        self.host_granularity = granularity
+        self._host_support = (True, f"host NUMA node {loc.id}, granularity {granularity} bytes")
+        return self._host_support
+
+    def alloc_host(self, nbytes: int) -> int:
+        """Page-locked host memory of `nbytes` (cuMemAllocHost); returns its address."""
+        self.make_current()
+        return int(_check("cuMemAllocHost", self._api.cuMemAllocHost(int(nbytes))))
+
+    def free_host(self, ptr: int) -> None:
+        """Free memory from `alloc_host` (cuMemFreeHost)."""
+        self.make_current()
+        _check("cuMemFreeHost", self._api.cuMemFreeHost(int(ptr)))
+
+    def copy_to_host(self, dst: int, src: int, nbytes: int) -> None:
+        """Copy `nbytes` of device memory at `src` to host memory at `dst` (cuMemcpyDtoH: synchronous)."""
+        self.make_current()
+        _check("cuMemcpyDtoH", self._api.cuMemcpyDtoH(int(dst), int(src), int(nbytes)))
+
+    def copy_from_host(self, dst: int, src: int, nbytes: int) -> None:
+        """Copy `nbytes` of host memory at `src` to device memory at `dst` (cuMemcpyHtoD: synchronous)."""
+        self.make_current()
+        _check("cuMemcpyHtoD", self._api.cuMemcpyHtoD(int(dst), int(src), int(nbytes)))
 
     # ------------------------------------------------------------ virtual memory
     def reserve(self, size: int, alignment: int = 0) -> int:

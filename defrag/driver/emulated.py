@@ -34,6 +34,20 @@ map/unmap/protect, copy/set bytes); everything else is bookkeeping and rules.
 `defrag.driver.memoryless.MemorylessCuda` overrides only those methods, so the
 memory-less device follows exactly these rules with no bytes behind them.
 
+Host memory the device can use (issue 15: sleep, wake, offload) is a kind of
+its own, with its own capacity (`host_capacity`), separate from the device's:
+
+- host-located physical pages: `cuMemCreate` with a `CU_MEM_LOCATION_TYPE_HOST_NUMA`
+  location (NUMA node 0) makes a page counted in `host_used`, never in `used`,
+  mapped, accessed and copied like any other page (`host_pages=False` makes the
+  device refuse them, as a driver older than CUDA 12.2 or a device without
+  `CU_DEVICE_ATTRIBUTE_HOST_NUMA_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED` does);
+- pinned host buffers: `cuMemAllocHost` / `cuMemFreeHost`, and the copies
+  `cuMemcpyDtoH` / `cuMemcpyHtoD` between them and mapped device memory (a
+  host pointer outside every pinned buffer is refused with
+  CUDA_ERROR_INVALID_VALUE, where a GPU would accept pageable memory: on the
+  host a wrong pointer would crash the process).
+
 What it does not emulate: asynchrony (every call completes before it returns),
 multiple devices' peer access, IPC handles, and the exact error codes of corner
 cases the CUDA documentation leaves open (those return CUDA_ERROR_INVALID_VALUE).
@@ -58,6 +72,8 @@ MiB = 1 << 20
 
 DEFAULT_GRANULARITY = 2 * MiB  # what H100/H200 report for CU_MEM_ALLOC_GRANULARITY_MINIMUM
 DEFAULT_CAPACITY = 16 * GiB
+DEFAULT_HOST_CAPACITY = 64 * GiB  # host-located pages and pinned buffers (memfd/mmap pages cost nothing until written)
+HOST_NUMA_NODE = 0  # the one host NUMA node the emulated device offers
 MEMFD_NAME = "defrag-emulated-page"
 
 _PROT_NONE = 0
@@ -108,6 +124,7 @@ class _Physical:
     size: int
     released: bool = False
     map_count: int = 0
+    host: bool = False  # a host-located page (CU_MEM_LOCATION_TYPE_HOST_NUMA): counted in host_used
 
 
 @dataclass
@@ -134,7 +151,8 @@ class EmulatedCuda:
     """
 
     def __init__(self, *, capacity: int = DEFAULT_CAPACITY, granularity: int = DEFAULT_GRANULARITY,
-                 device_count: int = 1, name: str = "defrag emulated device"):
+                 device_count: int = 1, name: str = "defrag emulated device",
+                 host_capacity: int = DEFAULT_HOST_CAPACITY, host_pages: bool = True):
         page = mmap.PAGESIZE
         if granularity <= 0 or granularity % page:
             raise ValueError(f"granularity must be a positive multiple of the host page size ({page}), got {granularity}")
@@ -144,7 +162,13 @@ class EmulatedCuda:
         self.granularity = int(granularity)
         self.device_count = int(device_count)
         self.name = name
-        self.used = 0  # bytes held by live physical allocations
+        self.used = 0  # bytes held by live physical allocations on the device
+        if host_capacity < 0:
+            raise ValueError(f"host_capacity must be >= 0, got {host_capacity}")
+        self.host_capacity = int(host_capacity)  # host-located pages and pinned buffers, apart from `capacity`
+        self.host_used = 0
+        self.host_pages = bool(host_pages)  # whether cuMemCreate accepts a host NUMA location
+        self._pinned: dict[int, int] = {}  # cuMemAllocHost base -> size
         self.capturing = False  # tests flip this to emulate CUDA graph capture
         self._lock = threading.RLock()
         self._initialized = False
@@ -218,7 +242,10 @@ class EmulatedCuda:
     def _drop_physical(self, handle: int) -> None:
         phys = self._handles.pop(handle)
         self._host_release(phys.fd)
-        self.used -= phys.size
+        if phys.host:
+            self.host_used -= phys.size
+        else:
+            self.used -= phys.size
 
     @staticmethod
     def _int(value) -> int:
@@ -259,6 +286,22 @@ class EmulatedCuda:
     def cuDriverGetVersion(self):
         self._count("cuDriverGetVersion")
         return (R.CUDA_SUCCESS, 0)
+
+    def cuDeviceGetAttribute(self, attrib, dev):
+        """Only the attributes defrag asks about (host NUMA VMM support); others: CUDA_ERROR_INVALID_VALUE."""
+        self._count("cuDeviceGetAttribute")
+        if not isinstance(attrib, cu.CUdevice_attribute):
+            raise TypeError(f"attrib must be a CUdevice_attribute, got {type(attrib).__name__}")
+        if (e := self._need_init()) is not None:
+            return (e, 0)
+        if not 0 <= int(dev) < self.device_count:
+            return (R.CUDA_ERROR_INVALID_DEVICE, 0)
+        a = cu.CUdevice_attribute
+        if attrib == a.CU_DEVICE_ATTRIBUTE_HOST_NUMA_ID:
+            return (R.CUDA_SUCCESS, HOST_NUMA_NODE if self.host_pages else -1)
+        if attrib == a.CU_DEVICE_ATTRIBUTE_HOST_NUMA_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED:
+            return (R.CUDA_SUCCESS, int(self.host_pages))
+        return (R.CUDA_ERROR_INVALID_VALUE, 0)
 
     def cuDevicePrimaryCtxRetain(self, dev):
         self._count("cuDevicePrimaryCtxRetain")
@@ -305,11 +348,21 @@ class EmulatedCuda:
 
     # ---------------------------------------------------------------- physical
     def _check_prop(self, prop) -> bool:
+        return self._prop_kind(prop) is not None
+
+    def _prop_kind(self, prop) -> str | None:
+        """"device" or "host" (a host NUMA location this device accepts), None for an invalid prop."""
         if not isinstance(prop, cu.CUmemAllocationProp):
             raise TypeError(f"prop must be a cuda.bindings.driver.CUmemAllocationProp, got {type(prop).__name__}")
-        return (prop.type == cu.CUmemAllocationType.CU_MEM_ALLOCATION_TYPE_PINNED
-                and prop.location.type == cu.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
-                and 0 <= prop.location.id < self.device_count)
+        if prop.type != cu.CUmemAllocationType.CU_MEM_ALLOCATION_TYPE_PINNED:
+            return None
+        where = prop.location.type
+        if where == cu.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE and 0 <= prop.location.id < self.device_count:
+            return "device"
+        if (where == cu.CUmemLocationType.CU_MEM_LOCATION_TYPE_HOST_NUMA and self.host_pages
+                and prop.location.id == HOST_NUMA_NODE):
+            return "host"
+        return None
 
     def cuMemGetAllocationGranularity(self, prop, option):
         self._count("cuMemGetAllocationGranularity")
@@ -325,16 +378,21 @@ class EmulatedCuda:
         with self._lock:
             if (e := self._need_init()) is not None:
                 return (e, cu.CUmemGenericAllocationHandle(0))
-            if not self._check_prop(prop) or size <= 0 or not self._aligned(size) or int(flags) != 0:
+            kind = self._prop_kind(prop)
+            if kind is None or size <= 0 or not self._aligned(size) or int(flags) != 0:
                 return (R.CUDA_ERROR_INVALID_VALUE, cu.CUmemGenericAllocationHandle(0))
-            if self.used + size > self.capacity:
+            host = kind == "host"
+            if (self.host_used + size > self.host_capacity) if host else (self.used + size > self.capacity):
                 return (R.CUDA_ERROR_OUT_OF_MEMORY, cu.CUmemGenericAllocationHandle(0))
             fd = self._host_create(size)
             if fd is None:
                 return (R.CUDA_ERROR_OUT_OF_MEMORY, cu.CUmemGenericAllocationHandle(0))
             handle = next(self._next_handle)
-            self._handles[handle] = _Physical(fd=fd, size=size)
-            self.used += size
+            self._handles[handle] = _Physical(fd=fd, size=size, host=host)
+            if host:
+                self.host_used += size
+            else:
+                self.used += size
             return (R.CUDA_SUCCESS, cu.CUmemGenericAllocationHandle(handle))
 
     def cuMemRelease(self, handle):
@@ -481,6 +539,60 @@ class EmulatedCuda:
             self._host_set(dst, int(value) & 0xFF, nbytes)
             return (R.CUDA_SUCCESS,)
 
+    # ---------------------------------------------------------------- pinned host buffers
+    def cuMemAllocHost(self, bytesize):
+        self._count("cuMemAllocHost")
+        size = int(bytesize)
+        with self._lock:
+            if (e := self._need_init()) is not None:
+                return (e, 0)
+            if size <= 0:
+                return (R.CUDA_ERROR_INVALID_VALUE, 0)
+            if self.host_used + size > self.host_capacity:
+                return (R.CUDA_ERROR_OUT_OF_MEMORY, 0)
+            ptr = self._host_pinned_alloc(size)
+            if ptr is None:
+                return (R.CUDA_ERROR_OUT_OF_MEMORY, 0)
+            self._pinned[ptr] = size
+            self.host_used += size
+            return (R.CUDA_SUCCESS, ptr)
+
+    def cuMemFreeHost(self, p):
+        self._count("cuMemFreeHost")
+        ptr = int(p)
+        with self._lock:
+            size = self._pinned.pop(ptr, None)
+            if size is None:
+                return (R.CUDA_ERROR_INVALID_VALUE,)
+            self._host_pinned_free(ptr, size)
+            self.host_used -= size
+            return (R.CUDA_SUCCESS,)
+
+    def _in_pinned(self, ptr: int, nbytes: int) -> bool:
+        return any(base <= ptr and ptr + nbytes <= base + size for base, size in self._pinned.items())
+
+    def cuMemcpyDtoH(self, dstHost, srcDevice, ByteCount):
+        self._count("cuMemcpyDtoH")
+        dst, src, nbytes = int(dstHost), int(srcDevice), int(ByteCount)
+        if nbytes == 0:
+            return (R.CUDA_SUCCESS,)
+        with self._lock:
+            if nbytes < 0 or not self._accessible(src, nbytes, False) or not self._in_pinned(dst, nbytes):
+                return (R.CUDA_ERROR_INVALID_VALUE,)
+            self._host_copy(dst, src, nbytes)
+            return (R.CUDA_SUCCESS,)
+
+    def cuMemcpyHtoD(self, dstDevice, srcHost, ByteCount):
+        self._count("cuMemcpyHtoD")
+        dst, src, nbytes = int(dstDevice), int(srcHost), int(ByteCount)
+        if nbytes == 0:
+            return (R.CUDA_SUCCESS,)
+        with self._lock:
+            if nbytes < 0 or not self._accessible(dst, nbytes, True) or not self._in_pinned(src, nbytes):
+                return (R.CUDA_ERROR_INVALID_VALUE,)
+            self._host_copy(dst, src, nbytes)
+            return (R.CUDA_SUCCESS,)
+
     # ---------------------------------------------------------------- host memory
     # Every host-memory side effect of the driver calls above, and nothing else.
     # They run under the lock, after the call's rules have been checked; a
@@ -495,6 +607,17 @@ class EmulatedCuda:
             os.close(fd)
             return None
         return fd
+
+    def _host_pinned_alloc(self, size: int) -> int | None:
+        """Page-locked host memory of `size` bytes (here: an anonymous mapping); its address, or None."""
+        try:
+            return _os_mmap(0, size, _PROT_RW, _MAP_PRIVATE | _MAP_ANONYMOUS)
+        except OSError:
+            return None
+
+    def _host_pinned_free(self, ptr: int, size: int) -> None:
+        """Free a buffer from `_host_pinned_alloc`."""
+        _os_check(_libc.munmap(ptr, size), "munmap")
 
     def _host_release(self, fd: int) -> None:
         """Free a physical allocation's memory (it is no longer mapped anywhere)."""
@@ -588,6 +711,12 @@ class EmulatedCuda:
         with self._lock:
             return self._accessible(int(ptr), int(size), write)
 
+    def host_state(self) -> dict:
+        """Counts of host-located pages and pinned host buffers still held: the host side's leak check."""
+        with self._lock:
+            return {"host_pages": sum(1 for p in self._handles.values() if p.host),
+                    "pinned_buffers": len(self._pinned), "host_used_bytes": self.host_used}
+
     def state(self) -> dict:
         """Counts of live handles, mappings and reservations: a leak check."""
         with self._lock:
@@ -605,3 +734,5 @@ class EmulatedCuda:
                 self._drop_physical(handle)
             for base in list(self._res_starts):
                 self.cuMemAddressFree(base, self._reservations[base].size)
+            for ptr in list(self._pinned):
+                self.cuMemFreeHost(ptr)

@@ -92,7 +92,7 @@ _OUTPUTS = {
     "cuDeviceGetCount": 1, "cuDeviceGet": 1, "cuDeviceGetName": 1, "cuDeviceTotalMem": 1,
     "cuDriverGetVersion": 1, "cuDevicePrimaryCtxRetain": 1, "cuStreamIsCapturing": 1,
     "cuMemGetInfo": 2, "cuMemGetAllocationGranularity": 1, "cuMemCreate": 1,
-    "cuMemAddressReserve": 1, "cuCtxGetCurrent": 1,
+    "cuMemAddressReserve": 1, "cuCtxGetCurrent": 1, "cuDeviceGetAttribute": 1, "cuMemAllocHost": 1,
 }
 
 

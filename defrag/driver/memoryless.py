@@ -17,6 +17,9 @@ larger than this machine's RAM (80 GB-class workloads):
   memory) and end below 2**63 (they fit a signed 64-bit integer); a 1 TiB or
   64 TiB reservation costs nothing;
 - cuMemMap, cuMemUnmap and cuMemSetAccess only update the bookkeeping;
+- pinned host buffers (`cuMemAllocHost`) are addresses from the same
+  counter, and host-located pages count in `host_used`, as on the emulated
+  device;
 - copies and memsets check that their ranges are mapped with access, exactly
   as on the emulated device, and then do nothing; synchronization is a no-op
   and `touched_unmapped()` is always 0 (no host access can reach the device).
@@ -27,7 +30,7 @@ driver must not build tensors over its memory (it has none).
 
 from __future__ import annotations
 
-from .emulated import DEFAULT_CAPACITY, DEFAULT_GRANULARITY, EmulatedCuda
+from .emulated import DEFAULT_CAPACITY, DEFAULT_GRANULARITY, DEFAULT_HOST_CAPACITY, EmulatedCuda
 
 __all__ = ["MemorylessCuda", "VA_START", "VA_LIMIT"]
 
@@ -40,8 +43,10 @@ class MemorylessCuda(EmulatedCuda):
     """One memory-less GPU: `EmulatedCuda`'s rules over a virtual address counter."""
 
     def __init__(self, *, capacity: int = DEFAULT_CAPACITY, granularity: int = DEFAULT_GRANULARITY,
-                 device_count: int = 1, name: str = "defrag memoryless device"):
-        super().__init__(capacity=capacity, granularity=granularity, device_count=device_count, name=name)
+                 device_count: int = 1, name: str = "defrag memoryless device",
+                 host_capacity: int = DEFAULT_HOST_CAPACITY, host_pages: bool = True):
+        super().__init__(capacity=capacity, granularity=granularity, device_count=device_count, name=name,
+                         host_capacity=host_capacity, host_pages=host_pages)
         self._next_va = VA_START
 
     # ---------------------------------------------------------------- host memory: none
@@ -49,6 +54,13 @@ class MemorylessCuda(EmulatedCuda):
         return _NO_FD
 
     def _host_release(self, fd: int) -> None:
+        pass
+
+    def _host_pinned_alloc(self, size: int) -> int | None:
+        # Pinned buffers come from the same counter: never overlapping, never reused, never touched.
+        return self._host_reserve(-(-size // self.granularity) * self.granularity, self.granularity)
+
+    def _host_pinned_free(self, ptr: int, size: int) -> None:
         pass
 
     def _host_reserve(self, size: int, alignment: int) -> int | None:
