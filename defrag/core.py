@@ -52,7 +52,7 @@ from .vmm import ASLEEP, HOST, AddressSpace, Region, Transaction, page_runs
 THREAD_MODES = (None, "own", "all")
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class Block:
     """One carved heap range: where it is, whose it is, and the face's `info` about its user."""
 
@@ -67,7 +67,7 @@ class Block:
     owner: object = None  # weakref to the ThreadToken of the thread that allocated, adopted or claimed it
     shared: bool = False  # declared used by several threads: no thread owns it
     info: object = None  # the face's data about the block's user; follows the data when it moves
-    deferral: list = field(default_factory=list)  # the face's "device done with it" markers (have .query())
+    deferral: tuple | list = ()  # the face's "device done with it" markers (have .query())
     keepalive: object = None  # the face's release hook for this range (dropped when the block is freed)
     offloaded: bool = False  # on host-located pages (defrag.residency): never moved until reloaded
 
@@ -200,9 +200,10 @@ class Core:
     def user(self):
         """The calling thread's owner reference, remembering that this thread used the core."""
         token = threads.current_token()
-        if token.id not in self._threads:
-            self._threads[token.id] = token.ref
-        return token.ref
+        ref = token.ref
+        if self._threads.get(token.id) is not ref:
+            self._threads[token.id] = ref
+        return ref
 
     def _other_live_threads(self, mine) -> list:
         others = []
@@ -309,8 +310,10 @@ class Core:
 
     def _account(self, block: Block, delta: int) -> None:
         """Count `block` on (+1) or off (-1) its pages, keeping the empty-page count."""
-        first, end = self.pages_of(block)
-        counts = self._live_count[block.region.index]
+        region, P = block.region, self.page_size
+        first = (block.address - region.base) // P
+        end = (block.address + block.size - 1 - region.base) // P + 1
+        counts = self._live_count[region.index]
         if end == first + 1:
             # The common case, without a slice. Blocks lie on mapped pages only.
             before = counts[first]
@@ -333,9 +336,20 @@ class Core:
         self._blocks[address] = block
         self._account(block, +1)
         if counted:
-            self.bump("allocated_bytes", size)
+            self._allocated(size)
             self.counters["num_allocs"] += 1
         return block
+
+    def _allocated(self, delta: int) -> None:
+        """`bump("allocated_bytes", delta)`, unrolled: it runs twice per allocation."""
+        c, peaks = self.counters, self.peaks
+        allocated = c["allocated_bytes"] + delta
+        c["allocated_bytes"] = allocated
+        if allocated > peaks["allocated_bytes"]:
+            peaks["allocated_bytes"] = allocated
+        active = allocated + c["pending_bytes"]
+        if active > peaks["active_bytes"]:
+            peaks["active_bytes"] = active
 
     def free(self, block: Block, *, keep: bool = False) -> None:
         """Free a block's range (the gate is held; nothing may use it any more).
@@ -362,7 +376,7 @@ class Core:
         self._account(block, -1)
         del self._blocks[block.address]
         if block.counted:
-            self.bump("allocated_bytes", -block.size)
+            self._allocated(-block.size)
             self.counters["num_frees"] += 1
         elif block.pending:
             self.counters["pending_bytes"] -= block.size

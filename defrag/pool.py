@@ -102,7 +102,7 @@ def compact(*, verify: bool = False, progress: bool | None = None, engine: str |
             for p in open_pools()]
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class TensorInfo:
     """What the torch face keeps on a block (`Block.info`): its storage and what it was made as."""
 
@@ -411,7 +411,10 @@ class Pool:
 
     def _new_tensor(self, shape: tuple, stride: tuple, dtype, requires_grad: bool) -> torch.Tensor:
         dtype = tz.check_dtype(dtype if dtype is not None else torch.get_default_dtype())
-        elements = 0 if 0 in shape else 1 + sum((n - 1) * st for n, st in zip(shape, stride))
+        if len(shape) == 1 and stride[0] == 1:
+            elements = shape[0]
+        else:
+            elements = 0 if 0 in shape else 1 + sum((n - 1) * st for n, st in zip(shape, stride))
         nbytes = elements * dtype.itemsize
         with self.core.gate:
             self._enter()

@@ -136,6 +136,8 @@ def tensor_at(kind: str, device: torch.device, ptr: int, nbytes: int, dtype: tor
 
 
 def contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
+    if len(shape) == 1:
+        return (1,)
     strides, acc = [], 1
     for dim in reversed(shape):
         strides.append(acc)
@@ -145,6 +147,10 @@ def contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
 
 def check_shape(shape) -> tuple[int, ...]:
     """Normalize a shape; ValueError for negative, non-integer or overflowing sizes."""
+    if type(shape) is int:
+        shape = (shape,)
+    if type(shape) is tuple and all(type(d) is int and d >= 0 for d in shape) and math.prod(shape) < 1 << 62:
+        return shape  # the common case: plain non-negative ints
     if isinstance(shape, int):
         shape = (shape,)
     try:

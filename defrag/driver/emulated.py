@@ -696,6 +696,12 @@ class EmulatedCuda:
         0 unless something accessed an address whose page was unmapped: on a
         GPU that access would have been an illegal-address error.
         """
+        fd = self._tombstone
+        try:
+            if fd is None or not os.fstat(fd).st_blocks:
+                return 0  # the common case, without the lock
+        except OSError:
+            pass  # closed meanwhile (the device is closing): decide under the lock
         with self._lock:
             fd = self._tombstone
             if fd is None:
