@@ -538,25 +538,43 @@ class Core:
         return region, 0
 
     def _place_large(self, size: int, nbytes: int) -> Block:
+        """Place a block of a page or more.
+
+        First mapped free space at any 512-byte boundary, best fit (the free
+        tail of a partly used page joined to empty pages after it holds the
+        block with no mapping, and the block does not strand its own last
+        page's tail). Else a page-aligned run of pages no block touches
+        (shortest first, then fewest unmapped), unless starting in the free
+        tail of the last mapped page before an unmapped run needs fewer new
+        pages (`_tail_window`).
+        """
+        for region, heap in zip(self.space.regions, self._heaps):
+            address = heap.allocate(size)
+            if address is not None:
+                return self.carve(region, address, size, nbytes)
         k = -(-size // self.page_size)
         free_pages = self.free_physical_pages()
         if k > free_pages:
             raise NoSpace(f"needs {k} free pages, {free_pages} can be had")
-        best = None  # (run length, unmapped pages in window, region, start)
-        for region in self.space.regions:
-            available = self._live_count[region.index] == 0
-            for start, length in _page_runs(available):
-                if length < k:
-                    continue
-                unmapped = int((region.handles[start:start + k] == 0).sum())
-                key = (length, unmapped)
-                if best is None or key < best[:2]:
-                    best = (length, unmapped, region, start)
-        if best is None:
-            region, start = self.add_region(max(k, self.capacity_pages)), 0
+        tail = self._tail_window(size, k)
+        if tail is not None:
+            region, address, window = tail[:3]
         else:
-            region, start = best[2], best[3]
-        window = list(range(start, start + k))
+            best = None  # (run length, unmapped pages in window, region, start)
+            for region in self.space.regions:
+                available = self._live_count[region.index] == 0
+                for start, length in _page_runs(available):
+                    if length < k:
+                        continue
+                    unmapped = int((region.handles[start:start + k] == 0).sum())
+                    key = (length, unmapped)
+                    if best is None or key < best[:2]:
+                        best = (length, unmapped, region, start)
+            if best is None:
+                region, start = self.add_region(max(k, self.capacity_pages)), 0
+            else:
+                region, start = best[2], best[3]
+            address, window = region.address(start), list(range(start, start + k))
         to_map = [p for p in window if not region.handles[p]]
         shortfall = len(to_map) - len(self.space.store.cached)
         if shortfall > 0 and self._empty > k - len(to_map):
@@ -568,8 +586,36 @@ class Core:
             self.unmap_empty(donors)
         with Transaction() as txn:
             self._map_new(region, to_map, txn)
-            address = self._heaps[region.index].allocate_at(region.address(start), size)
+            address = self._heaps[region.index].allocate_at(address, size)
         return self.carve(region, address, size, nbytes)
+
+    def _tail_window(self, size: int, k: int):
+        """Where a block of `size` (`k` pages on its own) needs fewer new pages by starting in free space.
+
+        Candidates: the free range ending at the last mapped page before an
+        unmapped run (the free tail of a partly used page, with any empty
+        pages before it), continued into that run. Returns (region, start
+        address, every page the block would touch, how many of them are
+        unmapped) for the candidate needing the fewest unmapped pages, or
+        None when none needs fewer than `k`.
+        """
+        P = self.page_size
+        best = None
+        for region, heap in zip(self.space.regions, self._heaps):
+            mapped = region.handles != 0
+            for q in np.flatnonzero(mapped[:-1] & ~mapped[1:]).tolist():
+                end = region.address(q + 1)
+                run = heap.free_range_ending_at(end)
+                if run is None:
+                    continue
+                m = -(-(size - run[1]) // P)
+                if not 0 < m < k or q + 1 + m > region.npages or mapped[q + 1:q + 1 + m].any():
+                    continue
+                key = (m, -run[1])
+                if best is None or key < best[0]:
+                    first = (run[0] - region.base) // P
+                    best = (key, region, run[0], list(range(first, q + 1 + m)), m)
+        return None if best is None else best[1:]
 
     # ------------------------------------------------------------------ the ladder
     def allocate(self, nbytes: int, rescue=None, describe=None) -> Block:

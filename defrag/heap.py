@@ -194,6 +194,11 @@ class Heap:
             raise HeapError(f"size must be positive, got {size}")
         return self._containing_free(offset, size) is not None
 
+    def free_range_ending_at(self, end: int) -> tuple[int, int] | None:
+        """The free range that ends exactly at `end`, as (offset, size), or None. O(log n)."""
+        hit = self._containing_free(end - 1, 1)
+        return hit if hit is not None and hit[0] + hit[1] == end else None
+
     def free_ranges(self) -> list[tuple[int, int]]:
         """Free ranges as sorted (offset, size) pairs."""
         return list(self._free.items())
