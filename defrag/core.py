@@ -15,11 +15,17 @@ region) places blocks at 512-byte granularity:
 
 - a block smaller than a page goes into free space of pages that are already
   mapped; only when none fits is one more page mapped;
-- a block of a page or more starts on a page boundary, in a run of virtual
-  pages that hold no live data, and is *stitched*: the run is backed by any
-  free physical pages, wherever they were mapped before. Such a request fails
-  only when the free physical pages cannot cover it (a new region is reserved
-  when no run of free virtual pages is long enough).
+- a block of a page or more goes, best fit, into mapped free space at any
+  512-byte boundary when some holds it (typically the free tail of a partly
+  used page joined to empty pages); else it starts in the free tail of the
+  last mapped page before an unmapped run when that needs fewer new pages,
+  or on a page boundary, in a run of virtual pages that hold no live data.
+  New pages are *stitched*: backed by cached physical pages, then by empty
+  mapped pages unmapped elsewhere, and only then by new ones. Such a request
+  fails only when the free physical pages cannot cover it (a new region is
+  reserved when no run of free virtual pages is long enough).
+- freed ranges are kept carved per size and reused by the next request of
+  that size without touching the heap (`free`, `flush_reuse`).
 
 Lifetime. A face calls `release(block)` from any thread at any time (it only
 queues); releases are applied at the next safe point (`drain()`, called at

@@ -23,11 +23,10 @@ The region spans ``[0, span)``; ``span`` is a multiple of ``page_size``. Live
 blocks are ``alignment``-aligned (offset and size), do not overlap, and a page
 is *touched* (needs physical backing) iff some live block intersects it. A
 block is *fixed* if it is pinned (``movable=False``) or at least a page long.
-Fixed blocks never move: pinned ones by contract, large ones because a block
-of a page or more that starts on a page boundary (the pool places them so)
-already touches the fewest pages it can, and large blocks can never share a
-page with each other, so moving one never lowers the page count, only costs
-bytes. The pages touched by fixed blocks are the *forced* pages ``F``.
+Fixed blocks never move: pinned ones by contract, large ones because the pool
+places a block of a page or more where it touches the fewest pages it can (on
+a page boundary, or starting in a free page tail), so moving one rarely lowers
+the page count and always costs bytes. The pages touched by fixed blocks are the *forced* pages ``F``.
 
 Lower bound: any final layout touches ``F`` and at least ``ceil(live/page)``
 pages, so ``pages_after >= max(|F|, ceil(live / page_size))``
