@@ -184,7 +184,7 @@ class _TorchMover:
         user, rebind = held
         if rebind is None:
             # `new` is now the user's block; `old` is owned by the temporary `dest`.
-            tz.swap_data(user, dest)
+            tz.swap_data(user, dest, self.pool._swap_mode)
         else:
             # Rebind mode: the known tensors (provably all users) take `dest`;
             # `old` dies with the old storage once the compaction's references go.
@@ -250,7 +250,8 @@ class Pool:
         # How a moved storage takes its new memory, fixed for the pool's life: torch's
         # _swap_data_ptr_, else defrag's small extension (built here on first use, once
         # per machine), else rebinding the tensors the pool knows (views pin blocks).
-        self._can_swap = tz.can_swap_storages()
+        self._swap_mode = tz.swap_mode()  # fixed for the pool's life, like the storages it made
+        self._can_swap = self._swap_mode != "rebind"
         self.core = Core(self.driver, capacity_pages=capacity_bytes // page_size, page_size=page_size,
                          auto_compact=auto_compact, min_compact_interval=min_compact_interval,
                          virtual_factor=virtual_factor, label=f"pool #{self.id}")
@@ -683,7 +684,7 @@ class Pool:
                 new.copy_(s)
             for (block, s, t), new in zip(placed, fresh):
                 if self._can_swap:
-                    tz.swap_data(s, new)
+                    tz.swap_data(s, new, self._swap_mode)
                     block.info.storage_ref = tz.weak_storage(s)
                 else:
                     tz.rebind([t], new)  # proven above: `t` is the storage's only tensor

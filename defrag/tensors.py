@@ -286,20 +286,21 @@ def _forget_swap_mode() -> None:
         _modes.clear()
 
 
-def swap_data(user: torch.UntypedStorage, other: torch.UntypedStorage) -> None:
+def swap_data(user: torch.UntypedStorage, other: torch.UntypedStorage, mode: str | None = None) -> None:
     """Exchange data pointers (and deleters/owners) of two same-size storages.
 
     Every tensor and view over `user` sees `other`'s memory afterwards and vice
     versa; sizes, version counters and autograd state are untouched. Cannot
     fail half-way: one C++ call that only exchanges fields ("native" or
     "extension" mode). RuntimeError in "rebind" mode: use `rebind` there.
-    Not safe while another thread uses either storage's memory.
+    Not safe while another thread uses either storage's memory. `mode`: a
+    `swap_mode()` result the caller already holds (it reads the environment).
     """
     if user.nbytes() != other.nbytes():
         raise ValueError(f"cannot swap storages of {user.nbytes()} and {other.nbytes()} bytes")
     if user.device != other.device:
         raise ValueError(f"cannot swap storages on {user.device} and {other.device}")
-    mode = swap_mode()
+    mode = mode or swap_mode()
     if mode == "native":
         user._swap_data_ptr_(other)
     elif mode == "extension":
