@@ -156,7 +156,9 @@ def default_engine(kind: str) -> str:
     return {"cuda": "kernel", "emulated": "memmove"}.get(kind, "driver")
 
 
-class _Timer:
+class PhaseTimer:
+    """`with PhaseTimer(report.phases, "copy"):` adds the block's wall time to `phases["copy"]`."""
+
     def __init__(self, phases: dict, name: str):
         self.phases, self.name = phases, name
 
@@ -200,14 +202,14 @@ def compact_core(core: Core, mover: Mover, *, verify: bool = False, progress: bo
     core.drain()
     core.wait_pending()
     core.flush_reuse()  # the plan and the destinations read the heap's free space
-    with _Timer(phases, "sync"):
+    with PhaseTimer(phases, "sync"):
         core.driver.synchronize()  # queued kernels may still use blocks we are about to move
     before = core.stats_locked()
     report.fragmentation_before = before["fragmentation"]
     report.stranded_before = before["stranded_bytes"]
     report.pages_before = core.live_pages()
 
-    with _Timer(phases, "plan"):
+    with PhaseTimer(phases, "plan"):
         plans = []
         for region in core.regions:
             layout = _collect(core, mover, region, scope)
@@ -255,7 +257,7 @@ def compact_core(core: Core, mover: Mover, *, verify: bool = False, progress: bo
         # waves' work is committed and their pages are free.
         core.drain()
         if release:
-            with _Timer(phases, "release"):
+            with PhaseTimer(phases, "release"):
                 mapped_before_release = core.space.mapped
                 try:
                     core.unmap_empty(core.empty_mapped_pages())
@@ -341,7 +343,7 @@ def _run_wave(core: Core, mover: Mover, region, plan: ArrayPlan, a: int, b: int,
     dests = []  # (old Block, new Block, the face's destination)
     with Transaction() as txn:
         # 1. prepare: map destination pages, carve destination ranges, make the face's destinations.
-        with _Timer(phases, "prepare"):
+        with PhaseTimer(phases, "prepare"):
             first = (plan.dst[a:b] // P).tolist()
             last = ((plan.dst[a:b] + plan.size[a:b] - 1) // P).tolist()
             dest_pages = {p for f, l in zip(first, last) for p in range(f, l + 1)}
@@ -360,13 +362,13 @@ def _run_wave(core: Core, mover: Mover, region, plan: ArrayPlan, a: int, b: int,
 
         # 2. copy, then wait for it; 2b. verify.
         moves = [(old.address, new.address, old.size) for old, new, _ in dests]
-        with _Timer(phases, "copy"):
+        with PhaseTimer(phases, "copy"):
             # Whole blocks (512-byte multiples): 16-byte aligned for the kernel, and
             # the rounding stays inside each block.
             _copy(core, mover, engine, moves)
             core.driver.synchronize()
         if verify:
-            with _Timer(phases, "verify"):
+            with PhaseTimer(phases, "verify"):
                 _verify(core, mover, engine, moves)
 
         # Everything the commit needs, checked before the first commit.
@@ -376,7 +378,7 @@ def _run_wave(core: Core, mover: Mover, region, plan: ArrayPlan, a: int, b: int,
         txn.commit()
 
     # 3. commit: cannot fail (the face only exchanges fields).
-    with _Timer(phases, "swap"):
+    with PhaseTimer(phases, "swap"):
         history = core.history
         for old, new, dest in dests:
             new.retired, new.counted = False, True
@@ -391,7 +393,7 @@ def _run_wave(core: Core, mover: Mover, region, plan: ArrayPlan, a: int, b: int,
         # Loop variables would keep the last destination (and its old range) alive.
         del dest
     # 4. release: the face lets go of the old ranges (for torch: the temporaries die); drained now.
-    with _Timer(phases, "release"):
+    with PhaseTimer(phases, "release"):
         dests.clear()
         core.drain()
         core.flush_reuse()  # later waves' destinations lie in what this one vacated

@@ -52,7 +52,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .compactor import PROGRESS_BYTES, Mover, move_blocks
+from .compactor import PROGRESS_BYTES, Mover, PhaseTimer, move_blocks
 from .core import Block, Core, Scope
 from .errors import CudaError, NotSupportedError, PoolClosedError, ResidencyError
 from .units import format_bytes
@@ -150,17 +150,6 @@ def _bar(total: int, progress: bool | None, desc: str):
     return None
 
 
-class _Timer:
-    def __init__(self, phases: dict, name: str):
-        self.phases, self.name = phases, name
-
-    def __enter__(self):
-        self.t0 = time.perf_counter()
-
-    def __exit__(self, *exc):
-        self.phases[self.name] = self.phases.get(self.name, 0.0) + time.perf_counter() - self.t0
-
-
 def _peak(core: Core, key: str, value: int) -> None:
     if value > core.peaks[key]:
         core.peaks[key] = value
@@ -200,10 +189,10 @@ def sleep(core: Core, *, discard=(), progress: bool | None = None) -> ResidencyR
     t0 = time.perf_counter()
     core.drain()
     core.wait_pending()
-    with _Timer(report.phases, "sync"):
+    with PhaseTimer(report.phases, "sync"):
         driver.synchronize()
     # 1. What holds nothing goes first (a failure here leaves an awake, consistent pool).
-    with _Timer(report.phases, "trim"):
+    with PhaseTimer(report.phases, "trim"):
         core.unmap_empty(core.empty_mapped_pages())
         space.store.trim(0)
     dropped = {b.address for b in discard}
@@ -219,7 +208,7 @@ def sleep(core: Core, *, discard=(), progress: bool | None = None) -> ResidencyR
     try:
         with Transaction() as txn:
             # 2. Copy out, into one pinned host buffer.
-            with _Timer(report.phases, "copy"):
+            with PhaseTimer(report.phases, "copy"):
                 if total:
                     buffer = driver.alloc_host(total)
                     txn.on_rollback(driver.free_host, buffer)
@@ -232,7 +221,7 @@ def sleep(core: Core, *, discard=(), progress: bool | None = None) -> ResidencyR
                         bar.update(b.size)
                 driver.synchronize()
             # 3. Unmap every device page; undone by mapping the same handle again.
-            with _Timer(report.phases, "unmap"):
+            with PhaseTimer(report.phases, "unmap"):
                 txn.on_rollback(_remap_own, core, unmapped)
                 for region, page in pages:
                     handle = int(region.handles[page])
@@ -248,7 +237,7 @@ def sleep(core: Core, *, discard=(), progress: bool | None = None) -> ResidencyR
     space.sleeping = True
     res.buffer, res.saved, res.discarded = buffer, saved, [(b.address, b.size) for b in lost]
     # 4. Release the handles (the bytes are in the host buffer now).
-    with _Timer(report.phases, "release"):
+    with PhaseTimer(report.phases, "release"):
         _release_to_driver(core, [h for _, _, h in unmapped], report)
     report.pages = len(unmapped)
     report.tensors = len(blocks)
@@ -306,7 +295,7 @@ def wake(core: Core, *, progress: bool | None = None) -> ResidencyReport:
     try:
         with Transaction() as txn:
             # 1. Map device pages (from the store: cached first, then new) where the pool slept.
-            with _Timer(report.phases, "map"):
+            with PhaseTimer(report.phases, "map"):
                 for region in space.regions:
                     pages = np.flatnonzero(region.backing == ASLEEP).tolist()
                     if not pages:
@@ -318,7 +307,7 @@ def wake(core: Core, *, progress: bool | None = None) -> ResidencyReport:
                     space.map(region, pages, txn)
                     report.pages += len(pages)
             # 2. Copy the bytes back; what sleep discarded reads zeros.
-            with _Timer(report.phases, "copy"):
+            with PhaseTimer(report.phases, "copy"):
                 for address, size, offset in res.saved:
                     driver.copy_from_host(address, res.buffer + offset, size)
                     if bar is not None:
@@ -609,7 +598,7 @@ def offload(core: Core, mover: Mover, blocks, *, keep, scope: Scope | None = Non
     core.drain()
     core.wait_pending()
     # 1. Pack: the cold blocks get pages no other block touches.
-    with _Timer(report.phases, "pack"):
+    with PhaseTimer(report.phases, "pack"):
         cold = _pack(core, mover, cold, scope, engine, report, pack)
     cold_ids = {id(b) for b in cold}
     touched = _touched(core, cold)
@@ -627,11 +616,11 @@ def offload(core: Core, mover: Mover, blocks, *, keep, scope: Scope | None = Non
             for index, page_set in touched.items():
                 region, pages = core.regions[index], sorted(page_set)
                 # 2. Fill the free space of those pages: nothing new is placed in host memory.
-                with _Timer(report.phases, "fill"):
+                with PhaseTimer(report.phases, "fill"):
                     for page in pages:
                         _fill(core, region, page, res, txn)
                 # 3. Host-located pages under them, bytes copied, at the same addresses.
-                with _Timer(report.phases, "swap"):
+                with PhaseTimer(report.phases, "swap"):
                     hosts: list[int] = []
                     txn.on_rollback(_release_all_or_log, driver, hosts)
                     for _ in pages:
@@ -648,7 +637,7 @@ def offload(core: Core, mover: Mover, blocks, *, keep, scope: Scope | None = Non
         b.offloaded = True
         res.holds[b.address] = keep(b)
     # 4. Release the device pages to the driver.
-    with _Timer(report.phases, "release"):
+    with PhaseTimer(report.phases, "release"):
         _release_to_driver(core, olds, report)
     report.tensors = len(cold)
     report.copied_bytes = report.pages * P
@@ -706,7 +695,7 @@ def reload(core: Core, blocks=None, *, progress: bool | None = None) -> Residenc
         with Transaction() as txn:
             for index, pages in touched.items():
                 region = core.regions[index]
-                with _Timer(report.phases, "swap"):
+                with PhaseTimer(report.phases, "swap"):
                     # Undone newest first: the swap (new handles unmapped), the scratch, then the
                     # store's own undo puts `handles` back in its cache.
                     handles = space.store.take(len(pages), txn)
