@@ -92,14 +92,14 @@ def bench_sleep(device: str, smoke: bool) -> list[dict]:
         supported, why = pool.driver.host_pages_supported()
         for _ in range(repeat):
             times["d2h"].append(_timed(device, lambda: d2h(ts)))
-            times["sleep"].append(_timed(device, pool.sleep))
-            times["wake"].append(_timed(device, pool.wake))
+            times["sleep"].append(_timed(device, lambda: pool.sleep(progress=False)))
+            times["wake"].append(_timed(device, lambda: pool.wake(progress=False)))
             times["h2d"].append(_timed(device, lambda: h2d(ts)))
             ok = ok and intact()
             if supported:
                 times["d2h_half"].append(_timed(device, lambda: d2h(half)))
-                times["offload"].append(_timed(device, lambda: pool.offload(half)))
-                times["reload"].append(_timed(device, lambda: pool.reload(half)))
+                times["offload"].append(_timed(device, lambda: pool.offload(half, progress=False)))
+                times["reload"].append(_timed(device, lambda: pool.reload(half, progress=False)))
                 times["h2d_half"].append(_timed(device, lambda: h2d(half)))
                 ok = ok and intact()
         baseline = ("torch copy_ to/from pinned host tensors, synchronized" if gpu

@@ -84,6 +84,7 @@ _MAP_PRIVATE = mmap.MAP_PRIVATE
 _MAP_ANONYMOUS = mmap.MAP_ANONYMOUS
 _MAP_FIXED = 0x10
 _MAP_NORESERVE = 0x4000
+_MAP_POPULATE = getattr(mmap, "MAP_POPULATE", 0x8000)  # Linux: fault every page in at mmap time
 _MAP_FAILED = ctypes.c_void_p(-1).value
 
 _libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
@@ -609,9 +610,10 @@ class EmulatedCuda:
         return fd
 
     def _host_pinned_alloc(self, size: int) -> int | None:
-        """Page-locked host memory of `size` bytes (here: an anonymous mapping); its address, or None."""
+        """Page-locked host memory of `size` bytes (here: an anonymous mapping, its pages faulted in at
+        once, as page-locking does); its address, or None."""
         try:
-            return _os_mmap(0, size, _PROT_RW, _MAP_PRIVATE | _MAP_ANONYMOUS)
+            return _os_mmap(0, size, _PROT_RW, _MAP_PRIVATE | _MAP_ANONYMOUS | _MAP_POPULATE)
         except OSError:
             return None
 
