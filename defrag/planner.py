@@ -116,6 +116,7 @@ What it does not guarantee
 """
 from __future__ import annotations
 
+import collections
 import gc
 from bisect import bisect_left
 from contextlib import contextmanager
@@ -577,7 +578,7 @@ def _best_fit(
     is_big = hl >= cap
     big = [[s, ln] for s, ln in zip(hs[is_big].tolist(), hl[is_big].tolist())]
     big.reverse()  # carve from the end of the list: first given, first used
-    buckets: list[list[int]] = [[] for _ in range(cap)]
+    buckets: collections.defaultdict[int, list[int]] = collections.defaultdict(list)  # only lengths seen
     words = [0] * ((cap + 63) >> 6)
     top = 0
     small = ~is_big & (hl > 0)
