@@ -350,9 +350,13 @@ def _run_wave(core: Core, mover: Mover, region, plan: ArrayPlan, a: int, b: int,
             to_map = sorted(p for p in dest_pages if not region.handles[p])
             _make_physical_room(core, region, dest_pages, len(to_map))
             core.map_pages(region, to_map, txn)
+            heap.allocate_many_at([(dst, old.size) for old, dst in zip(olds, dsts)])  # one pass
+            carved = set()
+            # Undone last: whatever was taken from the heap but not carved into a block yet.
+            txn.on_rollback(lambda: heap.free_many([d for d in dsts if d not in carved]))
             for old, dst in zip(olds, dsts):
-                address = heap.allocate_at(dst, old.size)
-                new = core.carve(region, address, old.size, old.nbytes, counted=False)
+                new = core.carve(region, dst, old.size, old.nbytes, counted=False)
+                carved.add(dst)
                 txn.on_rollback(core.free, new)
                 # Retired until the commit: not live, not counted. If the wave is
                 # abandoned the face's destination goes, and with it `new`.

@@ -394,12 +394,14 @@ class Core:
         """Give every range `free` kept for reuse back to the heap (coalescing it with its neighbours)."""
         if not self._reuse_count:
             return
-        heaps = self._heaps
+        by_region = collections.defaultdict(list)
         for entries in self._reuse.values():
             for region, address in entries:
-                heaps[region.index].free(address)
+                by_region[region.index].append(address)
         self._reuse.clear()
         self._reuse_count = 0
+        for index, addresses in by_region.items():
+            self._heaps[index].free_many(addresses)
 
     def bump(self, key: str, delta: int) -> None:
         """Add `delta` to a counter, tracking its peak (and the active bytes' peak)."""

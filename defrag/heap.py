@@ -180,6 +180,89 @@ class Heap:
         self._add_coalesced(offset, size)
         return size
 
+    # -- batches: one pass over the free ranges instead of one update per block --------
+
+    def _bulk_pays(self, n: int) -> bool:
+        """Whether rebuilding the free-range index beats `n` single updates (each O(log n))."""
+        return n >= 8 and 8 * n >= len(self._free)
+
+    def _reset_free(self, ranges: list[tuple[int, int]]) -> None:
+        self._free = SortedDict(ranges)
+        self._by_size = SortedList((size, offset) for offset, size in ranges)
+        self._free_bytes = sum(size for _, size in ranges)
+
+    def allocate_many_at(self, ranges) -> None:
+        """`allocate_at` for every (offset, size) of `ranges`, all or nothing.
+
+        HeapError (nothing changed) if one is misaligned, not inside a free
+        range, or overlaps another. O(n + free ranges) when there are many;
+        else one `allocate_at` each.
+        """
+        todo = sorted((offset, self.round_size(size)) for offset, size in ranges)
+        if not self._bulk_pays(len(todo)):
+            done = []
+            try:
+                for offset, size in todo:
+                    done.append(self.allocate_at(offset, size))
+            except HeapError:
+                for offset in done:
+                    self.free(offset)
+                raise
+            return
+        out, j = [], 0
+        prev_end = None
+        for start, length in self._free.items():
+            end = start + length
+            cursor = start
+            while j < len(todo) and todo[j][0] < end:
+                offset, size = todo[j]
+                self._check_range(offset, size)
+                if offset < cursor or offset + size > end or (prev_end is not None and offset < prev_end):
+                    raise HeapError(f"range ({offset}, {size}) is not entirely free")
+                if offset > cursor:
+                    out.append((cursor, offset - cursor))
+                cursor = prev_end = offset + size
+                j += 1
+            if cursor < end:
+                out.append((cursor, end - cursor))
+        if j < len(todo):
+            raise HeapError(f"range {todo[j]} is not entirely free")
+        self._reset_free(out)
+        for offset, size in todo:
+            self._live[offset] = size
+            self._live_bytes += size
+
+    def free_many(self, offsets) -> None:
+        """`free` every live block at `offsets`, coalescing, all or nothing (HeapError: nothing changed).
+
+        O(n + free ranges) when there are many; else one `free` each.
+        """
+        offsets = sorted(offsets)
+        for a, b in zip(offsets, offsets[1:]):
+            if a == b:
+                raise HeapError(f"block at offset {a} freed twice")
+        missing = next((o for o in offsets if o not in self._live), None)
+        if missing is not None:
+            raise HeapError(f"no live block at offset {missing} (unknown or already freed)")
+        if not self._bulk_pays(len(offsets)):
+            for offset in offsets:
+                self.free(offset)
+            return
+        freed = [(offset, self._live.pop(offset)) for offset in offsets]
+        self._live_bytes -= sum(size for _, size in freed)
+        out = []
+        old = iter(self._free.items())
+        nxt = next(old, None)
+        for offset, size in freed:
+            while nxt is not None and nxt[0] < offset:
+                _append_coalesced(out, *nxt)
+                nxt = next(old, None)
+            _append_coalesced(out, offset, size)
+        while nxt is not None:
+            _append_coalesced(out, *nxt)
+            nxt = next(old, None)
+        self._reset_free(out)
+
     def block_size(self, offset: int) -> int:
         """Rounded size of the live block at `offset`; HeapError if there is none."""
         if offset not in self._live:
@@ -263,3 +346,11 @@ class Heap:
             prev_end = offset + size
         if self._free_bytes != sum(self._free.values()) or self._live_bytes != sum(self._live.values()):
             fail("byte counters do not add up")
+
+
+def _append_coalesced(out: list, offset: int, size: int) -> None:
+    """Append a free range to sorted `out`, merging it with the last one when they touch."""
+    if out and out[-1][0] + out[-1][1] == offset:
+        out[-1] = (out[-1][0], out[-1][1] + size)
+    else:
+        out.append((offset, size))

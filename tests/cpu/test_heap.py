@@ -309,3 +309,64 @@ HeapMachine.TestCase.settings = settings(
     max_examples=150, stateful_step_count=40, deadline=None,
     suppress_health_check=[HealthCheck.too_slow])
 TestHeapMachine = HeapMachine.TestCase
+
+
+# ---------------------------------------------------------------- batches
+def _single(h: Heap, takes, frees):
+    for off, size in takes:
+        h.allocate_at(off, size)
+    for off in frees:
+        h.free(off)
+
+
+@pytest.mark.parametrize("seed", range(60))
+def test_batches_equal_one_call_per_block(seed):
+    """allocate_many_at / free_many end exactly where the single calls do, with the bulk path forced."""
+    import random
+    rng = random.Random(seed)
+
+    def build():
+        h = Heap(BASE, 64 * A)
+        h.insert_free(BASE, 64 * A)
+        rng2 = random.Random(seed)
+        live = [o for o in (h.allocate(rng2.randint(1, 4) * A) for _ in range(rng2.randint(0, 20))) if o is not None]
+        for off in rng2.sample(live, rng2.randint(0, len(live))):
+            h.free(off)
+            live.remove(off)
+        return h, live
+
+    a, live = build()
+    b, _ = build()
+    takes = []
+    for start, length in a.free_ranges():
+        cursor = start
+        while cursor < start + length and rng.random() < 0.7:
+            size = rng.randint(1, 3) * A
+            if cursor + size > start + length:
+                break
+            takes.append((cursor, size))
+            cursor += size + rng.randint(0, 2) * A
+    frees = rng.sample(live, rng.randint(0, len(live)))
+    _single(a, takes, frees)
+    b._bulk_pays = lambda n: True  # the one-pass path even for small batches
+    b.allocate_many_at(takes)
+    b.free_many(frees)
+    assert snapshot(a) == snapshot(b)
+    b.check_invariants()
+
+
+@pytest.mark.parametrize("bulk", [True, False])
+def test_batch_misuse_raises_and_changes_nothing(bulk):
+    h = Heap(BASE, 64 * A)
+    h.insert_free(BASE, 64 * A)
+    x = h.allocate(4 * A)
+    y = h.allocate(4 * A)
+    h._bulk_pays = lambda n: bulk
+    expect_error(h, h.allocate_many_at, [(BASE + 10 * A, A), (x, A)])             # one is live
+    expect_error(h, h.allocate_many_at, [(BASE + 10 * A, 2 * A), (BASE + 11 * A, A)])  # they overlap
+    expect_error(h, h.allocate_many_at, [(BASE + 10 * A, A), (BASE + 64 * A, A)])  # outside the span
+    expect_error(h, h.allocate_many_at, [(BASE + 10 * A + 1, A)])                  # misaligned
+    expect_error(h, h.free_many, [x, x])                                          # twice
+    expect_error(h, h.free_many, [x, BASE + 20 * A])                              # not live
+    h.free_many([x, y])
+    assert h.free_ranges() == [(BASE, 64 * A)] and h.live_blocks() == []
