@@ -9,7 +9,7 @@ The story, on the GPU if one works, else on the emulated device:
    although the pool has enough free memory in total;
 3. `pool.compact()` packs the surviving caches into fewer, fuller pages: it
    evacuates sparse pages into the holes of denser ones (it does not slide
-   everything to one end) and unmaps the pages it empties;
+   everything to one end); the pages it empties stay mapped and free;
 4. the request succeeds: free physical pages, wherever they were freed, are
    stitched into one virtual range. Every surviving cache still holds its
    bytes (checked), and a before/after picture of the memory map is written

@@ -66,8 +66,8 @@ LABELS = {
 
 # What a compaction does, under the before/after caption: the picture shows it, the words must say it.
 COMPACTION_NOTE = ("compaction packs: it moves tensors out of sparse pages into the holes of fuller pages "
-                   "(it does not slide them to one end) and unmaps the pages it empties; their physical pages "
-                   "can back any later request, stitched into one virtual range")
+                   "(it does not slide them to one end); the pages it empties stay mapped and free, and their "
+                   "physical pages can back any later request, stitched into one virtual range")
 
 CELL_WIDTH = 0.94  # of one x unit per page; the rest is a white gap
 ROW_HEIGHT = 0.78  # of one y unit per row
