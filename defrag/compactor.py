@@ -39,8 +39,11 @@ Destinations go, in order of preference, into holes of pages that stay
 an explicit compaction backs by unmapping empty pages elsewhere, so it never
 raises the number of mapped pages).
 
-Never moved: pinned blocks; blocks of a page or more (they start on a page
-boundary and moving one cannot free a page; see `defrag.planner`); blocks
+Blocks of a page or more are moved only by the conveyor (`_convey`, before
+the plan: `planner.plan_conveyor` packs them end to end into a zone of free
+pages when that frees pages; the main plan treats them as fixed).
+
+Never moved: pinned blocks; blocks
 another thread may be using (`Core.scope`: the contract is in
 `defrag.pool`); blocks whose owner the face cannot rewrite (a storage being
 released, segments handed to PyTorch's allocator, or in rebind mode a
@@ -68,7 +71,7 @@ import numpy as np
 
 from .core import Core, NoSpace, Scope
 from .errors import CompactionError, CudaError
-from .planner import ArrayPlan, plan_arrays, plan_hole_arrays
+from .planner import ArrayPlan, plan_arrays, plan_conveyor, plan_hole_arrays
 from .units import format_bytes
 from .vmm import Transaction
 
@@ -209,6 +212,13 @@ def compact_core(core: Core, mover: Mover, *, verify: bool = False, progress: bo
     report.stranded_before = before["stranded_bytes"]
     report.pages_before = core.live_pages()
 
+    if hole_for is None:
+        try:
+            _convey(core, mover, scope, engine, verify, report, automatic)
+        except BaseException:
+            _finish(core, report, t_start, automatic, release)
+            raise
+
     with PhaseTimer(phases, "plan"):
         plans = []
         for region in core.regions:
@@ -253,31 +263,7 @@ def compact_core(core: Core, mover: Mover, *, verify: bool = False, progress: bo
             layout.held.clear()  # strong references to the owners end here, error or not
         if bar is not None:
             bar.close()
-        # Release the pages the moves emptied, even after a failed wave: earlier
-        # waves' work is committed and their pages are free.
-        core.drain()
-        if release:
-            with PhaseTimer(phases, "release"):
-                mapped_before_release = core.space.mapped
-                try:
-                    core.unmap_empty(core.empty_mapped_pages())
-                except CudaError:
-                    pass  # pages that could not be unmapped stay mapped and usable; state stays consistent
-                report.unmapped_pages = mapped_before_release - core.space.mapped
-        after = core.stats_locked()
-        report.fragmentation_after = after["fragmentation"]
-        report.stranded_after = after["stranded_bytes"]
-        report.pages_after = core.live_pages()
-        report.released_pages = max(report.pages_before - report.pages_after, 0)
-        report.seconds = time.perf_counter() - t_start
-        c = core.counters
-        c["num_compactions"] += 1
-        c["num_compactions.automatic" if automatic else "num_compactions.explicit"] += 1
-        c["compaction.moved_bytes"] += report.moved_bytes
-        c["compaction.moved_tensors"] += report.moved_tensors
-        c["compaction.released_pages"] += report.released_pages
-        if core.history is not None:
-            core.history.compacted(report)
+        _finish(core, report, t_start, automatic, release)
     for callback in list(callbacks):
         try:
             callback(report)
@@ -285,6 +271,67 @@ def compact_core(core: Core, mover: Mover, *, verify: bool = False, progress: bo
             # Formatted now: a stored exc_info would keep every frame (and tensor) of the caller alive.
             _log.error("defrag: an on_compact callback raised; ignored\n%s", traceback.format_exc())
     return report
+
+
+def _finish(core: Core, report: CompactionReport, t_start: float, automatic: bool, release: bool) -> None:
+    """The end of every compaction, failed or not: release, the report's after-figures, the counters."""
+    phases = report.phases
+    # Release the pages the moves emptied, even after a failed wave: earlier
+    # waves' work is committed and their pages are free.
+    core.drain()
+    if release:
+        with PhaseTimer(phases, "release"):
+            mapped_before_release = core.space.mapped
+            try:
+                core.unmap_empty(core.empty_mapped_pages())
+            except CudaError:
+                pass  # pages that could not be unmapped stay mapped and usable; state stays consistent
+            report.unmapped_pages = mapped_before_release - core.space.mapped
+    after = core.stats_locked()
+    report.fragmentation_after = after["fragmentation"]
+    report.stranded_after = after["stranded_bytes"]
+    report.pages_after = core.live_pages()
+    report.released_pages = max(report.pages_before - report.pages_after, 0)
+    report.seconds = time.perf_counter() - t_start
+    c = core.counters
+    c["num_compactions"] += 1
+    c["num_compactions.automatic" if automatic else "num_compactions.explicit"] += 1
+    c["compaction.moved_bytes"] += report.moved_bytes
+    c["compaction.moved_tensors"] += report.moved_tensors
+    c["compaction.released_pages"] += report.released_pages
+    if core.history is not None:
+        core.history.compacted(report)
+
+
+def _convey(core: Core, mover: Mover, scope: Scope, engine: str, verify: bool, report: CompactionReport,
+            automatic: bool, rounds: int = 4) -> None:
+    """Pack blocks of a page or more end to end (`planner.plan_conveyor`), a wave per round, while it frees pages.
+
+    The zone is bounded like the other destinations: empty mapped pages (and,
+    for a rescue, cached or creatable ones), so mapped pages never grow. Each
+    round's freed pages may form the next round's zone.
+    """
+    for _ in range(rounds):
+        progressed = False
+        for region in core.regions:
+            budget = core.empty_page_count() + (core.space.store.available if automatic else 0)
+            if budget < 1:
+                return
+            layout = _collect(core, mover, region, scope, large_only=True)
+            try:
+                if not layout.held:
+                    continue
+                plan = plan_conveyor(layout.offsets, layout.sizes, layout.movable, page_size=core.page_size,
+                                     span=region.size, zone_ok=core.untouched_pages(region), max_pages=budget)
+                if plan.empty:
+                    continue
+                _run_wave(core, mover, region, plan, 0, len(plan), layout, engine, verify, report)
+                report.waves += 1
+                progressed = True
+            finally:
+                layout.held.clear()
+        if not progressed:
+            return
 
 
 def _hole_plan(core: Core, region, layout: "_Layout", size: int) -> ArrayPlan | None:
@@ -307,14 +354,19 @@ class _Layout:
     held: dict  # block address -> the face's hold (movable blocks only)
 
 
-def _collect(core: Core, mover: Mover, region, scope: Scope) -> _Layout:
+def _collect(core: Core, mover: Mover, region, scope: Scope, *, large_only: bool = False) -> _Layout:
     """The region's blocks for the planner, and the face's hold on each movable one.
 
-    A block the face cannot hold now is passed to the planner as unmovable.
+    A block the face cannot hold now is passed to the planner as unmovable;
+    with `large_only`, so is every block shorter than a page (not held).
     """
     blocks, movable, held = [], [], {}
     for block in core.blocks():
         if block.region is not region:
+            continue
+        if large_only and block.size < core.page_size:
+            blocks.append(block)
+            movable.append(False)
             continue
         ok, _ = core.movable(block, scope, mover.can_rewrite)
         if ok:

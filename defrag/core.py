@@ -417,6 +417,10 @@ class Core:
         """Pages that hold at least one block."""
         return int(sum(int((c > 0).sum()) for c in self._live_count))
 
+    def untouched_pages(self, region: Region) -> np.ndarray:
+        """One bool per page of `region`: no block touches it (mapped and empty, or unmapped)."""
+        return self._live_count[region.index] == 0
+
     def empty_page_count(self) -> int:
         """Mapped pages that no block touches (kept incrementally)."""
         return self._empty

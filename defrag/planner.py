@@ -16,6 +16,9 @@ returns. Two forms of the same planner:
   hashable keys and returns a :class:`Plan` of :class:`Move` values. It is a
   thin wrapper over :func:`plan_arrays` and makes exactly the same decisions
   (``plan_arrays(...).to_plan(keys)``).
+- :func:`plan_conveyor`: the blocks :func:`plan_arrays` never moves (a page
+  or more), packed end to end into a zone of free pages, one wave, when
+  that frees pages. The compactor runs it before :func:`plan_arrays`.
 
 Model
 -----
@@ -1203,6 +1206,97 @@ def _plan(lay: _Layout, page_size: int, span: int, alignment: int, max_new_pages
         lay.inputs(idx), lay.off[idx], best.dst[order], lay.size[idx], wave,
         page_size, pl.pages_before, best.pages_after, best.moved_bytes, target,
     )
+
+
+# --------------------------------------------------------------------------
+# The conveyor: blocks of a page or more, packed end to end
+# --------------------------------------------------------------------------
+
+#: A conveyor moves at most this many bytes per page it frees.
+CONVEYOR_BYTES_PER_PAGE = 16
+
+
+def plan_conveyor(
+    offsets: np.ndarray,
+    sizes: np.ndarray,
+    movable: np.ndarray,
+    *,
+    page_size: int,
+    span: int,
+    zone_ok: np.ndarray,
+    max_pages: int,
+    alignment: int = 512,
+) -> ArrayPlan:
+    """One wave that packs blocks of a page or more end to end into a free zone, when that frees pages.
+
+    A block of a page or more strands the free tail of its last page unless
+    something small fills it; :func:`plan_arrays` never moves such blocks.
+    This plan takes the longest run of pages that ``zone_ok`` allows (one
+    bool per page: no live block touches it, and it may be backed), at most
+    ``max_pages`` long, and packs movable blocks of a page or more into it
+    back to back from its start (so each shares a page with the next), the
+    ones stranding the most bytes per byte moved first, while they fit.
+    Pages that only moved blocks touched become free.
+
+    Returns an empty plan unless the pages freed exceed the zone pages used
+    by at least one, and at most ``CONVEYOR_BYTES_PER_PAGE`` pages' worth of
+    bytes move per page gained. Destinations lie only in the zone, so the
+    wave overlaps no source. Does not: move blocks shorter than a page (that
+    is :func:`plan_arrays`' job), or chain zones (call it again after the
+    wave: the pages it freed may form the next zone).
+    """
+    off, size, mov = _layout_arrays(offsets, sizes, movable)
+    _check_geometry(page_size, span, alignment)
+    P = page_size
+    zone_ok = np.asarray(zone_ok, dtype=bool)
+    if zone_ok.shape != (span // P,):
+        raise PlanError(f"zone_ok needs one entry per page of the span ({span // P}), got shape {zone_ok.shape}")
+    lay = _layout(off, size, mov, span=span, alignment=alignment)
+    off, size, mov = lay.off, lay.size, lay.movable
+    n = off.size
+    if n == 0 or max_pages < 1:
+        return _empty_arrays(P, 0, None)
+    first, last = off // P, (off + size - 1) // P
+    pages, owner = _expand_pages(first, last)
+    touched, count = np.unique(pages, return_counts=True)
+    pages_before = int(touched.size)
+    big = np.flatnonzero(mov & (size >= P))
+    # The zone: the longest run of allowed pages no block touches.
+    ok = zone_ok.copy()
+    ok[touched] = False
+    runs_s, runs_e = _page_runs(np.flatnonzero(ok), P)
+    if not big.size or not runs_s.size:
+        return _empty_arrays(P, pages_before, None)
+    longest = int(np.argmax(runs_e - runs_s))
+    z0 = int(runs_s[longest])
+    zlen = min(int(runs_e[longest] - runs_s[longest]) // P, max_pages) * P
+    # Pages each candidate alone touches become free when it moves.
+    alone = np.zeros(n, np.int64)
+    solo = np.isin(pages, touched[count == 1])
+    np.add.at(alone, owner[solo], 1)
+    waste = alone[big] * P - size[big]  # bytes it strands (negative: it shares its pages)
+    keep = waste >= alignment
+    big, waste = big[keep], waste[keep]
+    order = np.lexsort((off[big], -waste / size[big]))
+    chosen, dst, cursor = [], [], 0
+    for i in big[order].tolist():
+        if cursor + int(size[i]) <= zlen:
+            chosen.append(i)
+            dst.append(z0 + cursor)
+            cursor += int(size[i])
+    if not chosen:
+        return _empty_arrays(P, pages_before, None)
+    idx = np.array(chosen, np.int64)
+    used = -(-cursor // P)
+    freed = int(alone[idx].sum())
+    moved = int(size[idx].sum())
+    if freed - used < 1 or moved > CONVEYOR_BYTES_PER_PAGE * (freed - used) * P:
+        return _empty_arrays(P, pages_before, None)
+    dst = np.array(dst, np.int64)
+    o = np.argsort(dst, kind="stable")
+    idx, dst = idx[o], dst[o]
+    return ArrayPlan(lay.inputs(idx), off[idx], dst, size[idx], np.ones(idx.size, np.int64), P,
+                     pages_before, pages_before - freed + used, moved, None)
 
 
 # --------------------------------------------------------------------------

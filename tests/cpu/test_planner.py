@@ -841,3 +841,75 @@ def test_the_mapped_hint_never_leaves_more_pages(seed):
     hinted = planner.plan_arrays(o, s, m, page_size=page, span=npg * page, mapped=mapped)
     assert hinted.pages_after <= plain.pages_after
     planner.validate_arrays(o, s, m, hinted, span=npg * page)
+
+
+# --------------------------------------------------------------------------
+# The conveyor: blocks of a page or more packed end to end
+# --------------------------------------------------------------------------
+
+
+def _conveyor(offsets, sizes, movable=None, *, pages=16, zone=None, max_pages=None, page=2 << 20):
+    offsets, sizes = np.asarray(offsets, np.int64), np.asarray(sizes, np.int64)
+    movable = np.ones(offsets.size, bool) if movable is None else np.asarray(movable, bool)
+    zone_ok = np.ones(pages, bool) if zone is None else np.asarray(zone, bool)
+    return planner.plan_conveyor(offsets, sizes, movable, page_size=page, span=pages * page, zone_ok=zone_ok,
+                                 max_pages=pages if max_pages is None else max_pages)
+
+
+def test_conveyor_packs_blocks_that_strand_tails_end_to_end():
+    P, MiB = 2 << 20, 1 << 20
+    plan = _conveyor([0, 2 * P, 4 * P, 6 * P], [3 * MiB] * 4)  # 1.5 pages each, on page boundaries
+    assert len(plan) == 4 and plan.waves == 1
+    assert sorted(plan.dst.tolist()) == [8 * P + k * 3 * MiB for k in range(4)]  # back to back from the zone
+    assert (plan.pages_before, plan.pages_after, plan.moved_bytes) == (8, 6, 12 * MiB)
+
+
+def test_conveyor_moves_nothing_that_would_not_free_a_page():
+    P, MiB = 2 << 20, 1 << 20
+    assert _conveyor([0, 2 * P], [2 * P, 2 * P]).empty                          # whole pages strand nothing
+    assert _conveyor([0], [3 * MiB]).empty                                      # alone it needs its 2 pages again
+    assert _conveyor([0, 2 * P], [3 * MiB] * 2).pages_after == 3                # two share a page: 4 -> 3
+    assert _conveyor([0, 2 * P, 4 * P, 6 * P], [3 * MiB] * 4, max_pages=0).empty  # no zone allowed
+    assert _conveyor([0, 2 * P, 4 * P, 6 * P], [3 * MiB] * 4, movable=[False] * 4).empty
+    zone = np.zeros(16, bool)
+    assert _conveyor([0, 2 * P, 4 * P, 6 * P], [3 * MiB] * 4, zone=zone).empty   # no page may take them
+
+
+def test_conveyor_fills_only_the_zone_it_may_use():
+    P, MiB = 2 << 20, 1 << 20
+    zone = np.zeros(16, bool)
+    zone[12:15] = True  # three pages: two of the blocks fit (3 pages), freeing their 4
+    plan = _conveyor([0, 2 * P, 4 * P, 6 * P], [3 * MiB] * 4, zone=zone)
+    assert len(plan) == 2 and plan.pages_after == 8 - 4 + 3
+    assert all(12 * P <= d and d + s <= 15 * P for d, s in zip(plan.dst.tolist(), plan.size.tolist()))
+
+
+@pytest.mark.parametrize("seed", range(30))
+def test_conveyor_plans_are_safe(seed):
+    """Random layouts: destinations inside allowed untouched pages, disjoint, never over a source."""
+    rng = np.random.default_rng(seed)
+    P = 64 * 1024
+    pages = 64
+    offs, sizes, cursor = [], [], 0
+    while cursor < 40 * P:
+        size = int(rng.choice([P + 512 * int(rng.integers(1, 120)), 512 * int(rng.integers(1, 100))]))
+        if cursor + size > 40 * P:
+            break
+        if rng.random() < 0.7:
+            offs.append(cursor)
+            sizes.append(size)
+        cursor += size + 512 * int(rng.integers(0, 40))
+        cursor = -(-cursor // 512) * 512
+    zone = rng.random(pages) < 0.8
+    plan = _conveyor(offs, sizes, rng.random(len(offs)) < 0.9, pages=pages, zone=zone,
+                     max_pages=int(rng.integers(0, 30)), page=P)
+    if plan.empty:
+        return
+    srcs = sorted(zip(offs, sizes))
+    dst = sorted(zip(plan.dst.tolist(), plan.size.tolist()))
+    for (a, n), (b, _) in zip(dst, dst[1:]):
+        assert a + n <= b
+    for d, n in dst:
+        assert all(zone[p] for p in range(d // P, (d + n - 1) // P + 1))
+        assert all(d + n <= s or s + m <= d for s, m in srcs)
+    assert plan.pages_after < plan.pages_before and plan.waves == 1
