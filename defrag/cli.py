@@ -78,9 +78,17 @@ def replay(args) -> int:
     return replay_main(args)
 
 
+class _OneLineParser(argparse.ArgumentParser):
+    """argparse's own errors (a missing or unknown argument, a bad choice) as one line and exit code 2,
+    like every other bad argument; `--help` still prints the usage."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="defrag", description="Move live GPU tensors to end fragmentation OOMs.")
-    sub = parser.add_subparsers(dest="command", required=True)
+    parser = _OneLineParser(prog="defrag", description="Move live GPU tensors to end fragmentation OOMs.")
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_OneLineParser)
 
     p = sub.add_parser("demo", help="build a fragmented pool, watch a big request fail, compact, watch it succeed")
     p.add_argument("--device", default=None, help="'emulated', 'cuda:N' (default: the GPU if one works, else emulated)")
@@ -111,7 +119,14 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv=None) -> int:
     """Run one command; a `UsageError` becomes one line on stderr and exit code 2."""
     parser = build_parser()
-    args = parser.parse_args(argv)
+    try:
+        args, extra = parser.parse_known_args(argv)
+    except SystemExit as exc:  # --help (0), or argparse's own one-line error (2)
+        return int(exc.code or 0)
+    if extra:
+        print(f"defrag {args.command}: error: unrecognized arguments: {' '.join(extra)} "
+              f"(see defrag {args.command} --help)", file=sys.stderr)
+        return 2
     try:
         return int(args.func(args) or 0)
     except UsageError as exc:

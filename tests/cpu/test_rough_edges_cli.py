@@ -282,3 +282,26 @@ def test_demo_on_a_terminal_draws_the_bar_on_its_own_line(tmp_path):
     assert bar.startswith("\rdefrag compact:") and "100%" in bar  # the bar, alone on its line
     assert rest.startswith("   Compaction (explicit")
     assert "defrag compact" not in head + rest
+
+
+# ---------------------------------------------------------------------- argparse's own errors
+@pytest.mark.parametrize("argv", [
+    ["replay"],                                   # missing path and --capacity
+    ["replay", "x.json"],                         # missing --capacity
+    ["bench", "--smokes"],                        # unknown option
+    ["demo", "--capacity"],                       # option without its value
+])
+def test_argparse_errors_are_one_line_too(capsys, argv):
+    err = _one_line_exit_2(capsys, argv)
+    assert "usage:" not in err and "--help" in err
+
+
+def test_an_unknown_command_is_one_line(capsys):
+    assert cli.main(["bogus"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("defrag: error: ") and len(err.splitlines()) == 1 and "invalid choice" in err
+
+
+def test_help_still_prints_the_usage(capsys):
+    assert cli.main(["replay", "--help"]) == 0
+    assert "usage: defrag replay" in capsys.readouterr().out
