@@ -362,10 +362,10 @@ class Core:
 
         It goes back to the heap at once, unless `keep` (the release path,
         `drain`, passes it; undo steps never do, since the steps after them
-        expect the heap as it was). Then the range is kept carved for the next request of its exact size
-        (`place` takes it without touching the heap: the common case of a
-        training step or a decode loop, which frees and asks for the same
-        sizes again). Everything else that reads or changes the heap's free
+        expect the heap as it was). Then the range is kept carved for the
+        next request of its exact size (`place` takes it without touching the
+        heap: the common case of a training step or a decode loop, which
+        frees and asks for the same sizes again). Everything else that reads or changes the heap's free
         space first returns every kept range to it (`flush_reuse`): a request
         of a size not kept, unmapping, compaction, statistics, layout and
         invariant checks. So kept ranges never make the pool map a page,
