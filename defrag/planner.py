@@ -1257,23 +1257,29 @@ def plan_conveyor(
     if n == 0 or max_pages < 1:
         return _empty_arrays(P, 0, None)
     first, last = off // P, (off + size - 1) // P
-    pages, owner = _expand_pages(first, last)
-    touched, count = np.unique(pages, return_counts=True)
-    pages_before = int(touched.size)
+    # Sorted, disjoint blocks share a page only where one ends and the next begins.
+    shared_next = np.zeros(n, bool)
+    shared_next[:-1] = last[:-1] == first[1:]
+    shared_prev = np.zeros(n, bool)
+    shared_prev[1:] = shared_next[:-1]
+    pages_before = int((last - first + 1).sum() - shared_next.sum())
     big = np.flatnonzero(mov & (size >= P))
-    # The zone: the longest run of allowed pages no block touches.
-    ok = zone_ok.copy()
-    ok[touched] = False
+    # The zone: the longest run of allowed pages no block touches (a difference
+    # array over the pages: no per-page expansion of large blocks).
+    depth = np.zeros(zone_ok.size + 1, np.int64)
+    np.add.at(depth, first, 1)
+    np.add.at(depth, last + 1, -1)
+    ok = zone_ok & (np.cumsum(depth[:-1]) == 0)
     runs_s, runs_e = _page_runs(np.flatnonzero(ok), P)
     if not big.size or not runs_s.size:
         return _empty_arrays(P, pages_before, None)
     longest = int(np.argmax(runs_e - runs_s))
     z0 = int(runs_s[longest])
     zlen = min(int(runs_e[longest] - runs_s[longest]) // P, max_pages) * P
-    # Pages each candidate alone touches become free when it moves.
-    alone = np.zeros(n, np.int64)
-    solo = np.isin(pages, touched[count == 1])
-    np.add.at(alone, owner[solo], 1)
+    # Pages each candidate alone touches become free when it moves: all of its
+    # pages but a first or last one it shares with a neighbour.
+    alone = (last - first + 1) - shared_prev - shared_next
+    alone = np.maximum(alone, 0)
     waste = alone[big] * P - size[big]  # bytes it strands (negative: it shares its pages)
     keep = waste >= alignment
     big, waste = big[keep], waste[keep]
