@@ -124,13 +124,16 @@ def draw(path: pathlib.Path = OUT) -> pathlib.Path:
          METAL, title_size=10.5, body_size=8.2)
 
     notes = [
-        "errors.py, units.py: used by every layer (no torch).   oom.py: OutOfMemoryError (a torch.OutOfMemoryError),"
-        " raised by the torch faces from the core's OutOfRoom.",
-        "core and compactor also call the Driver itself (synchronize, copy, is_capturing, touched_unmapped).",
-        "stats.py and viz.py read the core's layout and counters and change nothing.   An arrow: calls / imports.",
+        "errors.py, units.py: used by every layer (no torch).   oom.py: OutOfMemoryError, raised by the torch faces"
+        " from the core's OutOfRoom.",
+        "distributed.py: a face over Pool (ranks decide together over torch.distributed).   residency.py (core, no"
+        " torch): sleep/wake, offload/reload.",
+        "core, compactor and residency also call the Driver itself.   stats.py and viz.py read the core's layout and"
+        " counters and change nothing.",
+        "An arrow: calls / imports.",
     ]
     for i, note in enumerate(notes):
-        ax.text(W / 2, H - 738 - 18 * i, note, ha="center", va="center", fontsize=8.2, color=NOTE)
+        ax.text(W / 2, H - 724 - 17 * i, note, ha="center", va="center", fontsize=8.2, color=NOTE)
 
     # ---- arrows: callers -> faces
     _arrow(ax, 150, 80, 150, 114)                       # retry_on_oom -> Pool.compact
