@@ -231,14 +231,9 @@ def compact_core(core: Core, mover: Mover, *, verify: bool = False, progress: bo
                     plans.append((region, plan, layout))
                     break  # one hole is all the request needs
             else:
-                # Destinations on pages no live block touches are backed by the
-                # pool's empty mapped pages (in place, or unmapped and remapped),
-                # so an explicit compaction never raises the number of mapped
-                # pages. A rescue may also use cached or creatable pages: the
-                # request it serves is about to need every free page anyway.
-                budget = core.empty_page_count() + (core.space.store.available if automatic else 0)
                 plan = plan_arrays(layout.offsets, layout.sizes, layout.movable, page_size=core.page_size,
-                                   span=region.size, max_new_pages=budget, mapped=region.handles != 0)
+                                   span=region.size, max_new_pages=_page_budget(core, automatic),
+                                   mapped=region.handles != 0)
                 if not plan.empty:
                     plans.append((region, plan, layout))
 
@@ -303,6 +298,17 @@ def _finish(core: Core, report: CompactionReport, t_start: float, automatic: boo
         core.history.compacted(report)
 
 
+def _page_budget(core: Core, automatic: bool) -> int:
+    """How many pages no live block touches a compaction may put destinations on.
+
+    They are backed by the pool's empty mapped pages (in place, or unmapped
+    and remapped), so an explicit compaction never raises the number of
+    mapped pages. A rescue may also use cached or creatable pages: the
+    request it serves is about to need every free page anyway.
+    """
+    return core.empty_page_count() + (core.space.store.available if automatic else 0)
+
+
 def _convey(core: Core, mover: Mover, scope: Scope, engine: str, verify: bool, report: CompactionReport,
             automatic: bool, rounds: int = 4) -> None:
     """Pack blocks of a page or more end to end (`planner.plan_conveyor`), a wave per round, while it frees pages.
@@ -314,7 +320,7 @@ def _convey(core: Core, mover: Mover, scope: Scope, engine: str, verify: bool, r
     for _ in range(rounds):
         progressed = False
         for region in core.regions:
-            budget = core.empty_page_count() + (core.space.store.available if automatic else 0)
+            budget = _page_budget(core, automatic)
             if budget < 1:
                 return
             layout = _collect(core, mover, region, scope, large_only=True)

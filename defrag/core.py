@@ -439,7 +439,7 @@ class Core:
         (a request's or a wave's own destination pages, when looking for donors)."""
         out = []
         for region in self.space.regions:
-            mask = (region.handles != 0) & (self._live_count[region.index] == 0)
+            mask = (region.handles != 0) & self.untouched_pages(region)
             if region is keep:
                 mask[np.fromiter(keep_pages, dtype=np.int64)] = False
             out.extend((region, int(p)) for p in np.flatnonzero(mask))
@@ -570,11 +570,11 @@ class Core:
             raise NoSpace(f"needs {k} free pages, {free_pages} can be had")
         tail = self._tail_window(size, k)
         if tail is not None:
-            region, address, window = tail[:3]
+            region, address, window = tail
         else:
             best = None  # (run length, unmapped pages in window, region, start)
             for region in self.space.regions:
-                available = self._live_count[region.index] == 0
+                available = self.untouched_pages(region)
                 for start, length in _page_runs(available):
                     if length < k:
                         continue
@@ -607,9 +607,8 @@ class Core:
         Candidates: the free range ending at the last mapped page before an
         unmapped run (the free tail of a partly used page, with any empty
         pages before it), continued into that run. Returns (region, start
-        address, every page the block would touch, how many of them are
-        unmapped) for the candidate needing the fewest unmapped pages, or
-        None when none needs fewer than `k`.
+        address, every page the block would touch) for the candidate needing
+        the fewest unmapped pages, or None when none needs fewer than `k`.
         """
         P = self.page_size
         best = None
@@ -626,7 +625,7 @@ class Core:
                 key = (m, -run[1])
                 if best is None or key < best[0]:
                     first = (run[0] - region.base) // P
-                    best = (key, region, run[0], list(range(first, q + 1 + m)), m)
+                    best = (key, region, run[0], list(range(first, q + 1 + m)))
         return None if best is None else best[1:]
 
     # ------------------------------------------------------------------ the ladder

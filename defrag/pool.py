@@ -373,19 +373,21 @@ class Pool:
                                                    self._on_release, block)
         return storage
 
+    def _record(self, block: Block, dtype, shape, storage: torch.UntypedStorage, origin: str) -> None:
+        """The block's TensorInfo for the user's storage over it."""
+        block.info = TensorInfo(dtype, shape, tz.weak_storage(storage), origin, alloc_stream=self._current_stream())
+
     def _storage_for(self, block: Block, dtype, shape, origin: str = "empty") -> torch.UntypedStorage:
         """The user's storage over a new block, with the block's TensorInfo."""
         storage = self._storage_over(block)
-        block.info = TensorInfo(dtype, shape, tz.weak_storage(storage), origin,
-                                alloc_stream=self._current_stream())
+        self._record(block, dtype, shape, storage, origin)
         return storage
 
     def _tensor_for(self, block: Block, dtype, shape: tuple, stride: tuple) -> torch.Tensor:
         """The user's tensor over a new block (its own storage), with the block's TensorInfo."""
         tensor, block.keepalive = tz.tensor_at(self.kind, self.device, block.address, block.nbytes, dtype, shape,
                                                stride, self._on_release, block)
-        block.info = TensorInfo(dtype, shape, tz.weak_storage(tensor.untyped_storage()), "empty",
-                                alloc_stream=self._current_stream() if self.kind == "cuda" else 0)
+        self._record(block, dtype, shape, tensor.untyped_storage(), "empty")
         return tensor
 
     # ------------------------------------------------------------------ public: creation

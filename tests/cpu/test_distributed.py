@@ -195,8 +195,7 @@ def _ddp_run(rank, world, *, pooled, gbv, steps=4):
         # page is then the sparse one, and the compaction moves them (and the grads) into that tail.
         # The new anchor is made while the old one lives (the pool reuses a freed range for the next
         # request of its size: made after the old one died, it would land where that one was).
-        anchor = pool.empty(PAGE + 4 * KiB, dtype=torch.uint8) if anchor is None else (
-            pool.empty(PAGE + 4 * KiB, dtype=torch.uint8), anchor)[0]
+        anchor = pool.empty(PAGE + 4 * KiB, dtype=torch.uint8)
         before = [(p.data_ptr(), p.grad.data_ptr()) for p in params]
         report = ddist.compact(pool, min_stranded=16 * KiB)
         assert report is not None, "every rank strands its parameters' page: every rank compacts"
@@ -245,7 +244,7 @@ def _fsdp_run(rank, world, *, pooled, steps=4):
             pool.adopt(net)  # between steps FSDP holds only the sharded flat parameter
             adopted = sum(pool.owns(p) for p in net.parameters())
             # Made while the last one lives, so it does not land where that one was (see _ddp_run).
-            anchor = (pool.empty(PAGE + 4 * KiB, dtype=torch.uint8), anchor)[0]
+            anchor = pool.empty(PAGE + 4 * KiB, dtype=torch.uint8)
             before = [p.data_ptr() for p in net.parameters()]
             assert ddist.compact(pool, min_stranded=16 * KiB) is not None
             moves += sum(b != p.data_ptr() for b, p in zip(before, net.parameters()))
