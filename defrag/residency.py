@@ -622,7 +622,7 @@ def offload(core: Core, mover: Mover, blocks, *, keep, scope: Scope | None = Non
                 # 3. Host-located pages under them, bytes copied, at the same addresses.
                 with PhaseTimer(report.phases, "swap"):
                     hosts: list[int] = []
-                    txn.on_rollback(_release_all_or_log, driver, hosts)
+                    txn.on_rollback(_release_all, driver, hosts)
                     for _ in pages:
                         hosts.append(driver.create(P, host=True))
                     # Undone newest first: the swap (new handles unmapped), the scratch, then `hosts` released.
@@ -648,8 +648,12 @@ def offload(core: Core, mover: Mover, blocks, *, keep, scope: Scope | None = Non
     return report
 
 
-def _release_all_or_log(driver, handles: list[int]) -> None:
-    """Undo step: release handles created for a swap that did not happen."""
+def _release_all(driver, handles: list[int]) -> None:
+    """Undo step: release handles created for a swap that did not happen.
+
+    A handle the driver refuses stays in `handles`, and the error goes to the
+    transaction, which records it in `undo_errors` without masking the original one.
+    """
     while handles:
         driver.release(handles[-1])
         handles.pop()
