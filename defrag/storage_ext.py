@@ -15,23 +15,15 @@ moves CUDA storages (a DataPtr is device-agnostic). The build goes to
 `$DEFRAG_EXT_DIR`, else `$XDG_CACHE_HOME/defrag` or `~/.cache/defrag`, in a
 folder per Python and torch version; later processes only re-link-check it.
 
-This module only builds and calls; `defrag.tensors.swap_mode()` decides
-whether it is used.
+The build machinery is `defrag.extensions`. This module only builds and
+calls; `defrag.tensors.swap_mode()` decides whether it is used.
 """
 
 from __future__ import annotations
 
-import hashlib
-import logging
-import os
-import shutil
-import sys
-import threading
-import time
-
 import torch
 
-_log = logging.getLogger("defrag")
+from .extensions import CppExtension, missing_tools
 
 _NAME = "defrag_storage_swap"
 
@@ -82,152 +74,18 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
 }
 """
 
-_lock = threading.Lock()
-_module = None      # the loaded extension once built
-_failure = None     # why it cannot be built/loaded (str), once tried and failed
-_build_seconds = None
-
-# A build interrupted by a crash leaves torch's lock file behind, and torch
-# then waits for it forever; one older than this is taken as stale.
-_STALE_LOCK_S = 600
-
-
-def build_directory() -> str:
-    root = os.environ.get("DEFRAG_EXT_DIR")
-    if not root:
-        cache = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-        root = os.path.join(cache, "defrag")
-    tag = f"py{sys.version_info.major}{sys.version_info.minor}-torch{torch.__version__}".replace("+", "_")
-    return os.path.join(root, f"storage_swap-{tag}")
-
-
-def _missing_tools() -> str | None:
-    """What the build needs and this machine lacks, in words; None if nothing."""
-    cxx = os.environ.get("CXX", "c++")
-    if shutil.which(cxx) is None:
-        return f"no C++ compiler ({cxx!r} not found; install g++ or set CXX)"
-    try:
-        from torch.utils import cpp_extension  # imports setuptools
-    except ImportError as e:
-        return f"torch.utils.cpp_extension cannot be imported ({e}; pip install setuptools)"
-    if not cpp_extension.is_ninja_available():
-        return "ninja is not installed (pip install ninja)"
-    return None
-
-
-def load():
-    """The extension module, building it on the first call; None if it cannot be had.
-
-    Thread-safe; the build runs at most once per process (and, through the
-    build folder, once per machine and torch version). Never raises: a failure
-    is remembered, logged once as a WARNING by the caller, and returned as None.
-    """
-    global _module, _failure, _build_seconds
-    if _module is not None or _failure is not None:
-        return _module
-    with _lock:
-        if _module is not None or _failure is not None:
-            return _module
-        start = time.perf_counter()
-        marker = None
-        try:
-            missing = _missing_tools()
-            if missing:
-                raise RuntimeError(missing)
-            from torch.utils import cpp_extension
-
-            folder = build_directory()
-            os.makedirs(folder, exist_ok=True)
-            marker = _failure_marker(folder)
-            if os.path.exists(marker):  # a compile error would cost every process the full build time again
-                with open(marker) as f:
-                    _failure = f"{f.read().strip()} (an earlier build failed; delete {marker} to retry)"
-                return None
-            source = os.path.join(folder, "storage_swap.cpp")
-            fresh = not os.path.exists(os.path.join(folder, f"{_NAME}.so"))
-            if fresh:
-                _log.info("defrag: building the storage-swap extension in %s (about 10-30 s, once per torch version)",
-                          folder)
-            _drop_stale_lock(folder)
-            _write_if_changed(source, _SOURCE)
-            _module = cpp_extension.load(_NAME, [source], build_directory=folder,
-                                         extra_cflags=["-O2"], verbose=False)
-            _build_seconds = time.perf_counter() - start
-            if fresh:
-                _log.info("defrag: storage-swap extension built in %.1f s", _build_seconds)
-        except Exception as e:  # compiler errors, missing headers, unwritable cache, import errors
-            _failure = f"{type(e).__name__}: {_first_line(e)}"
-            if marker is not None and not os.path.exists(marker) and "Error building extension" in str(e):
-                try:
-                    with open(marker, "w") as f:
-                        f.write(_failure)
-                except OSError:
-                    pass
-        return _module
-
-
-def failure() -> str | None:
-    """Why the extension is unavailable (after a failed `load()`), else None."""
-    return _failure
-
-
-def build_seconds() -> float | None:
-    """How long this process's `load()` took (build or up-to-date check plus import)."""
-    return _build_seconds
+_EXTENSION = CppExtension(_NAME, "storage_swap", _SOURCE, "the storage-swap extension", "about 10-30 s")
+build_directory = _EXTENSION.build_directory
+load = _EXTENSION.load
+failure = _EXTENSION.failure
+build_seconds = _EXTENSION.build_seconds
+_missing_tools = missing_tools
+_reset_for_tests = _EXTENSION.reset_for_tests
 
 
 def swap(a: torch.UntypedStorage, b: torch.UntypedStorage) -> None:
     """Exchange the memory of `a` and `b` (same device and nbytes, checked by the caller)."""
     module = load()
     if module is None:
-        raise RuntimeError(f"the storage-swap extension is unavailable: {_failure}")
+        raise RuntimeError(f"the storage-swap extension is unavailable: {failure()}")
     module.swap_memory(a._cdata, b._cdata)
-
-
-def _failure_marker(folder: str) -> str:
-    key = hashlib.sha256(f"{_SOURCE}\0{os.environ.get('CXX', 'c++')}".encode()).hexdigest()[:12]
-    return os.path.join(folder, f"build-failed-{key}.txt")
-
-
-def _write_if_changed(path: str, text: str) -> None:
-    try:
-        with open(path) as f:
-            if f.read() == text:
-                return
-    except OSError:
-        pass
-    tmp = f"{path}.{os.getpid()}.tmp"
-    with open(tmp, "w") as f:
-        f.write(text)
-    os.replace(tmp, path)  # atomic: a concurrent build never reads half a file
-
-
-def _drop_stale_lock(folder: str) -> None:
-    lock = os.path.join(folder, "lock")
-    try:
-        age = time.time() - os.stat(lock).st_mtime
-    except OSError:
-        return
-    if age > _STALE_LOCK_S:
-        _log.warning("defrag: removing a stale build lock %s (%.0f s old; a build was interrupted)", lock, age)
-        try:
-            os.remove(lock)
-        except OSError:
-            pass
-
-
-def _first_line(e: BaseException) -> str:
-    text = str(e).strip()
-    lines = [ln for ln in text.splitlines() if ln.strip()]
-    # ninja/compiler failures put the useful line ("error: ...") somewhere inside.
-    for ln in lines:
-        if "error" in ln.lower() and ln is not lines[0]:
-            return f"{lines[0][:200]} ... {ln.strip()[:300]}"
-    return lines[0][:300] if lines else repr(e)
-
-
-def _reset_for_tests() -> None:
-    """Forget the loaded module and any failure (the build folder stays)."""
-    global _module, _failure, _build_seconds
-    with _lock:
-        _module = _failure = _build_seconds = None

@@ -220,7 +220,7 @@ def test_concurrent_first_calls_load_once(built):
 
 def test_importing_defrag_builds_nothing(tmp_path):
     code = ("import defrag, defrag.tensors, defrag.storage_ext as e, os; "
-            "assert e._module is None and e._failure is None; "
+            "assert e._EXTENSION._module is None and e.failure() is None; "
             "assert not os.listdir(os.environ['DEFRAG_EXT_DIR'])")
     env = dict(os.environ, DEFRAG_FORCE_NO_SWAP_DATA_PTR="1", DEFRAG_EXT_DIR=str(tmp_path))
     subprocess.run([sys.executable, "-c", code], env=env, check=True, timeout=120)
