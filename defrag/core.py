@@ -114,6 +114,44 @@ def _page_runs(mask: np.ndarray) -> list[tuple[int, int]]:
     return list(zip(starts.tolist(), (ends - starts).tolist()))
 
 
+class KeptRanges:
+    """Freed ranges kept carved per rounded size for the next request of that size (see `Core.free`).
+
+    Entries are (region index, address), last in first out. A face's fast
+    path (`defrag.fastpath.FastPath`) implements the same four methods.
+    """
+
+    __slots__ = ("_by_size", "_count")
+
+    def __init__(self) -> None:
+        self._by_size: dict[int, list[tuple[int, int]]] = {}
+        self._count = 0
+
+    def put(self, size: int, region: int, address: int) -> None:
+        self._by_size.setdefault(size, []).append((region, address))
+        self._count += 1
+
+    def take(self, size: int) -> tuple[int, int] | None:
+        """A kept range of `size`, removed; None when none is kept."""
+        kept = self._by_size.get(size)
+        if not kept:
+            return None
+        self._count -= 1
+        return kept.pop()
+
+    def take_all(self) -> list[tuple[int, int]]:
+        """Every kept range, removed."""
+        if not self._count:
+            return []
+        out = [entry for entries in self._by_size.values() for entry in entries]
+        self._by_size.clear()
+        self._count = 0
+        return out
+
+    def kept_count(self) -> int:
+        return self._count
+
+
 class Core:
     """Blocks over a page-mapped address space: placement, release, accounting, the ladder.
 
@@ -147,11 +185,13 @@ class Core:
         self._pending: list[Block] = []  # released, waiting on their deferral markers
         self._threads: dict[int, object] = {}  # token id -> owner ref of every thread that used the core
         self._empty = 0  # mapped pages that no block touches, kept as blocks come and go
-        # Freed ranges kept carved for a request of the same size: rounded size ->
-        # [(region, address)]. Off the pages' live counts and the counters (free in every
-        # statistic), still allocated in the heap until `flush_reuse` (see `free`).
-        self._reuse: dict[int, list] = {}
-        self._reuse_count = 0
+        # Freed ranges kept carved for a request of the same size (see `free`): off the
+        # pages' live counts and the counters (free in every statistic), still allocated
+        # in the heap until `flush_reuse`. A face's fast path may hold them instead.
+        self.kept = KeptRanges()
+        # A face's allocation fast path (`defrag.fastpath.FastPath`): `sync(core)` records
+        # what it did since the last call. Called before the core reads anything.
+        self.front = None
         self.counters: collections.Counter = collections.Counter()
         self.peaks: collections.Counter = collections.Counter()
         self.add_region(self.capacity_pages * max(1, int(virtual_factor)))
@@ -267,12 +307,29 @@ class Core:
     # ------------------------------------------------------------------ release queue
     def release(self, block: Block) -> None:
         """The block's user is gone (any thread, any time): queue it; applied at the next `drain()`."""
-        self._released.append(block)
+        front = self.front
+        if front is not None:
+            front.release(block)  # one order with the fast path's own releases
+        else:
+            self._released.append(block)
 
-    def drain(self) -> None:
-        """Apply queued releases (a safe point: the gate is held)."""
+    def requeue(self, items: list) -> None:
+        """A face's fast path hands over its releases in order (the gate is held): Blocks, and
+        (size, region index, address) ranges of blocks the core never recorded, to keep at their turn."""
+        self._released.extend(items)
+
+    def drain(self, *, made_too: bool = True) -> None:
+        """Apply queued releases (a safe point: the gate is held), after recording what the face's fast
+        path did. `made_too=False`: record only its releases, so that their ranges are kept for it
+        again; the blocks it made stay unrecorded, so nothing may read pages or counters until the
+        next full drain (a face's refill before it retries its fast path)."""
+        if self.front is not None:
+            self.front.sync(self, made_too=made_too)
         while self._released:
             block = self._released.popleft()
+            if type(block) is tuple:
+                self.kept.put(*block)
+                continue
             if self._blocks.get(block.address) is not block:
                 continue  # already gone (defensive: each owner releases once)
             # Retired ranges were synchronized before their data moved: free now.
@@ -346,6 +403,15 @@ class Core:
             self.counters["num_allocs"] += 1
         return block
 
+    def unplace(self, block: Block) -> None:
+        """Undo the `carve` of a block nothing uses yet, keeping its range for the next request of its size
+        (a face's fast path, which makes the user's tensor and counts the allocation itself)."""
+        del self._blocks[block.address]
+        self._account(block, -1)
+        self.counters["allocated_bytes"] -= block.size
+        self.counters["num_allocs"] -= 1
+        self.kept.put(block.size, block.region.index, block.address)
+
     def _allocated(self, delta: int) -> None:
         """`bump("allocated_bytes", delta)`, unrolled: it runs twice per allocation."""
         c, peaks = self.counters, self.peaks
@@ -374,8 +440,7 @@ class Core:
         free at once.
         """
         if keep:
-            self._reuse.setdefault(block.size, []).append((block.region, block.address))
-            self._reuse_count += 1
+            self.kept.put(block.size, block.region.index, block.address)
         else:
             self._heaps[block.region.index].free(block.address)
         block.keepalive = None
@@ -391,17 +456,55 @@ class Core:
             self.history.block_freed(block)
 
     def flush_reuse(self) -> None:
-        """Give every range `free` kept for reuse back to the heap (coalescing it with its neighbours)."""
-        if not self._reuse_count:
+        """Give every range `free` kept for reuse back to the heap (coalescing it with its neighbours),
+        after recording what the face's fast path did."""
+        if self.front is not None:
+            self.front.sync(self)
+        entries = self.kept.take_all()
+        released = self._released
+        if released and any(type(item) is tuple for item in released):
+            # Ranges the fast path freed wait in the release queue: they go to the heap
+            # now too (nothing else records them: no block, no page count, not kept).
+            entries += [item[1:] for item in released if type(item) is tuple]
+            blocks = [item for item in released if type(item) is not tuple]
+            released.clear()
+            released.extend(blocks)
+        if not entries:
             return
         by_region = collections.defaultdict(list)
-        for entries in self._reuse.values():
-            for region, address in entries:
-                by_region[region.index].append(address)
-        self._reuse.clear()
-        self._reuse_count = 0
+        for index, address in entries:
+            by_region[index].append(address)
         for index, addresses in by_region.items():
             self._heaps[index].free_many(addresses)
+
+    def record_made(self, blocks: list[Block], allocs: int, frees: int, peak: int) -> None:
+        """What a face's fast path did since its last sync (the gate is held).
+
+        `blocks`: the live blocks it carved from kept ranges, each with its
+        owner and info; `allocs`, `frees`: how many it made and freed (blocks
+        made and freed in between included); `peak`: the highest its allocated
+        bytes rose above the count at its last sync. Afterwards pages,
+        counters, peaks and the threads that used the core are as if `place`
+        and `free` had run.
+        """
+        c, peaks = self.counters, self.peaks
+        top = c["allocated_bytes"] + peak
+        if top > peaks["allocated_bytes"]:
+            peaks["allocated_bytes"] = top
+        if top + c["pending_bytes"] > peaks["active_bytes"]:
+            peaks["active_bytes"] = top + c["pending_bytes"]
+        owners = set()
+        for block in blocks:
+            self._blocks[block.address] = block
+            self._account(block, +1)
+            c["allocated_bytes"] += block.size
+            owners.add(block.owner)
+        c["num_allocs"] += allocs
+        c["num_frees"] += frees
+        for ref in owners:
+            token = ref() if ref is not None else None
+            if token is not None and self._threads.get(token.id) is not ref:
+                self._threads[token.id] = ref
 
     def bump(self, key: str, delta: int) -> None:
         """Add `delta` to a counter, tracking its peak (and the active bytes' peak)."""
@@ -496,11 +599,9 @@ class Core:
     def place(self, nbytes: int) -> Block:
         """Place `nbytes` without compacting; NoSpace when it does not fit now."""
         size = self.round(nbytes)
-        kept = self._reuse.get(size)
-        if kept:
-            region, address = kept.pop()
-            self._reuse_count -= 1
-            return self.carve(region, address, size, nbytes)
+        kept = self.kept.take(size)
+        if kept is not None:
+            return self.carve(self.space.regions[kept[0]], kept[1], size, nbytes)
         # A size not kept: every kept range goes back first, so best fit sees the
         # coalesced free space (leftovers next to kept ranges would fragment it).
         self.flush_reuse()

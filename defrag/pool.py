@@ -48,7 +48,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from . import residency
+from . import fastpath, residency
 from . import stats as observe
 from . import tensors as tz
 from . import threads
@@ -262,6 +262,13 @@ class Pool:
         # Holds the address space, not the pool: it runs when the pool is collected or closed idle.
         self._finalizer = weakref.finalize(self, self.core.space.release_all)
         self._finalizer.atexit = False
+        # The allocation fast path (defrag.fastpath): attached once its extension is loaded,
+        # at this or a later call; until then, and whenever it declines, the Python path.
+        self._fast = None
+        self._fast_wanted = fastpath.setting() != "off"  # DEFRAG_FASTPATH as it was when the pool was made
+        if self._fast_wanted and fastpath.request() is not None:
+            with self.core.gate:
+                self._attach_fast()
         _open_pools.add(self)
 
     # ------------------------------------------------------------------ basics
@@ -311,7 +318,51 @@ class Pool:
     def _enter(self) -> None:
         """The start of every mutating call (gate held): open, no stale access, releases applied."""
         self.core.check_open()
+        if self._fast is None and fastpath.module is not None and self._fast_wanted:
+            self._attach_fast()
         self.core.drain()
+
+    def _attach_fast(self) -> None:
+        """Hand the kept ranges to the C++ fast path and let it serve `empty` (gate held)."""
+        if not self._can_swap or self.core.closed:
+            return  # "rebind" mode must know every tensor it made; a closed pool makes none
+        try:
+            default = (torch.cuda.default_stream(self.device) if self.kind == "cuda" else None)
+            cpp = fastpath.module.FastPath(
+                self, self.core.gate.occupants, threads.owner_ref, list(tz.SUPPORTED_DTYPES),
+                self.device.type, self.device.index or 0, self.driver.stale_probe_fd(),
+                default.stream_id if default is not None else 0)
+        except Exception:  # never fatal: the Python path does everything the fast path does
+            _log.warning("defrag: the allocation fast path could not attach to %s; using the Python path\n%s",
+                         self.core.label, traceback.format_exc())
+            return
+        alloc_stream = default.cuda_stream if default is not None else 0
+
+        def make_info(dtype, shape, storage_ref):
+            return TensorInfo(dtype, shape, storage_ref, "empty", alloc_stream=alloc_stream)
+
+        self.core.flush_reuse()  # what the Python path kept goes back to the heap first
+        front = fastpath.FastPath(cpp, make_info)
+        self.core.kept = self.core.front = front
+        self._fast = cpp
+        self._update_fast()
+
+    def _refill(self) -> bool:
+        """Apply queued releases so that their ranges are kept for the fast path again; whether any was.
+        Cheaper than `_enter`: the fast path's new blocks stay unrecorded (see `Core.drain`)."""
+        core = self.core
+        with core.gate:
+            if core.closed:
+                return False
+            before = core.kept.kept_count()
+            core.drain(made_too=False)
+            return core.kept.kept_count() > before
+
+    def _update_fast(self) -> None:
+        """Let the fast path serve only while nothing needs the Python path's eyes (gate held)."""
+        if self._fast is not None:
+            core = self.core
+            self._fast.enabled = not (core.closed or core.space.sleeping or core.history is not None)
 
     def _current_stream(self) -> int:
         if self.kind == "cuda":
@@ -336,9 +387,14 @@ class Pool:
         except after close, when nothing else will come to drain the queue."""
         self.core.release(block)
         if self.core.closed:
-            with self.core.gate:
-                self.core.drain()
-                self._release_if_idle()
+            self._release_after_close()
+
+    def _release_after_close(self) -> None:
+        """A block died after close: free it, and give everything back once nothing lives
+        (the fast path's deleter calls this too, with the GIL)."""
+        with self.core.gate:
+            self.core.drain()
+            self._release_if_idle()
 
     # ------------------------------------------------------------------ allocation
     def _allocate(self, nbytes: int, *, compact: bool = True) -> Block:
@@ -395,12 +451,23 @@ class Pool:
         """An uninitialized tensor over pool memory (an ordinary torch tensor).
 
         Zero-element tensors hold no pool memory: they are plain `torch.empty`
-        results on `pool.device`.
+        results on `pool.device`. A size the pool keeps from an earlier free
+        is served by the C++ fast path when it is attached (`defrag.fastpath`).
         """
+        fast = self._fast
+        if fast is not None and not requires_grad:
+            tensor = fast.empty(shape, dtype)
+            if tensor is not None:
+                return tensor
+            if self._refill():
+                tensor = fast.empty(shape, dtype)
+                if tensor is not None:
+                    return tensor
         if len(shape) == 1 and not isinstance(shape[0], int):
             shape = shape[0]
         shape = tz.check_shape(shape)
-        return self._new_tensor(shape, tz.contiguous_strides(shape), dtype, requires_grad)
+        return self._new_tensor(shape, tz.contiguous_strides(shape), dtype, requires_grad,
+                                stock=fast is not None and not requires_grad)
 
     def empty_strided(self, size, stride, *, dtype: torch.dtype | None = None,
                       requires_grad: bool = False) -> torch.Tensor:
@@ -412,7 +479,11 @@ class Pool:
             raise ValueError(f"empty_strided: {len(size)} sizes but {len(stride)} strides")
         return self._new_tensor(size, stride, dtype, requires_grad)
 
-    def _new_tensor(self, shape: tuple, stride: tuple, dtype, requires_grad: bool) -> torch.Tensor:
+    def _new_tensor(self, shape: tuple, stride: tuple, dtype, requires_grad: bool, *,
+                    stock: bool = False) -> torch.Tensor:
+        """A tensor over a new block. `stock` (a contiguous `empty` the fast path declined): place the
+        block, keep it for the fast path and let the fast path make the tensor, so that its release
+        comes back to the fast path too; the Python path when the fast path declines again."""
         dtype = tz.check_dtype(dtype if dtype is not None else torch.get_default_dtype())
         if len(shape) == 1 and stride[0] == 1:
             elements = shape[0]
@@ -425,13 +496,20 @@ class Pool:
                 return torch.empty_strided(shape, stride, dtype=dtype, device=self.device,
                                            requires_grad=requires_grad)
             block = self._allocate(nbytes)
-            try:
-                tensor = self._tensor_for(block, dtype, shape, stride)
-            except BaseException:
-                self.core.free(block)
-                raise
-            if self.core.history is not None:
-                self.core.history.block_allocated(block)
+            if stock and self._fast is not None and self._fast.enabled:
+                self.core.unplace(block)
+                block = None
+            else:
+                try:
+                    tensor = self._tensor_for(block, dtype, shape, stride)
+                except BaseException:
+                    self.core.free(block)
+                    raise
+                if self.core.history is not None:
+                    self.core.history.block_allocated(block)
+        if block is None:
+            tensor = self._fast.empty(shape, dtype)
+            return tensor if tensor is not None else self._new_tensor(shape, stride, dtype, requires_grad)
         if not self._can_swap:  # "rebind" mode only: otherwise no weakref on users' tensors (swap_tensors works)
             block.info.tensors.append(weakref.ref(tensor))
         if requires_grad:
@@ -483,6 +561,7 @@ class Pool:
             shape = shape[0]
         shape = tz.check_shape(shape)
         with self.core.gate:
+            self._enter()
             self._require_own(tensor, "resize_")
         need = (tensor.storage_offset() + math.prod(shape)) * tensor.element_size()
         if need <= tensor.untyped_storage().nbytes():
@@ -809,6 +888,8 @@ class Pool:
             self.core.drain()
             self.core.wait_pending()
             self.core.closed = True
+            if self._fast is not None:
+                self._fast.close()  # later releases of its blocks call _release_after_close
             _open_pools.discard(self)
             self._release_if_idle()
 
@@ -894,7 +975,10 @@ class Pool:
         with self.core.gate:
             self._enter()
             blocks = [self._require_own(t, "sleep(discard=...)") for t in self._residency_tensors(discard)]
-            return residency.sleep(self.core, discard=blocks, progress=progress)
+            try:
+                return residency.sleep(self.core, discard=blocks, progress=progress)
+            finally:
+                self._update_fast()
 
     def wake(self, *, progress: bool | None = None) -> "residency.ResidencyReport":
         """Map device pages where the pool slept and copy every kept byte back (see `sleep`).
@@ -904,7 +988,10 @@ class Pool:
         with every byte kept, and the error says so: call it again later.
         """
         with self.core.gate:
-            return residency.wake(self.core, progress=progress)
+            try:
+                return residency.wake(self.core, progress=progress)
+            finally:
+                self._update_fast()
 
     def offload(self, tensors, *, pack: bool = True, progress: bool | None = None) -> "residency.ResidencyReport":
         """Back these tensors' pages with host memory at the same addresses; their device pages are freed.
@@ -996,6 +1083,7 @@ class Pool:
             self.core.drain()
             self.core.history = (observe.HistoryRecorder(self.core, max_entries=max_entries, stacks=stacks)
                                  if enabled else None)
+            self._update_fast()
 
     def snapshot(self) -> dict:
         """The pool in the format of `torch.cuda.memory._snapshot()` (segments and device_traces)."""

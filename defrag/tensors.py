@@ -53,6 +53,9 @@ HAS_SWAP_DATA_PTR = NATIVE_SWAP_DATA_PTR
 # dtypes a pool hands out: anything with a fixed item size that torch can view
 # raw bytes as. Quantized and sparse layouts are refused with a clear error.
 _UNSUPPORTED = {getattr(torch, n) for n in ("qint8", "quint8", "qint32", "quint4x2", "quint2x4") if hasattr(torch, n)}
+# Every dtype `check_dtype` accepts (the fast path serves exactly these).
+SUPPORTED_DTYPES = tuple(d for d in {v for v in vars(torch).values() if isinstance(v, torch.dtype)}
+                         if d not in _UNSUPPORTED)
 
 
 class _CudaBuffer:

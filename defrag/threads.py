@@ -105,6 +105,12 @@ class Gate:
         else:
             del self._inside[tid]
 
+    @property
+    def occupants(self) -> dict:
+        """The live dict of threads waiting at or inside the gate (token id -> depth): empty exactly when
+        no thread is. Read-only to callers (a fast path checks its size without taking the lock)."""
+        return self._inside
+
     def parked(self, ref) -> bool:
         """Whether the thread behind owner reference `ref` is waiting at or inside this gate."""
         token = ref() if ref is not None else None

@@ -177,6 +177,12 @@ class Driver:
         probe = getattr(self.api, "touched_unmapped", None)
         return probe() if probe is not None else 0
 
+    def stale_probe_fd(self) -> int:
+        """A file whose allocated blocks mean `touched_unmapped()` has something to report (fstat's
+        st_blocks), for a fast path that must not call Python; -1 where there is none (a real GPU)."""
+        probe = getattr(self.api, "stale_probe_fd", None)
+        return probe() if probe is not None else -1
+
     def is_capturing(self, stream: int = 0) -> bool:
         """Whether `stream` is capturing a CUDA graph (mapping or moving then is unsafe)."""
         status = _check("cuStreamIsCapturing", self._api.cuStreamIsCapturing(cu.CUstream(int(stream))))

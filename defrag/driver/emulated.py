@@ -685,12 +685,22 @@ class EmulatedCuda:
         as unmapped (copies, memsets and SetAccess refuse it).
         """
         g = self.granularity
+        tombstone = self._tombstone_fd()
+        for va in range(ptr, ptr + size, g):
+            _os_mmap(va, g, _PROT_RW, _MAP_SHARED | _MAP_FIXED, tombstone, 0)
+
+    def _tombstone_fd(self) -> int:
         if self._tombstone is None:
             fd = os.memfd_create(TOMBSTONE_NAME, os.MFD_CLOEXEC)
-            os.ftruncate(fd, g)
+            os.ftruncate(fd, self.granularity)
             self._tombstone = fd
-        for va in range(ptr, ptr + size, g):
-            _os_mmap(va, g, _PROT_RW, _MAP_SHARED | _MAP_FIXED, self._tombstone, 0)
+        return self._tombstone
+
+    def stale_probe_fd(self) -> int:
+        """The file whose allocated blocks are the stale accesses `touched_unmapped` reports, made now if
+        needed (a fast path reads it with fstat). Valid while any reservation of this device lives."""
+        with self._lock:
+            return self._tombstone_fd()
 
     def touched_unmapped(self) -> int:
         """Bytes of unmapped device memory read or written since the last call (host pages), then reset.

@@ -435,12 +435,13 @@ def test_frees_from_del_during_a_pool_call(make_pool):
             return original(nbytes)
 
         pool.core.place = place_with_gc
-        t = pool.full((500,), 2.0)
+        # A size no freed block has: the request reaches place (a kept size is served without it).
+        t = pool.full((700,), 2.0)
         del pool.core.place
     finally:
         gc.enable()
     pool.check_invariants()
-    assert pool.stats()["live_blocks"] == 1 and torch.equal(t, torch.full((500,), 2.0))
+    assert pool.stats()["live_blocks"] == 1 and torch.equal(t, torch.full((700,), 2.0))
 
 
 # ---------------------------------------------------------------- property-based

@@ -1,0 +1,192 @@
+"""The allocation fast path: `pool.empty()` of a size the pool keeps, in one C++ call.
+
+The core keeps every freed range carved for the next request of its size
+(`defrag.core.Core.free`). With the fast path attached, those kept ranges live
+in a small C++ object (`fastpath.cpp`) that serves `pool.empty()` from them
+directly: it pops a range, makes the tensor with `at::for_blob`, and gives its
+storage a deleter that puts the range back (or, once the core has seen the
+block, queues its release) without the GIL. A training step or a decode loop,
+which frees and asks for the same sizes again, then never runs the Python
+allocator: about as fast as `torch.empty`.
+
+The core stays the only authority. The C++ side only hands out ranges the
+core kept, and only while no thread waits at or holds the pool's gate; the
+core learns what it did at its next safe point (`FastPath.sync`, called with
+the gate held from `Core.drain` and `Core.flush_reuse`, so before it reads
+pages, blocks or counters): every block made since, with a weak reference to
+its storage and its owner thread, every release of a block it had seen, and
+the counters (allocations, frees, the peak of allocated bytes in between).
+Anything unusual (another size, zero elements, `requires_grad`, a non-default
+CUDA stream, a stale access to report, history recording, a sleeping or
+closed pool, the "rebind" storage mode) declines to the Python path, which
+does it all, errors included.
+
+Building: `request()` starts compiling the extension in a background thread
+the first time a pool is created (about 30-60 s once per machine and torch
+version; later processes import the built library in well under a second).
+Pools use the Python path until it is ready, then attach at their next call.
+`DEFRAG_FASTPATH=0` turns it off; `DEFRAG_FASTPATH=wait` makes the first pool
+wait for the build instead (benchmarks and tests use `wait()`).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+
+from .core import Block
+from .extensions import CppExtension
+
+_log = logging.getLogger("defrag")
+
+_SOURCE_PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fastpath.cpp")
+
+
+def _source() -> str:
+    with open(_SOURCE_PATH) as f:
+        return f.read()
+
+
+_EXTENSION = CppExtension("defrag_fastpath", "fastpath", _source(), "the allocation fast path", "about 30-60 s")
+_start_lock = threading.Lock()
+_started = threading.Event()
+_done = threading.Event()
+module = None  # the built extension once loaded (read without a lock: set once)
+
+
+def setting() -> str:
+    """DEFRAG_FASTPATH as one of "off", "wait", "background" (the default)."""
+    value = os.environ.get("DEFRAG_FASTPATH", "").strip().lower()
+    if value in ("0", "off", "false", "no"):
+        return "off"
+    return "wait" if value == "wait" else "background"
+
+
+def request():
+    """The extension if it is loaded; otherwise start loading it (see the module doc) and return None.
+
+    Never raises and never blocks, except with DEFRAG_FASTPATH=wait.
+    """
+    if module is not None:
+        return module
+    mode = setting()
+    if mode == "off":
+        return None
+    if mode == "wait":
+        return wait()
+    if not _started.is_set():
+        with _start_lock:
+            if not _started.is_set():
+                _started.set()
+                threading.Thread(target=_load, name="defrag-fastpath-build", daemon=True).start()
+    return module
+
+
+def _load() -> None:
+    global module
+    try:
+        loaded = _EXTENSION.load()
+        if loaded is None:
+            _log.info("defrag: the allocation fast path is unavailable (%s); pools use the Python path",
+                      _EXTENSION.failure())
+        module = loaded
+    finally:
+        _done.set()
+
+
+def wait(timeout: float | None = None):
+    """Load the extension now (or wait for the background build); the module, or None if it cannot be had."""
+    if module is not None or setting() == "off":
+        return module
+    with _start_lock:
+        started = _started.is_set()
+        _started.set()
+    if not started:
+        _load()
+    else:
+        _done.wait(timeout)
+    return module
+
+
+def status() -> str:
+    """"ready", "off", "building", "not started" or "unavailable: <why>"."""
+    if module is not None:
+        return "ready"
+    if setting() == "off":
+        return "off"
+    if _done.is_set():
+        return f"unavailable: {_EXTENSION.failure()}"
+    return "building" if _started.is_set() else "not started"
+
+
+class FastPath:
+    """One pool's fast path: the core's kept ranges (`Core.kept`) and its front (`Core.front`).
+
+    `cpp` is the C++ object (`empty`, `put`, `take`, `take_all`,
+    `kept_count`, `collect`, `close`, `enabled`, `hits`, `misses`).
+    `make_info(dtype, shape, storage_ref)` builds the face's `Block.info` for
+    a block made in C++. Guarantees after `sync(core)`: the core holds a
+    Block for every live block made since the previous sync, its counters
+    and peaks count them, and every release of a block the core has seen is
+    queued on the core.
+    """
+
+    __slots__ = ("cpp", "make_info", "_by_serial", "_by_token", "__weakref__")
+
+    def __init__(self, cpp, make_info):
+        self.cpp = cpp
+        self.make_info = make_info
+        self._by_serial: dict[int, Block] = {}  # blocks made in C++ that the core has seen, until released
+        self._by_token: dict[int, Block] = {}  # blocks of the Python path released, until synced
+
+    # -- kept ranges (Core.kept's protocol)
+    def put(self, size: int, region: int, address: int) -> None:
+        self.cpp.put(size, region, address)
+
+    def take(self, size: int):
+        return self.cpp.take(size)
+
+    def take_all(self) -> list:
+        return self.cpp.take_all()
+
+    def kept_count(self) -> int:
+        return self.cpp.kept_count()
+
+    # -- the front (Core.front's protocol)
+    def release(self, block: Block) -> None:
+        """A block of the Python path was released (any thread): queue it in order with the C++ releases."""
+        self._by_token[id(block)] = block
+        self.cpp.queue_python(id(block))
+
+    def sync(self, core, *, made_too: bool = True) -> None:
+        """Record what the C++ side did and queue its releases on the core in order (gate held).
+        `made_too=False`: only the releases (see `Core.drain`)."""
+        if made_too:
+            made, released, allocs, frees, peak = self.cpp.collect()
+        else:
+            made, released = None, self.cpp.collect_released()
+        if made or (made_too and (allocs or frees)):
+            from torch.multiprocessing.reductions import StorageWeakRef
+
+            blocks = []
+            regions = core.regions
+            for address, size, nbytes, region, serial, owner, weak, dtype, shape in made:
+                block = Block(address, size, nbytes, regions[region], owner=owner)
+                block.info = self.make_info(dtype, shape, StorageWeakRef.from_weakref(weak))
+                self._by_serial[serial] = block
+                blocks.append(block)
+            core.record_made(blocks, allocs, frees, peak)
+        if released:
+            items = []
+            for entry in released:
+                kind = entry[0]
+                if kind == 0:
+                    item = self._by_serial.pop(entry[1], None)
+                elif kind == 1:
+                    item = self._by_token.pop(entry[1], None)
+                else:
+                    item = entry[1:]  # (size, region, address): a range to keep at its turn
+                if item is not None:
+                    items.append(item)
+            core.requeue(items)
