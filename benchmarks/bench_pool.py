@@ -9,6 +9,10 @@ Two patterns per size:
   ``tensors_live``), then drop them all (reverse order); the time is per
   tensor (one alloc + one free), with many blocks live.
 
+The pool's C++ fast path (`defrag.fastpath`) is built or loaded before timing
+and serves every request of a kept size; each row says whether it was there
+(`fast_path`).
+
 Both sides are timed on the host with time.perf_counter, sampled in turn
 (pool, torch, pool, torch, ...) so machine load hits both alike; median of
 the samples, after warm-up. On a GPU neither call launches device work (torch's caching
@@ -39,7 +43,9 @@ def _torch_device(device: str) -> torch.device:
 def bench_alloc_free(device: str, smoke: bool) -> list[dict]:
     """Microseconds per alloc+free, pool vs torch.empty; ratio = pool / torch (goal: <= 3)."""
     import defrag
+    from defrag import fastpath
 
+    fastpath.wait()  # built (or loaded) before timing: the pool attaches it at creation
     sizes = SMOKE_SIZES if smoke else SIZES
     repeat = 3 if smoke else 7
     batch = 32 if smoke else BATCH
@@ -61,6 +67,7 @@ def bench_alloc_free(device: str, smoke: bool) -> list[dict]:
 
             tp, tt = _pair(pool_rt, torch_rt, number, repeat, number // 10 + 1)
             rows.append(_row("round_trip", size, tp, tt, pool, number, live=1))
+            rows[-1]["fast_path"] = fastpath.status()
 
             n_batch = batch if size * batch <= capacity // 2 else max(1, capacity // 2 // size)
 
@@ -78,6 +85,7 @@ def bench_alloc_free(device: str, smoke: bool) -> list[dict]:
             tp, tt = _pair(pool_batch, torch_batch, reps, repeat, 1)
             scale = 1.0 / n_batch
             rows.append(_row("batch", size, tp, tt, pool, reps * n_batch, live=n_batch, scale=scale))
+            rows[-1]["fast_path"] = fastpath.status()
             gc.collect()
     return rows
 

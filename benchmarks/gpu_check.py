@@ -299,6 +299,15 @@ def stage_env(args) -> dict:
         except Exception as exc:
             info["torch"]["swap_mode"] = f"error: {exc.__class__.__name__}: {exc}"
         info["torch"]["swap_mode_seconds"] = round(time.perf_counter() - t0, 2)
+    try:  # the allocation fast path: built (30-60 s once per machine) here, so later stages find it
+        from defrag import fastpath
+
+        t0 = time.perf_counter()
+        fastpath.wait()
+        info["torch"]["fast_path"] = fastpath.status()
+        info["torch"]["fast_path_seconds"] = round(time.perf_counter() - t0, 2)
+    except ImportError:  # an older checkout without it
+        pass
     mode = info["torch"].get("swap_mode", "native" if native else "rebind")
     if mode != "native":
         info["warnings"].append(
@@ -947,7 +956,9 @@ def render_markdown(r: dict) -> str:
         lines.append(f"- torch {t['version']} (CUDA build {t['cuda_build']}); `UntypedStorage._swap_data_ptr_`: "
                      + ("present" if t["swap_data_ptr"] else "**missing** (torch < 2.12)")
                      + (f"; storages move by: {t['swap_mode']} ({t.get('swap_mode_seconds')} s to decide)"
-                        if t.get("swap_mode") else ""))
+                        if t.get("swap_mode") else "")
+                     + (f"; allocation fast path: {t['fast_path']} ({t.get('fast_path_seconds')} s)"
+                        if t.get("fast_path") else ""))
         v = env["versions"]
         lines.append("- " + ", ".join(f"{k} {v[k]}" for k in v if v[k]))
         lines.append(f"- driver: {'CUDA ' + g['driver_cuda_version'] if g.get('driver_cuda_version') else 'none'}"

@@ -30,6 +30,19 @@ def _swap_line(tensors) -> str:
             f"knows every tensor over it; views and other holders keep a block in place")
 
 
+def _fast_line() -> str:
+    """Whether pool.empty has its C++ fast path here (loads or builds it once, like the swap line)."""
+    from . import fastpath
+
+    if fastpath.setting() == "off":
+        return "off (DEFRAG_FASTPATH=0) -> pool.empty always runs the Python allocator"
+    fastpath.wait()
+    status = fastpath.status()
+    if status == "ready":
+        return "ready -> pool.empty of a size the pool keeps costs about what torch.empty does"
+    return f"{status} -> pool.empty runs the Python allocator (about 10x torch.empty per call)"
+
+
 def doctor(args) -> int:
     """Say plainly what works here and what does not. Always exits 0."""
     import torch
@@ -42,6 +55,7 @@ def doctor(args) -> int:
     lines = [
         f"defrag {_version('defrag')}  python {sys.version.split()[0]}",
         f"torch {torch.__version__}: moving storages: " + _swap_line(tensors),
+        "allocation fast path: " + _fast_line(),
         f"numba {_version('numba')}, numba-cuda {_version('numba-cuda')}, cuda-python {_version('cuda-python')} "
         f"(cuda-bindings {_version('cuda-bindings')})",
     ]
