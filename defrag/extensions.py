@@ -108,6 +108,16 @@ class CppExtension:
                         pass
             return self._module
 
+    def is_built(self) -> bool:
+        """Whether this machine has the library built from this very source (importable without a compiler)."""
+        folder = self.build_directory()
+        library = os.path.join(folder, f"{self.name}.so")
+        try:
+            with open(self._source_path(folder)) as f:
+                return f.read() == self.source and os.path.getmtime(library) >= os.path.getmtime(f.name)
+        except OSError:
+            return False
+
     def failure(self) -> str | None:
         """Why the extension is unavailable (after a failed `load()`), else None."""
         return self._failure
@@ -128,12 +138,7 @@ class CppExtension:
     def _import_built(self, folder: str):
         """The library already built from this very source, imported without a compiler run; else None."""
         library = os.path.join(folder, f"{self.name}.so")
-        try:
-            with open(self._source_path(folder)) as f:
-                same = f.read() == self.source
-            if not same or os.path.getmtime(library) < os.path.getmtime(self._source_path(folder)):
-                return None
-        except OSError:
+        if not self.is_built():
             return None
         if self.name in sys.modules:
             return sys.modules[self.name]

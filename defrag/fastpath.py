@@ -33,10 +33,12 @@ from __future__ import annotations
 
 import logging
 import os
+import subprocess
+import sys
 import threading
 
 from .core import Block
-from .extensions import CppExtension
+from .extensions import CppExtension, missing_tools
 
 _log = logging.getLogger("defrag")
 
@@ -79,13 +81,24 @@ def request():
         with _start_lock:
             if not _started.is_set():
                 _started.set()
-                threading.Thread(target=_load, name="defrag-fastpath-build", daemon=True).start()
+                threading.Thread(target=_load, kwargs={"detached": True}, name="defrag-fastpath-build",
+                                 daemon=True).start()
     return module
 
 
-def _load() -> None:
+def _load(*, detached: bool = False) -> None:
+    """Load the extension, building it first if needed. `detached`: build in a child process of its own
+    session, so that a short script exiting mid-build does not leave a half-built folder and torch's
+    build lock behind (the child finishes the build; the next process imports it)."""
     global module
     try:
+        if detached and not _EXTENSION.is_built() and missing_tools() is None:
+            try:
+                subprocess.run([sys.executable, "-c", "import defrag.fastpath as f; f._EXTENSION.load()"],
+                               stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                               start_new_session=True, timeout=1800, check=False)
+            except (OSError, subprocess.SubprocessError):
+                pass  # the load below builds here, or says why it cannot
         loaded = _EXTENSION.load()
         if loaded is None:
             _log.info("defrag: the allocation fast path is unavailable (%s); pools use the Python path",
