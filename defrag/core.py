@@ -14,7 +14,10 @@ Layout. The core reserves virtual regions and maps physical pages into them
 region) places blocks at 512-byte granularity:
 
 - a block smaller than a page goes into free space of pages that are already
-  mapped; only when none fits is one more page mapped;
+  mapped; only when none fits is one more page mapped, and the block then
+  starts in the free tail of the last mapped page before it when there is
+  one (spilling into the new page), so that the free space after it stays
+  in one piece;
 - a block of a page or more goes, best fit, into mapped free space at any
   512-byte boundary when some holds it (typically the free tail of a partly
   used page joined to empty pages); else it starts in the free tail of the
@@ -616,10 +619,18 @@ class Core:
                 return self.carve(region, address, size, nbytes)
         if self.space.store.available < 1:
             raise NoSpace("no free space in mapped pages and no physical page left")
-        region, page = self._first_unmapped_page()
+        tail = self._tail_window(size, 1, spill=True)
+        if tail is not None:
+            # Start in the free tail of the last mapped page and spill into one new page:
+            # the same one page mapped, and the free space after the block stays in one piece.
+            region, address, window = tail
+            pages = [p for p in window if not region.handles[p]]
+        else:
+            region, page = self._first_unmapped_page()
+            address, pages = region.address(page), [page]
         with Transaction() as txn:
-            self._map_new(region, [page], txn)
-            address = self._heaps[region.index].allocate_at(region.address(page), size)
+            self._map_new(region, pages, txn)
+            address = self._heaps[region.index].allocate_at(address, size)
         return self.carve(region, address, size, nbytes)
 
     def _map_new(self, region: Region, pages: list[int], txn: Transaction) -> None:
@@ -702,8 +713,9 @@ class Core:
             address = self._heaps[region.index].allocate_at(address, size)
         return self.carve(region, address, size, nbytes)
 
-    def _tail_window(self, size: int, k: int):
-        """Where a block of `size` (`k` pages on its own) needs fewer new pages by starting in free space.
+    def _tail_window(self, size: int, k: int, *, spill: bool = False):
+        """Where a block of `size` (`k` pages on its own) needs fewer new pages by starting in free space
+        (`spill`: no more than `k`, for a block smaller than a page that needs one new page anyway).
 
         Candidates: the free range ending at the last mapped page before an
         unmapped run (the free tail of a partly used page, with any empty
@@ -721,7 +733,8 @@ class Core:
                 if run is None:
                     continue
                 m = -(-(size - run[1]) // P)
-                if not 0 < m < k or q + 1 + m > region.npages or mapped[q + 1:q + 1 + m].any():
+                if not (0 < m <= k if spill else 0 < m < k) or q + 1 + m > region.npages or \
+                        mapped[q + 1:q + 1 + m].any():
                     continue
                 key = (m, -run[1])
                 if best is None or key < best[0]:
