@@ -335,6 +335,7 @@ class Pool:
         except Exception:  # never fatal: the Python path does everything the fast path does
             _log.warning("defrag: the allocation fast path could not attach to %s; using the Python path\n%s",
                          self.core.label, traceback.format_exc())
+            self._fast_wanted = False  # once: not at every call
             return
         alloc_stream = default.cuda_stream if default is not None else 0
 
