@@ -156,35 +156,39 @@ def test_a_view_keeps_a_fast_block_alive(make_pool):
     assert pool.stats()["live_blocks"] == 0
 
 
-@needs_fast_path
-def test_close_with_live_fast_tensors_gives_everything_back_when_the_last_dies():
+NOTHING_HELD = {"handles": 0, "mappings": 0, "reservations": 0, "used_bytes": 0}
+
+
+def _pool_with_a_fast_tensor(value: float):
+    """A pool on its own device, and a tensor of it that the fast path made, filled with `value`."""
     drv = Driver.emulated(capacity=8 * MiB, granularity=64 * KiB)
     pool = defrag.Pool(device=drv, capacity="2MiB")
     pool.empty(5000)
     t = pool.empty(5000)
     assert pool._fast.hits >= 1
-    t.fill_(2.0)
+    t.fill_(value)
+    return drv, pool, t
+
+
+@needs_fast_path
+def test_close_with_live_fast_tensors_gives_everything_back_when_the_last_dies():
+    drv, pool, t = _pool_with_a_fast_tensor(2.0)
     pool.close()
     assert bool((t == 2.0).all())  # still mapped
     assert drv.api.state()["mappings"] > 0
     del t  # the deleter calls the pool back, with the GIL, after close
-    assert drv.api.state() == {"handles": 0, "mappings": 0, "reservations": 0, "used_bytes": 0}
+    assert drv.api.state() == NOTHING_HELD
 
 
 @needs_fast_path
 def test_a_fast_tensor_keeps_its_pool_alive():
-    drv = Driver.emulated(capacity=8 * MiB, granularity=64 * KiB)
-    pool = defrag.Pool(device=drv, capacity="2MiB")
-    pool.empty(5000)
-    t = pool.empty(5000)
-    assert pool._fast.hits >= 1
-    t.fill_(4.0)
+    drv, pool, t = _pool_with_a_fast_tensor(4.0)
     del pool
     gc.collect()
     assert bool((t == 4.0).all()) and drv.api.state()["mappings"] > 0
     del t
     gc.collect()
-    assert drv.api.state() == {"handles": 0, "mappings": 0, "reservations": 0, "used_bytes": 0}
+    assert drv.api.state() == NOTHING_HELD
 
 
 @needs_fast_path
