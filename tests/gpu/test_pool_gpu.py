@@ -318,6 +318,41 @@ def test_stream_ordered_reuse(make_pool):
     assert pool.stats()["active_bytes.all.current"] == pool.stats()["allocated_bytes.all.current"]
 
 
+@pytest.mark.needs_cuda("the allocation fast path on CUDA tensors and streams")
+def test_fast_path_on_cuda(make_pool):
+    """pool.empty of a kept size from the C++ fast path: a CUDA tensor at the kept address; a side
+    stream takes the Python path; fast-path tensors move in a compaction with their bytes."""
+    from defrag import fastpath
+
+    if fastpath.wait() is None:
+        pytest.skip(f"the fast path is unavailable here: {fastpath.status()}")
+    pool = make_pool("256MiB", auto_compact=False)
+    assert pool._fast is not None and pool._fast.enabled
+    t = pool.full((MiB,), 3, dtype=torch.uint8)
+    ptr = t.data_ptr()
+    del t
+    hits = pool._fast.hits
+    t = pool.empty(MiB, dtype=torch.uint8)
+    assert pool._fast.hits == hits + 1 and t.data_ptr() == ptr and t.device == pool.device
+    t.fill_(5)
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):
+        u = pool.empty(MiB, dtype=torch.uint8)  # another stream: declined, made by the Python path
+    assert pool._fast.hits == hits + 1
+    del u
+    ts = [pool.empty(64 * 1024, dtype=torch.uint8) for _ in range(64)]
+    del ts[::2]
+    ts += [pool.empty(64 * 1024, dtype=torch.uint8) for _ in range(16)]
+    for i, x in enumerate(ts):
+        x.copy_(pattern(x.numel(), i, x.device))
+    report = pool.compact()
+    sync()
+    assert report.moved_tensors > 0
+    assert all(torch.equal(x, pattern(x.numel(), i, x.device)) for i, x in enumerate(ts))
+    assert bool((t == 5).all())
+    pool.check_invariants()
+
+
 def test_rehearsal_geometry(make_pool):
     """The rehearsal really has the GPU's geometry (and the GPU the one the rehearsal assumes)."""
     pool = make_pool("256MiB")
