@@ -366,27 +366,26 @@ def _collect(core: Core, mover: Mover, region, scope: Scope, *, large_only: bool
     A block the face cannot hold now is passed to the planner as unmovable;
     with `large_only`, so is every block shorter than a page (not held).
     """
-    blocks, movable, held = [], [], {}
+    blocks, offsets, sizes, movable, held = [], [], [], [], {}
+    base, small = region.base, core.page_size if large_only else 0
+    is_movable, can_rewrite, hold = core.movable, mover.can_rewrite, mover.hold
+    # One pass, plain lists: this runs for every block of the region before each plan.
     for block in core.blocks():
         if block.region is not region:
             continue
-        if large_only and block.size < core.page_size:
-            blocks.append(block)
-            movable.append(False)
-            continue
-        ok, _ = core.movable(block, scope, mover.can_rewrite)
+        ok = block.size >= small and is_movable(block, scope, can_rewrite)[0]
         if ok:
-            grip = mover.hold(block)
+            grip = hold(block)
             if grip is None:
                 ok = False
             else:
                 held[block.address] = grip
         blocks.append(block)
+        offsets.append(block.address - base)
+        sizes.append(block.size)
         movable.append(ok)
-    n = len(blocks)
-    offsets = np.fromiter((b.address - region.base for b in blocks), dtype=np.int64, count=n)
-    sizes = np.fromiter((b.size for b in blocks), dtype=np.int64, count=n)
-    return _Layout(blocks, offsets, sizes, np.array(movable, dtype=bool), held)
+    return _Layout(blocks, np.array(offsets, dtype=np.int64), np.array(sizes, dtype=np.int64),
+                   np.array(movable, dtype=bool), held)
 
 
 def _run_wave(core: Core, mover: Mover, region, plan: ArrayPlan, a: int, b: int, layout: _Layout, engine, verify,
@@ -395,10 +394,11 @@ def _run_wave(core: Core, mover: Mover, region, plan: ArrayPlan, a: int, b: int,
     phases = report.phases
     heap = core.heap(region)
     P = core.page_size
-    olds = [layout.blocks[i] for i in plan.index[a:b].tolist()]
+    blocks, held = layout.blocks, layout.held
+    olds = [blocks[i] for i in plan.index[a:b].tolist()]
     dsts = (plan.dst[a:b] + region.base).tolist()
-    held = layout.held
-    dests = []  # (old Block, new Block, the face's destination)
+    dests = []  # (old Block, new Block, the face's hold on old's owner, the face's destination)
+    carved = []  # the destination Blocks made so far
     with Transaction() as txn:
         # 1. prepare: map destination pages, carve destination ranges, make the face's destinations.
         with PhaseTimer(phases, "prepare"):
@@ -409,21 +409,22 @@ def _run_wave(core: Core, mover: Mover, region, plan: ArrayPlan, a: int, b: int,
             _make_physical_room(core, region, dest_pages, len(to_map))
             core.map_pages(region, to_map, txn)
             heap.allocate_many_at([(dst, old.size) for old, dst in zip(olds, dsts)])  # one pass
-            carved = set()
-            # Undone last: whatever was taken from the heap but not carved into a block yet.
-            txn.on_rollback(lambda: heap.free_many([d for d in dsts if d not in carved]))
+            # Undone last: whatever was taken from the heap but not carved into a block yet;
+            # before it, every carved block (one undo step for all: no closure per move).
+            txn.on_rollback(lambda: heap.free_many(dsts[len(carved):]))
+            txn.on_rollback(_free_blocks, core, carved)
+            carve, destination = core.carve, mover.destination
             for old, dst in zip(olds, dsts):
-                new = core.carve(region, dst, old.size, old.nbytes, counted=False)
-                carved.add(dst)
-                txn.on_rollback(core.free, new)
+                new = carve(region, dst, old.size, old.nbytes, counted=False)
+                carved.append(new)
                 # Retired until the commit: not live, not counted. If the wave is
                 # abandoned the face's destination goes, and with it `new`.
                 new.retired = True
-                dests.append((old, new, mover.destination(new)))
+                dests.append((old, new, held.pop(old.address), destination(new)))
             txn.on_rollback(dests.clear)
 
         # 2. copy, then wait for it; 2b. verify.
-        moves = [(old.address, new.address, old.size) for old, new, _ in dests]
+        moves = [(old.address, new.address, old.size) for old, new, _, _ in dests]
         with PhaseTimer(phases, "copy"):
             # Whole blocks (512-byte multiples): 16-byte aligned for the kernel, and
             # the rounding stays inside each block.
@@ -434,31 +435,38 @@ def _run_wave(core: Core, mover: Mover, region, plan: ArrayPlan, a: int, b: int,
                 _verify(core, mover, engine, moves)
 
         # Everything the commit needs, checked before the first commit.
-        for old, new, dest in dests:
-            if not mover.check(old, held[old.address], dest):
+        check = mover.check
+        for old, new, grip, dest in dests:
+            if not check(old, grip, dest):
                 raise CompactionError(f"block at {old.address:#x} changed during compaction; nothing was moved")
         txn.commit()
 
     # 3. commit: cannot fail (the face only exchanges fields).
     with PhaseTimer(phases, "swap"):
-        history = core.history
-        for old, new, dest in dests:
+        history, commit = core.history, mover.commit
+        for old, new, grip, dest in dests:
             new.retired, new.counted = False, True
             old.counted = False
             new.pins, new.owner, new.shared, new.info = old.pins, old.owner, old.shared, old.info
             old.retired = True
-            mover.commit(old, new, held.pop(old.address), dest)
+            commit(old, new, grip, dest)
             if history is not None:
                 history.block_moved(old, new)
-            report.moved_tensors += 1
-            report.moved_bytes += old.nbytes
+        report.moved_tensors += len(dests)
+        report.moved_bytes += sum(old.nbytes for old in olds)
         # Loop variables would keep the last destination (and its old range) alive.
-        del dest
+        del grip, dest
     # 4. release: the face lets go of the old ranges (for torch: the temporaries die); drained now.
     with PhaseTimer(phases, "release"):
         dests.clear()
         core.drain()
         core.flush_reuse()  # later waves' destinations lie in what this one vacated
+
+
+def _free_blocks(core: Core, blocks: list) -> None:
+    """Undo step: free `blocks` (carved, never used), newest first."""
+    for block in reversed(blocks):
+        core.free(block)
 
 
 def _make_physical_room(core: Core, region, dest_pages: set, needed: int) -> None:
