@@ -210,10 +210,12 @@ class Heap:
                     self.free(offset)
                 raise
             return
-        check = self._check_range
+        check, lengths = self._check_range, self._free
         out, j, n = [], 0, len(todo)
         prev_end = None
-        for start, length in self._free.items():
+        # Iterating the SortedDict's keys runs in C; its items view is a Python generator.
+        for start in self._free:
+            length = lengths[start]
             end = start + length
             cursor = start
             while j < n and todo[j][0] < end:
