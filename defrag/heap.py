@@ -199,7 +199,13 @@ class Heap:
         range, or overlaps another. O(n + free ranges) when there are many;
         else one `allocate_at` each.
         """
-        todo = sorted((offset, self.round_size(size)) for offset, size in ranges)
+        todo = sorted(ranges)
+        sizes = list(map(_second, todo))
+        align = self.alignment
+        # Sizes the caller already rounded (a compaction's are block sizes) are checked in C;
+        # anything else goes through round_size, one by one.
+        if sizes and not (set(map(type, sizes)) == {int} and min(sizes) > 0 and not any(map(align.__rmod__, sizes))):
+            todo = sorted((offset, self.round_size(size)) for offset, size in todo)
         if not self._bulk_pays(len(todo)):
             done = []
             try:
@@ -211,6 +217,7 @@ class Heap:
                 raise
             return
         check, lengths = self._check_range, self._free
+        low, high = self.base, self.base + self.span
         out, j, n = [], 0, len(todo)
         prev_end = None
         # Iterating the SortedDict's keys runs in C; its items view is a Python generator.
@@ -220,7 +227,8 @@ class Heap:
             cursor = start
             while j < n and todo[j][0] < end:
                 offset, size = todo[j]
-                check(offset, size)
+                if type(offset) is not int or offset % align or offset < low or offset + size > high:
+                    check(offset, size)  # the full check (raises naming the problem) only off the common case
                 if offset < cursor or offset + size > end or (prev_end is not None and offset < prev_end):
                     raise HeapError(f"range ({offset}, {size}) is not entirely free")
                 if offset > cursor:
