@@ -253,22 +253,21 @@ class Heap:
         offsets = sorted(offsets)
         if not offsets:
             return
-        for a, b in zip(offsets, offsets[1:]):
-            if a == b:
-                raise HeapError(f"block at offset {a} freed twice")
-        missing = next((o for o in offsets if o not in self._live), None)
-        if missing is not None:
+        live, gone = self._live, set(offsets)
+        if len(gone) != len(offsets):
+            twice = next(a for a, b in zip(offsets, offsets[1:]) if a == b)
+            raise HeapError(f"block at offset {twice} freed twice")
+        if not all(map(live.__contains__, offsets)):
+            missing = next(o for o in offsets if o not in live)
             raise HeapError(f"no live block at offset {missing} (unknown or already freed)")
         if not self._bulk_pays(len(offsets)):
             for offset in offsets:
                 self.free(offset)
             return
-        live = self._live
-        freed = [(offset, live[offset]) for offset in offsets]
+        freed = list(zip(offsets, map(live.__getitem__, offsets)))
         if 8 * len(offsets) >= len(live):
             # Rebuilding the live index once beats a SortedDict.pop (a list
             # deletion and an index update) per block.
-            gone = set(offsets)
             self._live = SortedDict({o: s for o, s in dict.items(live) if o not in gone})
         else:
             for offset in offsets:
