@@ -209,12 +209,13 @@ def compact_core(core: Core, mover: Mover, *, verify: bool = False, progress: bo
         core.driver.synchronize()  # queued kernels may still use blocks we are about to move
     report.stranded_before, report.fragmentation_before = _stranded(core)
     report.pages_before = core.live_pages()
+    books = (core.space.mapped, core.empty_page_count())  # for pages_after (see _finish)
 
     if hole_for is None:
         try:
             _convey(core, mover, scope, engine, verify, report, automatic)
         except BaseException:
-            _finish(core, report, t_start, automatic, release)
+            _finish(core, report, t_start, automatic, release, books)
             raise
 
     with PhaseTimer(phases, "plan"):
@@ -258,7 +259,7 @@ def compact_core(core: Core, mover: Mover, *, verify: bool = False, progress: bo
             layout.held.clear()  # strong references to the owners end here, error or not
         if bar is not None:
             bar.close()
-        _finish(core, report, t_start, automatic, release)
+        _finish(core, report, t_start, automatic, release, books)
     for callback in list(callbacks):
         try:
             callback(report)
@@ -268,8 +269,12 @@ def compact_core(core: Core, mover: Mover, *, verify: bool = False, progress: bo
     return report
 
 
-def _finish(core: Core, report: CompactionReport, t_start: float, automatic: bool, release: bool) -> None:
-    """The end of every compaction, failed or not: release, the report's after-figures, the counters."""
+def _finish(core: Core, report: CompactionReport, t_start: float, automatic: bool, release: bool,
+            books: tuple[int, int]) -> None:
+    """The end of every compaction, failed or not: release, the report's after-figures, the counters.
+
+    `books`: the core's mapped and empty-page counts when `report.pages_before` was taken.
+    """
     phases = report.phases
     # Release the pages the moves emptied, even after a failed wave: earlier
     # waves' work is committed and their pages are free.
@@ -283,7 +288,12 @@ def _finish(core: Core, report: CompactionReport, t_start: float, automatic: boo
                 pass  # pages that could not be unmapped stay mapped and usable; state stays consistent
             report.unmapped_pages = mapped_before_release - core.space.mapped
     report.stranded_after, report.fragmentation_after = _stranded(core)
-    report.pages_after = core.live_pages()
+    # Pages holding data = mapped pages - empty mapped pages, as far as changes go: a page
+    # gaining or losing its last block moves the empty count alone, and mapping or unmapping
+    # (empty pages only) moves both counts alike. So no pass over the page counts (after the
+    # copy, that numpy reduction runs with cold caches).
+    mapped0, empty0 = books
+    report.pages_after = report.pages_before + (core.space.mapped - mapped0) - (core.empty_page_count() - empty0)
     report.released_pages = max(report.pages_before - report.pages_after, 0)
     report.seconds = time.perf_counter() - t_start
     c = core.counters
