@@ -207,16 +207,15 @@ def compact_core(core: Core, mover: Mover, *, verify: bool = False, progress: bo
     core.flush_reuse()  # the plan and the destinations read the heap's free space
     with PhaseTimer(phases, "sync"):
         core.driver.synchronize()  # queued kernels may still use blocks we are about to move
-    before = core.stats_locked()
-    report.fragmentation_before = before["fragmentation"]
-    report.stranded_before = before["stranded_bytes"]
+    report.stranded_before, report.fragmentation_before = _stranded(core)
     report.pages_before = core.live_pages()
+    books = (core.space.mapped, core.empty_page_count())  # for pages_after (see _finish)
 
     if hole_for is None:
         try:
             _convey(core, mover, scope, engine, verify, report, automatic)
         except BaseException:
-            _finish(core, report, t_start, automatic, release)
+            _finish(core, report, t_start, automatic, release, books)
             raise
 
     with PhaseTimer(phases, "plan"):
@@ -231,9 +230,11 @@ def compact_core(core: Core, mover: Mover, *, verify: bool = False, progress: bo
                     plans.append((region, plan, layout))
                     break  # one hole is all the request needs
             else:
+                budget = _page_budget(core, automatic)
+                # The mapped-pages hint orders the pages a plan may open; with none to open it changes nothing.
                 plan = plan_arrays(layout.offsets, layout.sizes, layout.movable, page_size=core.page_size,
-                                   span=region.size, max_new_pages=_page_budget(core, automatic),
-                                   mapped=region.handles != 0)
+                                   span=region.size, max_new_pages=budget,
+                                   mapped=region.handles != 0 if budget else None)
                 if not plan.empty:
                     plans.append((region, plan, layout))
 
@@ -258,7 +259,7 @@ def compact_core(core: Core, mover: Mover, *, verify: bool = False, progress: bo
             layout.held.clear()  # strong references to the owners end here, error or not
         if bar is not None:
             bar.close()
-        _finish(core, report, t_start, automatic, release)
+        _finish(core, report, t_start, automatic, release, books)
     for callback in list(callbacks):
         try:
             callback(report)
@@ -268,8 +269,12 @@ def compact_core(core: Core, mover: Mover, *, verify: bool = False, progress: bo
     return report
 
 
-def _finish(core: Core, report: CompactionReport, t_start: float, automatic: bool, release: bool) -> None:
-    """The end of every compaction, failed or not: release, the report's after-figures, the counters."""
+def _finish(core: Core, report: CompactionReport, t_start: float, automatic: bool, release: bool,
+            books: tuple[int, int]) -> None:
+    """The end of every compaction, failed or not: release, the report's after-figures, the counters.
+
+    `books`: the core's mapped and empty-page counts when `report.pages_before` was taken.
+    """
     phases = report.phases
     # Release the pages the moves emptied, even after a failed wave: earlier
     # waves' work is committed and their pages are free.
@@ -282,10 +287,13 @@ def _finish(core: Core, report: CompactionReport, t_start: float, automatic: boo
             except CudaError:
                 pass  # pages that could not be unmapped stay mapped and usable; state stays consistent
             report.unmapped_pages = mapped_before_release - core.space.mapped
-    after = core.stats_locked()
-    report.fragmentation_after = after["fragmentation"]
-    report.stranded_after = after["stranded_bytes"]
-    report.pages_after = core.live_pages()
+    report.stranded_after, report.fragmentation_after = _stranded(core)
+    # Pages holding data = mapped pages - empty mapped pages, as far as changes go: a page
+    # gaining or losing its last block moves the empty count alone, and mapping or unmapping
+    # (empty pages only) moves both counts alike. So no pass over the page counts (after the
+    # copy, that numpy reduction runs with cold caches).
+    mapped0, empty0 = books
+    report.pages_after = report.pages_before + (core.space.mapped - mapped0) - (core.empty_page_count() - empty0)
     report.released_pages = max(report.pages_before - report.pages_after, 0)
     report.seconds = time.perf_counter() - t_start
     c = core.counters
@@ -296,6 +304,19 @@ def _finish(core: Core, report: CompactionReport, t_start: float, automatic: boo
     c["compaction.released_pages"] += report.released_pages
     if core.history is not None:
         core.history.compacted(report)
+
+
+def _stranded(core: Core) -> tuple[int, float]:
+    """`stranded_bytes` and `fragmentation` exactly as `Core.stats_locked` gives them, without the other
+    statistics (that builds ~50 figures and walks every block twice; a compaction reads these two).
+
+    Free bytes in the heaps (ranges kept for reuse returned first) beyond the
+    empty mapped pages, and their share of the mapped bytes.
+    """
+    heap_free = sum(core.heap(region).free_bytes() for region in core.regions)
+    stranded = heap_free - core.empty_page_count() * core.page_size
+    reserved = core.space.mapped * core.page_size
+    return stranded, (stranded / reserved if reserved else 0.0)
 
 
 def _page_budget(core: Core, automatic: bool) -> int:
@@ -366,27 +387,26 @@ def _collect(core: Core, mover: Mover, region, scope: Scope, *, large_only: bool
     A block the face cannot hold now is passed to the planner as unmovable;
     with `large_only`, so is every block shorter than a page (not held).
     """
-    blocks, movable, held = [], [], {}
+    blocks, offsets, sizes, movable, held = [], [], [], [], {}
+    base, small = region.base, core.page_size if large_only else 0
+    is_movable, can_rewrite, hold = core.movable, mover.can_rewrite, mover.hold
+    # One pass, plain lists: this runs for every block of the region before each plan.
     for block in core.blocks():
         if block.region is not region:
             continue
-        if large_only and block.size < core.page_size:
-            blocks.append(block)
-            movable.append(False)
-            continue
-        ok, _ = core.movable(block, scope, mover.can_rewrite)
+        ok = block.size >= small and is_movable(block, scope, can_rewrite)[0]
         if ok:
-            grip = mover.hold(block)
+            grip = hold(block)
             if grip is None:
                 ok = False
             else:
                 held[block.address] = grip
         blocks.append(block)
+        offsets.append(block.address - base)
+        sizes.append(block.size)
         movable.append(ok)
-    n = len(blocks)
-    offsets = np.fromiter((b.address - region.base for b in blocks), dtype=np.int64, count=n)
-    sizes = np.fromiter((b.size for b in blocks), dtype=np.int64, count=n)
-    return _Layout(blocks, offsets, sizes, np.array(movable, dtype=bool), held)
+    return _Layout(blocks, np.array(offsets, dtype=np.int64), np.array(sizes, dtype=np.int64),
+                   np.array(movable, dtype=bool), held)
 
 
 def _run_wave(core: Core, mover: Mover, region, plan: ArrayPlan, a: int, b: int, layout: _Layout, engine, verify,
@@ -395,35 +415,37 @@ def _run_wave(core: Core, mover: Mover, region, plan: ArrayPlan, a: int, b: int,
     phases = report.phases
     heap = core.heap(region)
     P = core.page_size
-    olds = [layout.blocks[i] for i in plan.index[a:b].tolist()]
-    dsts = (plan.dst[a:b] + region.base).tolist()
-    held = layout.held
-    dests = []  # (old Block, new Block, the face's destination)
+    blocks, held, base = layout.blocks, layout.held, region.base
+    # Plain ints from here on: one tolist per array instead of numpy arithmetic per step.
+    olds = [blocks[i] for i in plan.index[a:b].tolist()]
+    offsets = plan.dst[a:b].tolist()
+    dsts = [base + d for d in offsets]
+    dests = []  # (old Block, new Block, the face's hold on old's owner, the face's destination)
+    carved = []  # the destination Blocks made so far
     with Transaction() as txn:
         # 1. prepare: map destination pages, carve destination ranges, make the face's destinations.
         with PhaseTimer(phases, "prepare"):
-            first = (plan.dst[a:b] // P).tolist()
-            last = ((plan.dst[a:b] + plan.size[a:b] - 1) // P).tolist()
-            dest_pages = {p for f, l in zip(first, last) for p in range(f, l + 1)}
+            dest_pages = {p for d, old in zip(offsets, olds) for p in range(d // P, (d + old.size - 1) // P + 1)}
             to_map = sorted(p for p in dest_pages if not region.handles[p])
             _make_physical_room(core, region, dest_pages, len(to_map))
             core.map_pages(region, to_map, txn)
             heap.allocate_many_at([(dst, old.size) for old, dst in zip(olds, dsts)])  # one pass
-            carved = set()
-            # Undone last: whatever was taken from the heap but not carved into a block yet.
-            txn.on_rollback(lambda: heap.free_many([d for d in dsts if d not in carved]))
+            # Undone last: whatever was taken from the heap but not carved into a block yet;
+            # before it, every carved block (one undo step for all: no closure per move).
+            txn.on_rollback(lambda: heap.free_many(dsts[len(carved):]))
+            txn.on_rollback(_free_blocks, core, carved)
+            carve, destination = core.carve, mover.destination
             for old, dst in zip(olds, dsts):
-                new = core.carve(region, dst, old.size, old.nbytes, counted=False)
-                carved.add(dst)
-                txn.on_rollback(core.free, new)
+                new = carve(region, dst, old.size, old.nbytes, counted=False)
+                carved.append(new)
                 # Retired until the commit: not live, not counted. If the wave is
                 # abandoned the face's destination goes, and with it `new`.
                 new.retired = True
-                dests.append((old, new, mover.destination(new)))
+                dests.append((old, new, held.pop(old.address), destination(new)))
             txn.on_rollback(dests.clear)
 
         # 2. copy, then wait for it; 2b. verify.
-        moves = [(old.address, new.address, old.size) for old, new, _ in dests]
+        moves = [(old.address, new.address, old.size) for old, new, _, _ in dests]
         with PhaseTimer(phases, "copy"):
             # Whole blocks (512-byte multiples): 16-byte aligned for the kernel, and
             # the rounding stays inside each block.
@@ -434,31 +456,38 @@ def _run_wave(core: Core, mover: Mover, region, plan: ArrayPlan, a: int, b: int,
                 _verify(core, mover, engine, moves)
 
         # Everything the commit needs, checked before the first commit.
-        for old, new, dest in dests:
-            if not mover.check(old, held[old.address], dest):
+        check = mover.check
+        for old, new, grip, dest in dests:
+            if not check(old, grip, dest):
                 raise CompactionError(f"block at {old.address:#x} changed during compaction; nothing was moved")
         txn.commit()
 
     # 3. commit: cannot fail (the face only exchanges fields).
     with PhaseTimer(phases, "swap"):
-        history = core.history
-        for old, new, dest in dests:
+        history, commit = core.history, mover.commit
+        for old, new, grip, dest in dests:
             new.retired, new.counted = False, True
             old.counted = False
             new.pins, new.owner, new.shared, new.info = old.pins, old.owner, old.shared, old.info
             old.retired = True
-            mover.commit(old, new, held.pop(old.address), dest)
+            commit(old, new, grip, dest)
             if history is not None:
                 history.block_moved(old, new)
-            report.moved_tensors += 1
-            report.moved_bytes += old.nbytes
+        report.moved_tensors += len(dests)
+        report.moved_bytes += sum(old.nbytes for old in olds)
         # Loop variables would keep the last destination (and its old range) alive.
-        del dest
+        del grip, dest
     # 4. release: the face lets go of the old ranges (for torch: the temporaries die); drained now.
     with PhaseTimer(phases, "release"):
         dests.clear()
         core.drain()
         core.flush_reuse()  # later waves' destinations lie in what this one vacated
+
+
+def _free_blocks(core: Core, blocks: list) -> None:
+    """Undo step: free `blocks` (carved, never used), newest first."""
+    for block in reversed(blocks):
+        core.free(block)
 
 
 def _make_physical_room(core: Core, region, dest_pages: set, needed: int) -> None:

@@ -6,7 +6,7 @@ pages; it tells the heap which ranges are usable (`insert_free` when it maps,
 """
 from __future__ import annotations
 
-from operator import index
+from operator import index, itemgetter
 
 from sortedcontainers import SortedDict, SortedList
 
@@ -187,9 +187,10 @@ class Heap:
         return n >= 8 and 8 * n >= len(self._free)
 
     def _reset_free(self, ranges: list[tuple[int, int]]) -> None:
+        """Rebuild the free-range index from sorted, disjoint, coalesced (offset, size) pairs."""
         self._free = SortedDict(ranges)
-        self._by_size = SortedList((size, offset) for offset, size in ranges)
-        self._free_bytes = sum(size for _, size in ranges)
+        self._by_size = SortedList(map(_swapped, ranges))
+        self._free_bytes = sum(map(_second, ranges))
 
     def allocate_many_at(self, ranges) -> None:
         """`allocate_at` for every (offset, size) of `ranges`, all or nothing.
@@ -198,7 +199,13 @@ class Heap:
         range, or overlaps another. O(n + free ranges) when there are many;
         else one `allocate_at` each.
         """
-        todo = sorted((offset, self.round_size(size)) for offset, size in ranges)
+        todo = sorted(ranges)
+        sizes = list(map(_second, todo))
+        align = self.alignment
+        # Sizes the caller already rounded (a compaction's are block sizes) are checked in C;
+        # anything else goes through round_size, one by one.
+        if sizes and not (set(map(type, sizes)) == {int} and min(sizes) > 0 and not any(map(align.__rmod__, sizes))):
+            todo = sorted((offset, self.round_size(size)) for offset, size in todo)
         if not self._bulk_pays(len(todo)):
             done = []
             try:
@@ -209,14 +216,19 @@ class Heap:
                     self.free(offset)
                 raise
             return
-        out, j = [], 0
+        check, lengths = self._check_range, self._free
+        low, high = self.base, self.base + self.span
+        out, j, n = [], 0, len(todo)
         prev_end = None
-        for start, length in self._free.items():
+        # Iterating the SortedDict's keys runs in C; its items view is a Python generator.
+        for start in self._free:
+            length = lengths[start]
             end = start + length
             cursor = start
-            while j < len(todo) and todo[j][0] < end:
+            while j < n and todo[j][0] < end:
                 offset, size = todo[j]
-                self._check_range(offset, size)
+                if type(offset) is not int or offset % align or offset < low or offset + size > high:
+                    check(offset, size)  # the full check (raises naming the problem) only off the common case
                 if offset < cursor or offset + size > end or (prev_end is not None and offset < prev_end):
                     raise HeapError(f"range ({offset}, {size}) is not entirely free")
                 if offset > cursor:
@@ -225,12 +237,13 @@ class Heap:
                 j += 1
             if cursor < end:
                 out.append((cursor, end - cursor))
-        if j < len(todo):
+        if j < n:
             raise HeapError(f"range {todo[j]} is not entirely free")
         self._reset_free(out)
-        for offset, size in todo:
-            self._live[offset] = size
-            self._live_bytes += size
+        # One SortedDict.update: it re-sorts once when the batch is large
+        # against the live blocks, else inserts one by one.
+        self._live.update(todo)
+        self._live_bytes += sum(map(_second, todo))
 
     def free_many(self, offsets) -> None:
         """`free` every live block at `offsets`, coalescing, all or nothing (HeapError: nothing changed).
@@ -238,29 +251,40 @@ class Heap:
         O(n + free ranges) when there are many; else one `free` each.
         """
         offsets = sorted(offsets)
-        for a, b in zip(offsets, offsets[1:]):
-            if a == b:
-                raise HeapError(f"block at offset {a} freed twice")
-        missing = next((o for o in offsets if o not in self._live), None)
-        if missing is not None:
+        if not offsets:
+            return
+        live, gone = self._live, set(offsets)
+        if len(gone) != len(offsets):
+            twice = next(a for a, b in zip(offsets, offsets[1:]) if a == b)
+            raise HeapError(f"block at offset {twice} freed twice")
+        if not all(map(live.__contains__, offsets)):
+            missing = next(o for o in offsets if o not in live)
             raise HeapError(f"no live block at offset {missing} (unknown or already freed)")
         if not self._bulk_pays(len(offsets)):
             for offset in offsets:
                 self.free(offset)
             return
-        freed = [(offset, self._live.pop(offset)) for offset in offsets]
-        self._live_bytes -= sum(size for _, size in freed)
+        freed = list(zip(offsets, map(live.__getitem__, offsets)))
+        if 8 * len(offsets) >= len(live):
+            # Rebuilding the live index once beats a SortedDict.pop (a list
+            # deletion and an index update) per block.
+            self._live = SortedDict({o: s for o, s in dict.items(live) if o not in gone})
+        else:
+            for offset in offsets:
+                del live[offset]
+        self._live_bytes -= sum(map(_second, freed))
+        # Freed blocks and free ranges are disjoint, so their offsets differ:
+        # one sort (in C) orders them, one pass coalesces.
+        ranges = sorted(freed + list(dict.items(self._free)))
         out = []
-        old = iter(self._free.items())
-        nxt = next(old, None)
-        for offset, size in freed:
-            while nxt is not None and nxt[0] < offset:
-                _append_coalesced(out, *nxt)
-                nxt = next(old, None)
-            _append_coalesced(out, offset, size)
-        while nxt is not None:
-            _append_coalesced(out, *nxt)
-            nxt = next(old, None)
+        cur, cur_size = ranges[0]
+        for offset, size in ranges[1:]:
+            if cur + cur_size == offset:
+                cur_size += size
+            else:
+                out.append((cur, cur_size))
+                cur, cur_size = offset, size
+        out.append((cur, cur_size))
         self._reset_free(out)
 
     def block_size(self, offset: int) -> int:
@@ -348,9 +372,8 @@ class Heap:
             fail("byte counters do not add up")
 
 
-def _append_coalesced(out: list, offset: int, size: int) -> None:
-    """Append a free range to sorted `out`, merging it with the last one when they touch."""
-    if out and out[-1][0] + out[-1][1] == offset:
-        out[-1] = (out[-1][0], out[-1][1] + size)
-    else:
-        out.append((offset, size))
+_second = itemgetter(1)
+
+
+def _swapped(pair: tuple[int, int]) -> tuple[int, int]:
+    return pair[1], pair[0]

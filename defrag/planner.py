@@ -289,7 +289,11 @@ class ArrayPlan:
 
     def wave_slices(self) -> list[tuple[int, int]]:
         """``(start, stop)`` into the arrays for waves ``1 .. waves``, in order (needs the wave order)."""
-        b = np.searchsorted(self.wave, np.arange(1, self.waves + 2)).tolist()
+        if not self.wave.size:
+            return []
+        # The last entry is the number of waves (sorted by wave); method calls, not numpy's
+        # Python-level wrappers: this runs once per compaction, cold.
+        b = self.wave.searchsorted(np.arange(1, int(self.wave[-1]) + 2)).tolist()
         return list(zip(b[:-1], b[1:]))
 
     def to_plan(self, keys: Sequence[Hashable] | None = None) -> Plan:
@@ -419,17 +423,17 @@ def _layout(off: np.ndarray, size: np.ndarray, movable: np.ndarray, *, span: int
     n = off.size
     bad = (size <= 0) | (off < 0) | (off % alignment != 0) | (size % alignment != 0) | (off > span - size)
     if bad.any():
-        i = int(np.flatnonzero(bad)[0])
+        i = int(bad.nonzero()[0][0])
         raise PlanError(
             f"block {name(i)} [{off[i]}, +{size[i]}) must have positive size, be "
             f"{alignment}-aligned and lie inside [0, {span})"
         )
     order = None
     if n > 1 and (off[1:] < off[:-1]).any():
-        order = np.argsort(off, kind="stable")
+        order = off.argsort(kind="stable")
         off, size, movable = off[order], size[order], movable[order]
     if n > 1:
-        clash = np.flatnonzero(off[1:] < off[:-1] + size[:-1])
+        clash = (off[1:] < off[:-1] + size[:-1]).nonzero()[0]
         if clash.size:
             i = int(clash[0])
             a, b = (i, i + 1) if order is None else (int(order[i]), int(order[i + 1]))
@@ -491,13 +495,13 @@ def _intersect(
     if a_s.size == 0 or b_s.size == 0:
         return np.empty(0, np.int64), np.empty(0, np.int64)
     # The a-intervals overlapping b-interval k are a[lo[k]:hi[k]].
-    lo = np.searchsorted(a_e, b_s, side="right")
-    hi = np.searchsorted(a_s, b_e, side="left")
+    lo = a_e.searchsorted(b_s, side="right")
+    hi = a_s.searchsorted(b_e, side="left")
     cnt = hi - lo
     if (cnt == 1).all():
         return np.maximum(b_s, a_s[lo]), np.minimum(b_e, a_e[lo])
-    owner = np.repeat(np.arange(b_s.size), cnt)
-    j = np.arange(owner.size) + np.repeat(lo - (np.cumsum(cnt) - cnt), cnt)
+    owner = np.arange(b_s.size).repeat(cnt)
+    j = np.arange(owner.size) + (lo - (cnt.cumsum() - cnt)).repeat(cnt)
     return np.maximum(b_s[owner], a_s[j]), np.minimum(b_e[owner], a_e[j])
 
 
@@ -505,7 +509,7 @@ def _page_runs(pages: np.ndarray, page_size: int) -> tuple[np.ndarray, np.ndarra
     """Byte intervals covered by a sorted array of distinct page ids."""
     if pages.size == 0:
         return np.empty(0, np.int64), np.empty(0, np.int64)
-    brk = np.flatnonzero(np.diff(pages) != 1)
+    brk = (pages[1:] - pages[:-1] != 1).nonzero()[0]
     first = np.concatenate(([0], brk + 1))
     last = np.concatenate((brk, [pages.size - 1]))
     return pages[first] * page_size, (pages[last] + 1) * page_size
@@ -514,14 +518,22 @@ def _page_runs(pages: np.ndarray, page_size: int) -> tuple[np.ndarray, np.ndarra
 def _expand_pages(first: np.ndarray, last: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Every (page, owner index) pair for inclusive page ranges [first[i], last[i]]."""
     cnt = last - first + 1
-    owner = np.repeat(np.arange(first.size), cnt)
-    pages = np.arange(owner.size) + np.repeat(first - (np.cumsum(cnt) - cnt), cnt)
+    owner = np.arange(first.size).repeat(cnt)
+    pages = np.arange(owner.size) + (first - (cnt.cumsum() - cnt)).repeat(cnt)
     return pages, owner
+
+
+def _filled(n: int, value, dtype) -> np.ndarray:
+    """``np.full(n, value, dtype)`` without numpy's Python-level wrapper (planning runs cold, once per
+    compaction: each distinct numpy wrapper it enters costs more than the arithmetic)."""
+    a = np.empty(n, dtype)
+    a.fill(value)
+    return a
 
 
 def _expand_runs(starts: np.ndarray, lens: np.ndarray) -> np.ndarray:
     """``concatenate([arange(s, s + n) for s, n in zip(starts, lens)])``."""
-    return np.arange(int(lens.sum())) + np.repeat(starts - (np.cumsum(lens) - lens), lens)
+    return np.arange(int(lens.sum())) + (starts - (lens.cumsum() - lens)).repeat(lens)
 
 
 def _minus(s: np.ndarray, e: np.ndarray, cut_s: np.ndarray, cut_e: np.ndarray
@@ -589,9 +601,9 @@ def _best_fit(
         lens = hl[small]
         # Stable: each bucket lists its holes in the order given. (A stable
         # sort of 16-bit keys is a radix sort.)
-        o = np.argsort(lens.astype(np.uint16) if cap <= 1 << 16 else lens, kind="stable")
+        o = (lens.astype(np.uint16) if cap <= 1 << 16 else lens).argsort(kind="stable")
         lens, starts = lens[o], hs[small][o].tolist()
-        first = np.flatnonzero(np.diff(lens, prepend=-1))
+        first = np.concatenate(([0], (lens[1:] != lens[:-1]).nonzero()[0] + 1))  # where each length starts
         bounds = first.tolist() + [lens.size]
         for j, ln in enumerate(lens[first].tolist()):
             buckets[ln] = starts[bounds[j]:bounds[j + 1]]
@@ -603,7 +615,7 @@ def _best_fit(
     # with the vectorised run below. Non-increasing: bisect on key=neg.
     units = memoryview(units_arr)
     window = 64  # items looked at per run into a big hole (adapts)
-    out = np.full(n, -1, np.int64)
+    out = _filled(n, -1, np.int64)
     at_i: list[int] = []  # placements one at a time: item, start
     at_s: list[int] = []
     add_i, add_s = at_i.append, at_s.append
@@ -668,8 +680,8 @@ def _best_fit(
             else:
                 stop = n
             hi = min(stop, i + window)
-            ends = np.cumsum(units_arr[i:hi])  # hole used after each item
-            cnt = min(int(np.searchsorted(ends, h[1] - cap, side="right")) + 1, hi - i)
+            ends = units_arr[i:hi].cumsum()  # hole used after each item
+            cnt = min(int(ends.searchsorted(h[1] - cap, side="right")) + 1, hi - i)
             used = int(ends[cnt - 1])
             out[i:i + cnt] = ends[:cnt] - units_arr[i:i + cnt] + h[0]
             window = max(64, 2 * cnt)
@@ -694,9 +706,10 @@ def _runs_first(pages: np.ndarray) -> np.ndarray:
     """Sorted distinct page ids reordered: longest contiguous runs first (ties: lower first)."""
     if pages.size == 0:
         return pages
-    brk = np.flatnonzero(np.diff(pages) != 1) + 1
+    brk = (pages[1:] - pages[:-1] != 1).nonzero()[0] + 1
     starts = np.concatenate(([0], brk))
-    lens = np.diff(np.concatenate((starts, [pages.size])))
+    bounds = np.concatenate((starts, [pages.size]))
+    lens = bounds[1:] - bounds[:-1]
     order = np.lexsort((starts, -lens))
     return pages[_expand_runs(starts[order], lens[order])]
 
@@ -759,14 +772,14 @@ class _Planner:
         new = np.empty(pages.size, bool)
         new[0] = True
         np.not_equal(pages[1:], pages[:-1], out=new[1:])
-        inv = np.cumsum(new) - 1
+        inv = new.cumsum() - 1
         self.touched = pages[new]
         T = self.touched.size
         live_per_page = np.bincount(inv, weights=hi - lo, minlength=T)
         self.forced = np.zeros(T, bool)
         self.forced[inv[self.fixed[owner]]] = True
         # Each block's first/last page as an index into `touched`.
-        ends = np.cumsum(last - first + 1)
+        ends = (last - first + 1).cumsum()
         self.first_pos = inv[ends - (last - first + 1)]
         self.last_pos = inv[ends - 1]
         self.n_forced = int(self.forced.sum())
@@ -776,16 +789,20 @@ class _Planner:
         self.npages = span // P
         self.tpos = None
         if self.npages <= _TABLE_RATIO * T + _TABLE_MIN:
-            self.tpos = np.full(self.npages, -1, np.int64)
+            self.tpos = _filled(self.npages, -1, np.int64)
             self.tpos[self.touched] = np.arange(T)
         # Non-forced touched pages, densest first (ties: lower address first).
-        cand = np.flatnonzero(~self.forced)
-        self.by_density = cand[np.argsort(-live_per_page[cand], kind="stable")]
+        cand = (~self.forced).nonzero()[0]
+        self.by_density = cand[(-live_per_page[cand]).argsort(kind="stable")]
         # Pages nothing touches (unmapped, free now), longest runs first; one
         # per block is the most that can be of use.
+        limit = n if max_new_pages is None else min(n, max_new_pages)
+        if not limit:
+            # No page may be opened (an explicit compaction without empty mapped pages): none to list.
+            self.fresh = np.empty(0, np.int64)
+            return
         t_s, t_e = _page_runs(self.touched, P)
         free_s, free_e = _gaps(t_s, t_e, span)
-        limit = n if max_new_pages is None else min(n, max_new_pages)
         run_s, run_n = free_s // P, (free_e - free_s) // P
         if mapped is not None:
             # Mapped pages first (a destination there costs no mapping), each
@@ -794,9 +811,9 @@ class _Planner:
             on = mapped[pages]
             self.fresh = np.concatenate((_runs_first(pages[on]), _runs_first(pages[~on])))[:limit]
         else:
-            o = np.argsort(-run_n, kind="stable")
+            o = (-run_n).argsort(kind="stable")
             run_s, run_n = run_s[o], run_n[o]
-            before = np.cumsum(run_n) - run_n
+            before = run_n.cumsum() - run_n
             use = np.clip(limit - before, 0, run_n)
             self.fresh = _expand_runs(run_s, use)
 
@@ -806,7 +823,7 @@ class _Planner:
         """Index into ``touched`` of pages that are touched."""
         if self.tpos is not None:
             return self.tpos[pages]
-        return np.searchsorted(self.touched, pages)
+        return self.touched.searchsorted(pages)
 
     def _member(self, x: np.ndarray, pages: np.ndarray) -> np.ndarray:
         """``np.isin(x, pages)`` for page ids inside the region."""
@@ -824,7 +841,7 @@ class _Planner:
         one = first == last  # most blocks: all their bytes on one page
         if one.all():
             return first, sz
-        many = np.flatnonzero(~one)
+        many = (~one).nonzero()[0]
         pages, owner = _expand_pages(first[many], last[many])
         s = o[many][owner]
         e = s + sz[many][owner]
@@ -845,7 +862,7 @@ class _Planner:
         uniq, inv = np.unique(pages, return_inverse=True)
         used = np.bincount(inv, weights=b, minlength=uniq.size)
         out = np.zeros(self.touched.size)
-        at = np.minimum(np.searchsorted(self.touched, uniq), self.touched.size - 1)
+        at = np.minimum(self.touched.searchsorted(uniq), self.touched.size - 1)
         hit = self.touched[at] == uniq
         out[at[hit]] = used[hit]
         return int(uniq.size), out
@@ -859,9 +876,9 @@ class _Planner:
         if idx.size > 1 and (idx[1:] < idx[:-1]).any():
             m = np.zeros(n, bool)
             m[idx] = True
-            idx = np.flatnonzero(m)
+            idx = m.nonzero()[0]
         # A stable sort of 16-bit keys is a radix sort.
-        return idx[np.argsort((cap - 1 - size[idx] // self.A).astype(np.uint16), kind="stable")]
+        return idx[(cap - 1 - size[idx] // self.A).astype(np.uint16).argsort(kind="stable")]
 
     # -- kept sets ------------------------------------------------------------
 
@@ -872,12 +889,12 @@ class _Planner:
 
     def drop(self, r: _Result, target: int) -> np.ndarray | None:
         """Retry: also stop keeping the kept pages that ended up emptiest."""
-        droppable = np.flatnonzero(r.kept & ~self.forced & (r.waste > 0))
+        droppable = (r.kept & ~self.forced & (r.waste > 0)).nonzero()[0]
         if not droppable.size:
             return None
-        droppable = droppable[np.argsort(-r.waste[droppable], kind="stable")]
+        droppable = droppable[(-r.waste[droppable]).argsort(kind="stable")]
         excess = (r.pages_after - target) * self.P
-        n_drop = int(np.searchsorted(np.cumsum(r.waste[droppable]), excess)) + 1
+        n_drop = int(r.waste[droppable].cumsum().searchsorted(excess)) + 1
         kept = r.kept.copy()
         kept[droppable[:n_drop]] = False
         return kept
@@ -896,8 +913,8 @@ class _Planner:
         add[self.first_pos[zoned]] = True
         add[self.last_pos[zoned]] = True
         add &= ~r.kept
-        removable = np.flatnonzero(r.kept & ~self.forced & ~add)
-        removable = removable[np.argsort(-r.waste[removable], kind="stable")]
+        removable = (r.kept & ~self.forced & ~add).nonzero()[0]
+        removable = removable[(-r.waste[removable]).argsort(kind="stable")]
         kept = r.kept | add
         kept[removable[: int(add.sum())]] = False
         return kept
@@ -921,9 +938,9 @@ class _Planner:
         n = off.size
         kept = kept.copy()
         mover = self._movers(kept)
-        dst = np.full(n, -1, np.int64)
-        waiting = np.ones(n, bool)  # still at its source
-        pending = self._largest_first(np.flatnonzero(mover))
+        dst = _filled(n, -1, np.int64)
+        waiting = _filled(n, True, bool)  # still at its source
+        pending = self._largest_first(mover.nonzero()[0])
         movers = pending.size
 
         # Steps 3-4, up to _MAX_DROPS + 1 times: best-fit pending blocks into
@@ -938,7 +955,7 @@ class _Planner:
             # only shrinks, so the last ones do), less where the placed blocks
             # go (all on kept pages: _drop undoes the others).
             gaps = _intersect(*_page_runs(self.touched[kept], P), *gaps)
-            at = np.flatnonzero(~waiting)
+            at = (~waiting).nonzero()[0]
             holes = _minus(*gaps, dst[at], dst[at] + size[at])
             pending = self._place(pending, holes, dst, waiting)
             if not pending.size:
@@ -962,9 +979,9 @@ class _Planner:
         for r in range(2, _MAX_ROUNDS + 2):
             if not pending.size:
                 break
-            at = np.flatnonzero(~waiting)
+            at = (~waiting).nonzero()[0]
             free = _gaps(*_merge_intervals(off[waiting], end[waiting], dst[at], dst[at] + size[at]), span)
-            vacated = self.touched[~kept & ~self._busy(np.flatnonzero(waiting))]
+            vacated = self.touched[~kept & ~self._busy(waiting.nonzero()[0])]
             candidates = np.concatenate((fresh, _runs_first(vacated[~self._member(vacated, zone)])))
             new = candidates[: -(-int(size[pending].sum()) // P)]
             fresh = fresh[~self._member(fresh, new)]
@@ -972,7 +989,7 @@ class _Planner:
             h_s, h_e = _intersect(*_page_runs(np.union1d(self.touched[kept], zone), P), *free)
             # Space in pages already counted first, newly opened pages last.
             is_new = self._member(h_s // P, new) & self._member((h_e - 1) // P, new)
-            o = np.concatenate((np.flatnonzero(~is_new), np.flatnonzero(is_new)))
+            o = np.concatenate(((~is_new).nonzero()[0], is_new.nonzero()[0]))
             before = pending.size
             pending = self._place(pending, (h_s[o], h_e[o]), dst, waiting)
             if pending.size < before:
@@ -981,7 +998,7 @@ class _Planner:
                 break  # no progress and nothing new to open: give up
         # Step 6 (waves) is done for the chosen attempt only; what is still
         # pending stays where it is.
-        moved = np.flatnonzero(mover & (dst >= 0))
+        moved = (mover & (dst >= 0)).nonzero()[0]
         fin = off.copy()
         fin[moved] = dst[moved]
         pages_after, used = self._final_pages(fin)
@@ -992,11 +1009,11 @@ class _Planner:
     def _drop(self, kept, mover, dst, waiting, pending) -> np.ndarray:
         """Step 4; updates ``kept``, ``dst`` and ``waiting`` in place, returns the new pending."""
         P, off, size = self.P, self.lay.off, self.lay.size
-        used = self._touched_bytes(np.where(waiting, off, dst), np.flatnonzero(~waiting | ~mover))
+        used = self._touched_bytes(np.where(waiting, off, dst), (~waiting | ~mover).nonzero()[0])
         waste = np.where(used > 0, P - used, 0.0)
-        cand = np.flatnonzero(kept & ~self.forced & (waste > 0))
-        cand = cand[np.argsort(-waste[cand], kind="stable")]
-        left = int(size[pending].sum()) - np.concatenate(([0], np.cumsum(waste[cand])))
+        cand = (kept & ~self.forced & (waste > 0)).nonzero()[0]
+        cand = cand[(-waste[cand]).argsort(kind="stable")]
+        left = int(size[pending].sum()) - np.concatenate(([0], waste[cand].cumsum()))
         extra = -(-left // P)  # pages needed beyond the kept ones (may be < 0)
         # Never plan more zone pages than can be free soon: unmapped pages, and
         # evacuated pages that no pending block touches (empty after wave 1).
@@ -1006,7 +1023,7 @@ class _Planner:
         # one of the first d candidates.
         rank = np.full(self.touched.size, cand.size, np.int64)
         rank[cand] = np.arange(cand.size)
-        placed = np.flatnonzero(mover & ~waiting)
+        placed = (mover & ~waiting).nonzero()[0]
         dp = dst[placed]
         dp_first = self._tix(dp // P)  # placed blocks lie on kept (touched) pages
         dp_last = self._tix((dp + size[placed] - 1) // P)
@@ -1016,7 +1033,7 @@ class _Planner:
         np.minimum.at(first_drop, self.last_pos[placed], r_f)
         idle = ~kept & ~self._busy(pending)
         lost = np.bincount(first_drop[idle], minlength=cand.size + 1)  # pages lost at each d
-        supply = self.fresh.size + int(idle.sum()) - np.concatenate(([0], np.cumsum(lost)[:-1]))
+        supply = self.fresh.size + int(idle.sum()) - np.concatenate(([0], lost.cumsum()[:-1]))
         feasible = extra + np.arange(left.size) <= supply
         n_ok = max(1, int(np.argmin(feasible)) if not feasible.all() else feasible.size)
         d = int(np.argmin(extra[:n_ok]))  # fewest drops that reach the fewest pages
@@ -1030,7 +1047,7 @@ class _Planner:
         undo = placed[gone[dp_first] | gone[dp_last]]
         dst[undo] = -1
         waiting[undo] = True
-        return self._largest_first(np.concatenate((pending, undo, np.flatnonzero(self._movers(kept) & ~mover))))
+        return self._largest_first(np.concatenate((pending, undo, (self._movers(kept) & ~mover).nonzero()[0])))
 
     def _place(self, pending: np.ndarray, holes, dst: np.ndarray, waiting: np.ndarray) -> np.ndarray:
         """Best-fit ``pending`` (largest first) into ``holes``; returns what did not fit."""
@@ -1053,12 +1070,12 @@ class _Planner:
         most ``rounds`` deep.
         """
         off, size = self.lay.off, self.lay.size
-        by_dst = np.argsort(r.dst)  # sorted queries also search faster
+        by_dst = r.dst.argsort()  # sorted queries also search faster
         moved, d = r.mover_idx[by_dst], r.dst[by_dst]
-        lo = np.searchsorted(self.end, d, side="right")  # first source ending after d
-        hi = np.searchsorted(off, d + size[moved], side="left")  # sources starting before the end
-        idx = np.flatnonzero(hi > lo)
-        wave = np.ones(moved.size, np.int64)
+        lo = self.end.searchsorted(d, side="right")  # first source ending after d
+        hi = off.searchsorted(d + size[moved], side="left")  # sources starting before the end
+        idx = (hi > lo).nonzero()[0]
+        wave = _filled(moved.size, 1, np.int64)
         if idx.size:
             bounds = np.empty(2 * idx.size, np.int64)
             bounds[0::2] = lo[idx]
@@ -1072,7 +1089,7 @@ class _Planner:
                     break
                 wave = new
         # A stable sort of 8-bit keys is a radix sort (at most 7 waves).
-        by_wave = np.argsort(wave.astype(np.uint8) if wave.max() < 256 else wave, kind="stable")
+        by_wave = (wave.astype(np.uint8) if wave.max() < 256 else wave).argsort(kind="stable")
         return by_dst[by_wave], wave[by_wave]
 
 
@@ -1134,6 +1151,8 @@ def plan_arrays(
         if mapped.shape != (span // page_size,):
             raise PlanError(f"mapped needs one entry per page of the span ({span // page_size}), got shape "
                             f"{mapped.shape}")
+        if max_new_pages == 0:
+            mapped = None  # no page may be opened: the hint changes nothing, nor needs a second plan
     lay = _layout(off, size, mov, span=span, alignment=alignment)
     plan = _plan(lay, page_size, span, alignment, max_new_pages, mapped)
     if mapped is not None and plan.pages_lower_bound is not None and plan.pages_after > plan.pages_lower_bound:

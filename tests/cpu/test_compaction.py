@@ -62,6 +62,26 @@ def test_the_fragmentation_scenario(make_pool):
     pool.check_invariants()
 
 
+@pytest.mark.parametrize("release", [False, True])
+def test_the_reports_fragmentation_figures_are_the_stats(make_pool, release):
+    """The report's stranded bytes and fragmentation, before and after, are what stats() says then."""
+    pool = make_pool("1MiB", auto_compact=False)
+    survivors = fragment(pool, n=40)
+    pinned = next(iter(survivors.values()))
+    pool.pin(pinned)  # its page stays, so fragmentation stays above zero after
+    small = [pool.empty(1000, dtype=torch.uint8) for _ in range(5)]  # a few sub-page remnants
+    del small[1::2]
+    before = pool.stats()
+    report = pool.compact(release=release)
+    after = pool.stats()
+    assert report.moved_tensors > 0
+    assert (report.stranded_before, report.fragmentation_before) == (before["stranded_bytes"],
+                                                                      before["fragmentation"])
+    assert (report.stranded_after, report.fragmentation_after) == (after["stranded_bytes"], after["fragmentation"])
+    pool.unpin(pinned)
+    pool.check_invariants()
+
+
 def test_compaction_preserves_metadata_and_grads(make_pool):
     pool = make_pool("1MiB")
     keep = []
@@ -289,9 +309,11 @@ class CompactMachine(PoolMachine):
     def compact(self, verify, release):
         pinned = {a.address for a in self.pool.live_tensors() if a.pinned}
         before = self.pool.stats()
+        pages_before = self.pool.core.live_pages()
         report = self.pool.compact(verify=verify, release=release)
         after = self.pool.stats()
         assert pinned == {a.address for a in self.pool.live_tensors() if a.pinned}
+        assert (report.pages_before, report.pages_after) == (pages_before, self.pool.core.live_pages())
         assert report.pages_after <= report.pages_before
         # An explicit compaction never maps more pages than were mapped before it, not even transiently.
         assert after["reserved_bytes.all.peak"] == before["reserved_bytes.all.peak"]
