@@ -37,6 +37,7 @@
 #include <c10/core/DefaultDtype.h>
 #include <c10/core/impl/DeviceGuardImplInterface.h>
 #include <torch/csrc/Dtype.h>
+#include <torch/csrc/Storage.h>
 #include <torch/csrc/autograd/python_variable.h>
 
 #include <sys/stat.h>
@@ -297,6 +298,31 @@ class FastPath {
     return py::reinterpret_steal<py::object>(THPVariable_Wrap(std::move(tensor)));
   }
 
+  // An UntypedStorage of `nbytes` at `address` for a block Python placed itself
+  // (compaction destinations, adopt): (storage, serial). Its release is queued
+  // by serial like a collected block's; the caller maps the serial to its block
+  // before the storage can die. Cheaper than a Python owner with a weakref hook.
+  py::tuple storage(uintptr_t address, int64_t nbytes) {
+    if (nbytes <= 0) throw py::value_error("a pool storage needs at least one byte");
+    auto* slot = new Slot();
+    slot->state = st_;
+    slot->address = address;
+    slot->collected = true;
+    uint64_t serial;
+    {
+      std::lock_guard<std::mutex> guard(st_->mu);
+      serial = slot->serial = st_->next_serial++;
+      if (st_->live++ == 0) Py_INCREF(st_->pool);
+    }
+    // From here the storage owns the slot: if anything below fails, its deleter
+    // queues the serial, which Python, not knowing it, ignores.
+    c10::Storage storage(c10::Storage::use_byte_size_t(), nbytes,
+                         c10::DataPtr(reinterpret_cast<void*>(address), slot, &release_slot, device_), nullptr, false);
+    PyObject* wrapped = THPStorage_Wrap(std::move(storage));
+    if (wrapped == nullptr) throw py::error_already_set();
+    return py::make_tuple(py::reinterpret_steal<py::object>(wrapped), serial);
+  }
+
   // Keep a freed range for the next request of its size (Core.free(keep=True)).
   void put(int64_t size, int32_t region, uintptr_t address) {
     std::lock_guard<std::mutex> guard(st_->mu);
@@ -525,6 +551,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def(py::init<py::object, py::dict, py::object, py::list, std::string, int, int, int64_t>())
       .def("empty", &FastPath::empty)
       .def("put", &FastPath::put)
+      .def("storage", &FastPath::storage)
       .def("take", &FastPath::take)
       .def("take_all", &FastPath::take_all)
       .def("kept_count", &FastPath::kept_count)

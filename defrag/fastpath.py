@@ -166,6 +166,13 @@ class FastPath:
     def kept_count(self) -> int:
         return self.cpp.kept_count()
 
+    def storage_over(self, block: Block):
+        """A torch UntypedStorage over `block` whose death queues the block's release (the face's
+        `Pool._storage_over`, without a Python owner or weakref hook)."""
+        storage, serial = self.cpp.storage(block.address, block.nbytes)
+        self._by_serial[serial] = block
+        return storage
+
     # -- the front (Core.front's protocol)
     def release(self, block: Block) -> None:
         """A block of the Python path was released (any thread): queue it in order with the C++ releases."""

@@ -183,8 +183,9 @@ class _TorchMover:
     def commit(self, old: Block, new: Block, held, dest) -> None:
         user, rebind = held
         if rebind is None:
-            # `new` is now the user's block; `old` is owned by the temporary `dest`.
-            tz.swap_data(user, dest, self.pool._swap_mode)
+            # `new` is now the user's block; `old` is owned by the temporary `dest`. Sizes were
+            # checked by `check`; `dest` was made on the pool's device.
+            tz.swap_data(user, dest, self.pool._swap_mode, checked=True)
         else:
             # Rebind mode: the known tensors (provably all users) take `dest`;
             # `old` dies with the old storage once the compaction's references go.
@@ -425,7 +426,10 @@ class Pool:
         return f"{dtype}{list(info.shape) if info.shape is not None else ''}"
 
     def _storage_over(self, block: Block) -> torch.UntypedStorage:
-        """A storage over `block` whose death releases it (the block keeps the release hook)."""
+        """A storage over `block` whose death releases it (the fast path's, or one whose release hook
+        the block keeps)."""
+        if self._fast is not None:
+            return self.core.front.storage_over(block)
         storage, block.keepalive = tz.storage_over(self.kind, self.device, block.address, block.nbytes,
                                                    self._on_release, block)
         return storage

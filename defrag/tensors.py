@@ -191,9 +191,7 @@ def weak_storage(storage: torch.UntypedStorage) -> StorageWeakRef:
 
 
 def strong_storage(ref: StorageWeakRef) -> torch.UntypedStorage | None:
-    """The storage behind `ref`, or None once it has died."""
-    if ref.expired():
-        return None
+    """The storage behind `ref`, or None once it has died (torch's lock of the weak pointer says which)."""
     return torch.UntypedStorage._new_with_weak_ptr(ref.cdata)
 
 
@@ -289,7 +287,8 @@ def _forget_swap_mode() -> None:
         _modes.clear()
 
 
-def swap_data(user: torch.UntypedStorage, other: torch.UntypedStorage, mode: str | None = None) -> None:
+def swap_data(user: torch.UntypedStorage, other: torch.UntypedStorage, mode: str | None = None, *,
+              checked: bool = False) -> None:
     """Exchange data pointers (and deleters/owners) of two same-size storages.
 
     Every tensor and view over `user` sees `other`'s memory afterwards and vice
@@ -298,11 +297,13 @@ def swap_data(user: torch.UntypedStorage, other: torch.UntypedStorage, mode: str
     "extension" mode). RuntimeError in "rebind" mode: use `rebind` there.
     Not safe while another thread uses either storage's memory. `mode`: a
     `swap_mode()` result the caller already holds (it reads the environment).
+    `checked`: the caller has already checked both storages' sizes and devices.
     """
-    if user.nbytes() != other.nbytes():
-        raise ValueError(f"cannot swap storages of {user.nbytes()} and {other.nbytes()} bytes")
-    if user.device != other.device:
-        raise ValueError(f"cannot swap storages on {user.device} and {other.device}")
+    if not checked:
+        if user.nbytes() != other.nbytes():
+            raise ValueError(f"cannot swap storages of {user.nbytes()} and {other.nbytes()} bytes")
+        if user.device != other.device:
+            raise ValueError(f"cannot swap storages on {user.device} and {other.device}")
     mode = mode or swap_mode()
     if mode == "native":
         user._swap_data_ptr_(other)
