@@ -719,9 +719,12 @@ class Core:
 
         Candidates: the free range ending at the last mapped page before an
         unmapped run (the free tail of a partly used page, with any empty
-        pages before it), continued into that run. Returns (region, start
-        address, every page the block would touch) for the candidate needing
-        the fewest unmapped pages, or None when none needs fewer than `k`.
+        pages before it), continued into that run, when that needs fewer
+        new pages than `k`; if the run is shorter than that (a gap between
+        mapped pages), on into the free head of the mapped page after it,
+        which maps only the gap. Returns (region, start address, every page the
+        block would touch) for the candidate needing the fewest unmapped
+        pages, or None when none needs fewer than `k`.
         """
         P = self.page_size
         best = None
@@ -733,13 +736,23 @@ class Core:
                 if run is None:
                     continue
                 m = -(-(size - run[1]) // P)
-                if not (0 < m <= k if spill else 0 < m < k) or q + 1 + m > region.npages or \
-                        mapped[q + 1:q + 1 + m].any():
+                if not (0 < m <= k if spill else 0 < m < k) or q + 1 + m > region.npages:
                     continue
+                if mapped[q + 1:q + 1 + m].any():
+                    # The unmapped run is shorter (a gap that stitching left): the block may still
+                    # fit by ending in the free head of the mapped page after it.
+                    gap = int(np.argmax(mapped[q + 1:]))
+                    head = heap.free_range_starting_at(region.address(q + 1 + gap))
+                    if head is None or run[1] + gap * P + head[1] < size:
+                        continue
+                    m = gap
+                    last = (run[0] + size - 1 - region.base) // P
+                else:
+                    last = q + m
                 key = (m, -run[1])
                 if best is None or key < best[0]:
                     first = (run[0] - region.base) // P
-                    best = (key, region, run[0], list(range(first, q + 1 + m)))
+                    best = (key, region, run[0], list(range(first, last + 1)))
         return None if best is None else best[1:]
 
     # ------------------------------------------------------------------ the ladder

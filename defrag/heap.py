@@ -306,6 +306,11 @@ class Heap:
         hit = self._containing_free(end - 1, 1)
         return hit if hit is not None and hit[0] + hit[1] == end else None
 
+    def free_range_starting_at(self, start: int) -> tuple[int, int] | None:
+        """The free range that starts exactly at `start`, as (offset, size), or None. O(log n)."""
+        size = self._free.get(start)
+        return None if size is None else (start, size)
+
     def free_ranges(self) -> list[tuple[int, int]]:
         """Free ranges as sorted (offset, size) pairs."""
         return list(self._free.items())
