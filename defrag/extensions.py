@@ -71,12 +71,14 @@ class CppExtension:
         tag = f"py{sys.version_info.major}{sys.version_info.minor}-torch{torch.__version__}".replace("+", "_")
         return os.path.join(root, f"{self.folder}-{tag}")
 
-    def load(self):
+    def load(self, *, build: bool = True):
         """The module, building it on the first call; None if it cannot be had.
 
         Thread-safe; the build runs at most once per process (and, through the
         build folder, once per machine and torch version). Never raises: a
         failure is remembered and returned as None (`failure()` says why).
+        `build=False`: import what is built, never compile (a build elsewhere
+        that left no library is then the failure).
         """
         if self._module is not None or self._failure is not None:
             return self._module
@@ -96,7 +98,11 @@ class CppExtension:
                     with open(marker) as f:
                         self._failure = f"{f.read().strip()} (an earlier build failed; delete {marker} to retry)"
                     return None
-                self._module = self._import_built(folder) or self._build(folder)
+                module = self._import_built(folder)
+                if module is None and not build:
+                    raise RuntimeError(f"{self.what} was not built (the build in the background ended "
+                                       f"without a library in {folder})")
+                self._module = module or self._build(folder)
                 self._seconds = time.perf_counter() - start
             except Exception as e:  # compiler errors, missing headers, unwritable cache, import errors
                 self._failure = f"{type(e).__name__}: {_first_line(e)}"

@@ -21,10 +21,11 @@ CUDA stream, a stale access to report, history recording, a sleeping or
 closed pool, the "rebind" storage mode) declines to the Python path, which
 does it all, errors included.
 
-Building: `request()` starts compiling the extension in a background thread
-the first time a pool is created (about 30-60 s once per machine and torch
-version; later processes import the built library in well under a second).
-Pools use the Python path until it is ready, then attach at their next call.
+Building: `request()` starts compiling the extension in a child process the
+first time a pool is created (about 15-60 s once per machine and torch
+version; later processes import the built library, about 0.1 s). Pools use
+the Python path until it is built, then import it and attach at their next
+call (`poll()`).
 `DEFRAG_FASTPATH=0` turns it off; `DEFRAG_FASTPATH=wait` makes the first pool
 wait for the build instead (benchmarks and tests use `wait()`).
 """
@@ -51,10 +52,11 @@ def _source() -> str:
 
 
 _EXTENSION = CppExtension("defrag_fastpath", "fastpath", _source(), "the allocation fast path", "about 30-60 s")
-_start_lock = threading.Lock()
-_started = threading.Event()
-_done = threading.Event()
+_lock = threading.Lock()
+_builder: threading.Thread | None = None  # the background build, once started
 module = None  # the built extension once loaded (read without a lock: set once)
+# True once the extension can be imported without building (or was): pools then call `poll()`.
+importable = False
 
 
 def setting() -> str:
@@ -66,59 +68,73 @@ def setting() -> str:
 
 
 def request():
-    """The extension if it is loaded; otherwise start loading it (see the module doc) and return None.
+    """The extension, imported now if it is built; else start building it and return None.
 
-    Never raises and never blocks, except with DEFRAG_FASTPATH=wait.
+    Imports only ever run in the calling thread (about 0.1 s, once per
+    process): a daemon thread inside a C++ module's import when the
+    interpreter exits could abort the process. The background thread only
+    waits for the build, which runs in a child process of its own session,
+    so a short script that exits mid-build leaves no half build or stale
+    lock behind (the child finishes; the next process imports it). Never
+    raises; blocks only to import, or with DEFRAG_FASTPATH=wait to build.
     """
+    global _builder, importable
     if module is not None:
         return module
     mode = setting()
     if mode == "off":
         return None
-    if mode == "wait":
+    if mode == "wait" or _EXTENSION.is_built():
         return wait()
-    if not _started.is_set():
-        with _start_lock:
-            if not _started.is_set():
-                _started.set()
-                threading.Thread(target=_load, kwargs={"detached": True}, name="defrag-fastpath-build",
-                                 daemon=True).start()
+    with _lock:
+        if _builder is None and missing_tools() is None:
+            _builder = threading.Thread(target=_build_in_a_child, name="defrag-fastpath-build", daemon=True)
+            _builder.start()
+        elif _builder is None:
+            importable = True  # nothing to build with: `poll()` records why, once
+    return None
+
+
+def _build_in_a_child() -> None:
+    global importable
+    try:
+        subprocess.run([sys.executable, "-c", "import defrag.fastpath as f; f._EXTENSION.load()"],
+                       stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                       start_new_session=True, timeout=1800, check=False)
+    except (OSError, subprocess.SubprocessError):
+        pass
+    finally:
+        importable = True  # built, or `poll()` finds out why not (a failed build leaves its marker)
+
+
+def poll():
+    """The extension if it is loaded, or can be now that the background build ended (imported in the
+    calling thread); else None. Pools call it at their calls while `importable` is set."""
+    global importable
+    if module is None and importable:
+        importable = False
+        return wait(build=False)
     return module
 
 
-def _load(*, detached: bool = False) -> None:
-    """Load the extension, building it first if needed. `detached`: build in a child process of its own
-    session, so that a short script exiting mid-build does not leave a half-built folder and torch's
-    build lock behind (the child finishes the build; the next process imports it)."""
+def wait(timeout: float | None = None, *, build: bool = True):
+    """The extension, loaded now (waiting up to `timeout` for a background build, or building it in
+    this process unless `build=False`); None if it cannot be had (`status()` says why)."""
     global module
-    try:
-        if detached and not _EXTENSION.is_built() and missing_tools() is None:
-            try:
-                subprocess.run([sys.executable, "-c", "import defrag.fastpath as f; f._EXTENSION.load()"],
-                               stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                               start_new_session=True, timeout=1800, check=False)
-            except (OSError, subprocess.SubprocessError):
-                pass  # the load below builds here, or says why it cannot
-        loaded = _EXTENSION.load()
-        if loaded is None:
-            _log.info("defrag: the allocation fast path is unavailable (%s); pools use the Python path",
-                      _EXTENSION.failure())
-        module = loaded
-    finally:
-        _done.set()
-
-
-def wait(timeout: float | None = None):
-    """Load the extension now (or wait for the background build); the module, or None if it cannot be had."""
     if module is not None or setting() == "off":
         return module
-    with _start_lock:
-        started = _started.is_set()
-        _started.set()
-    if not started:
-        _load()
-    else:
-        _done.wait(timeout)
+    builder = _builder
+    if builder is not None and builder.is_alive():
+        builder.join(timeout)
+        if builder.is_alive():
+            return None
+    with _lock:
+        if module is None and _EXTENSION.failure() is None:
+            loaded = _EXTENSION.load(build=build)
+            if loaded is None:
+                _log.info("defrag: the allocation fast path is unavailable (%s); pools use the Python path",
+                          _EXTENSION.failure())
+            module = loaded
     return module
 
 
@@ -128,9 +144,11 @@ def status() -> str:
         return "ready"
     if setting() == "off":
         return "off"
-    if _done.is_set():
+    if _EXTENSION.failure() is not None:
         return f"unavailable: {_EXTENSION.failure()}"
-    return "building" if _started.is_set() else "not started"
+    if _builder is not None and _builder.is_alive():
+        return "building"
+    return "built, not loaded yet" if _EXTENSION.is_built() else "not started"
 
 
 class FastPath:

@@ -319,7 +319,7 @@ class Pool:
     def _enter(self) -> None:
         """The start of every mutating call (gate held): open, no stale access, releases applied."""
         self.core.check_open()
-        if self._fast is None and fastpath.module is not None and self._fast_wanted:
+        if self._fast is None and self._fast_wanted and (fastpath.module is not None or fastpath.importable):
             self._attach_fast()
         self.core.drain()
 
@@ -327,6 +327,8 @@ class Pool:
         """Hand the kept ranges to the C++ fast path and let it serve `empty` (gate held)."""
         if not self._can_swap or self.core.closed:
             return  # "rebind" mode must know every tensor it made; a closed pool makes none
+        if fastpath.poll() is None:
+            return  # its build failed or is unavailable: the Python path, and doctor says why
         try:
             default = (torch.cuda.default_stream(self.device) if self.kind == "cuda" else None)
             cpp = fastpath.module.FastPath(

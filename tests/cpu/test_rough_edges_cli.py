@@ -103,7 +103,7 @@ def test_demo_at_its_minimum_capacity_tells_the_whole_story(capsys, tmp_path):
 def test_run_demo_below_its_minimum_reports_instead_of_raising(capsys, tmp_path):
     # The library entry point does not check its arguments; when the request still
     # fails after the compaction it says so and returns 1 (no traceback).
-    assert run_demo(device="emulated", capacity="10MiB", out=str(tmp_path)) == 1
+    assert run_demo(device="emulated", capacity="6MiB", out=str(tmp_path)) == 1
     assert "ERROR: it still fails after the compaction" in capsys.readouterr().out
 
 
