@@ -466,7 +466,7 @@ class Pool:
             tensor = fast.empty(shape, dtype)
             if tensor is not None:
                 return tensor
-            if self._refill():
+            if fast.enabled and self._refill():
                 tensor = fast.empty(shape, dtype)
                 if tensor is not None:
                     return tensor
