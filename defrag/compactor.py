@@ -344,6 +344,9 @@ def _convey(core: Core, mover: Mover, scope: Scope, engine: str, verify: bool, r
             budget = _page_budget(core, automatic)
             if budget < 1:
                 return
+            P = core.page_size
+            if not any(b.size >= P and b.region is region for b in core.blocks()):
+                continue  # nothing to convey: skip holding every block of the region
             layout = _collect(core, mover, region, scope, large_only=True)
             try:
                 if not layout.held:
