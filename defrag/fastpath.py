@@ -154,8 +154,9 @@ def status() -> str:
 class FastPath:
     """One pool's fast path: the core's kept ranges (`Core.kept`) and its front (`Core.front`).
 
-    `cpp` is the C++ object (`empty`, `put`, `take`, `take_all`,
-    `kept_count`, `collect`, `close`, `enabled`, `hits`, `misses`).
+    `cpp` is the C++ object (`empty`, `storage`, `put`, `take`, `take_all`,
+    `kept_count`, `collect`, `collect_released`, `queue_python`, `close`,
+    `live`, `enabled`, `hits`, `misses`).
     `make_info(dtype, shape, storage_ref)` builds the face's `Block.info` for
     a block made in C++. Guarantees after `sync(core)`: the core holds a
     Block for every live block made since the previous sync, its counters
