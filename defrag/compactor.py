@@ -159,6 +159,17 @@ def default_engine(kind: str) -> str:
     return {"cuda": "kernel", "emulated": "memmove"}.get(kind, "driver")
 
 
+def progress_bar(total_bytes: int, progress: bool | None, desc: str, *, large: bool):
+    """A tqdm bar over `total_bytes`: shown when `progress` is True, or when it is None and the work is
+    `large`; otherwise disabled, so that its `update` and `close` cost nothing. Asked for explicitly,
+    the finished bar stays on screen; automatic ones vanish."""
+    from tqdm.auto import tqdm
+
+    show = bool(progress) or (progress is None and large)
+    return tqdm(total=total_bytes, unit="B", unit_scale=True, unit_divisor=1024, desc=desc, leave=bool(progress),
+                disable=not show)
+
+
 class PhaseTimer:
     """`with PhaseTimer(report.phases, "copy"):` adds the block's wall time to `phases["copy"]`."""
 
@@ -240,25 +251,19 @@ def compact_core(core: Core, mover: Mover, *, verify: bool = False, progress: bo
 
     total_bytes = sum(p.moved_bytes for _, p, _ in plans)
     total_moves = sum(len(p) for _, p, _ in plans)
-    bar = None
-    if progress or (progress is None and (total_bytes > PROGRESS_BYTES or total_moves > PROGRESS_MOVES)):
-        from tqdm.auto import tqdm
-        # Asked for explicitly, the finished bar stays on screen; automatic ones vanish.
-        bar = tqdm(total=total_bytes, unit="B", unit_scale=True, unit_divisor=1024, desc="defrag compact",
-                   leave=bool(progress))
+    bar = progress_bar(total_bytes, progress, "defrag compact",
+                       large=total_bytes > PROGRESS_BYTES or total_moves > PROGRESS_MOVES)
     try:
         for region, plan, layout in plans:
             for a, b in plan.wave_slices():
                 _run_wave(core, mover, region, plan, a, b, layout, engine, verify, report)
                 report.waves += 1
-                if bar is not None:
-                    bar.update(int(plan.size[a:b].sum()))
+                bar.update(int(plan.size[a:b].sum()))
             layout.held.clear()
     finally:
         for _, _, layout in plans:
             layout.held.clear()  # strong references to the owners end here, error or not
-        if bar is not None:
-            bar.close()
+        bar.close()
         _finish(core, report, t_start, automatic, release, books)
     for callback in list(callbacks):
         try:

@@ -52,7 +52,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .compactor import PROGRESS_BYTES, Mover, PhaseTimer, move_blocks
+from .compactor import PROGRESS_BYTES, Mover, PhaseTimer, move_blocks, progress_bar
 from .core import Block, Core, Scope
 from .errors import CudaError, NotSupportedError, PoolClosedError, ResidencyError
 from .units import format_bytes
@@ -143,13 +143,6 @@ def _release_quietly(driver, handles: list[int]) -> list[int]:
     return kept
 
 
-def _bar(total: int, progress: bool | None, desc: str):
-    if progress or (progress is None and total > PROGRESS_BYTES):
-        from tqdm.auto import tqdm
-        return tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc=desc, leave=bool(progress))
-    return None
-
-
 def _peak(core: Core, key: str, value: int) -> None:
     if value > core.peaks[key]:
         core.peaks[key] = value
@@ -204,7 +197,7 @@ def sleep(core: Core, *, discard=(), progress: bool | None = None) -> ResidencyR
              for p in np.flatnonzero((region.handles != 0) & (region.backing == DEVICE))]
     unmapped: list[tuple[Region, int, int]] = []  # (region, page, handle): the handle keeps the bytes until released
     buffer, saved = 0, []
-    bar = _bar(total, progress, "defrag sleep")
+    bar = progress_bar(total, progress, "defrag sleep", large=total > PROGRESS_BYTES)
     try:
         with Transaction() as txn:
             # 2. Copy out, into one pinned host buffer.
@@ -217,8 +210,7 @@ def sleep(core: Core, *, discard=(), progress: bool | None = None) -> ResidencyR
                     driver.copy_to_host(buffer + offset, b.address, b.size)
                     saved.append((b.address, b.size, offset))
                     offset += b.size
-                    if bar is not None:
-                        bar.update(b.size)
+                    bar.update(b.size)
                 driver.synchronize()
             # 3. Unmap every device page; undone by mapping the same handle again.
             with PhaseTimer(report.phases, "unmap"):
@@ -232,8 +224,7 @@ def sleep(core: Core, *, discard=(), progress: bool | None = None) -> ResidencyR
                     space.asleep += 1
                     unmapped.append((region, page, handle))
     finally:
-        if bar is not None:
-            bar.close()
+        bar.close()
     space.sleeping = True
     res.buffer, res.saved, res.discarded = buffer, saved, [(b.address, b.size) for b in lost]
     # 4. Release the handles (the bytes are in the host buffer now).
@@ -291,7 +282,7 @@ def wake(core: Core, *, progress: bool | None = None) -> ResidencyReport:
     report = ResidencyReport("wake", page_size=P)
     t0 = time.perf_counter()
     total = sum(size for _, size, _ in res.saved)
-    bar = _bar(total, progress, "defrag wake")
+    bar = progress_bar(total, progress, "defrag wake", large=total > PROGRESS_BYTES)
     try:
         with Transaction() as txn:
             # 1. Map device pages (from the store: cached first, then new) where the pool slept.
@@ -310,8 +301,7 @@ def wake(core: Core, *, progress: bool | None = None) -> ResidencyReport:
             with PhaseTimer(report.phases, "copy"):
                 for address, size, offset in res.saved:
                     driver.copy_from_host(address, res.buffer + offset, size)
-                    if bar is not None:
-                        bar.update(size)
+                    bar.update(size)
                 for address, size in res.discarded:
                     driver.memset(address, 0, size)
                 driver.synchronize()
@@ -328,8 +318,7 @@ def wake(core: Core, *, progress: bool | None = None) -> ResidencyReport:
                          f"(after freeing device memory if the device was full)")
         raise
     finally:
-        if bar is not None:
-            bar.close()
+        bar.close()
     report.tensors = len(res.saved) + len(res.discarded)
     report.copied_bytes = total
     report.discarded_bytes = sum(size for _, size in res.discarded)
@@ -609,7 +598,7 @@ def offload(core: Core, mover: Mover, blocks, *, keep, scope: Scope | None = Non
                 if any(p in pages for p in range(first, end)):  # packing guarantees this never happens
                     raise ResidencyError("offload: packing left a cold tensor sharing a page; nothing was offloaded")
     total = sum(len(p) for p in touched.values()) * P
-    bar = _bar(total, progress, "defrag offload")
+    bar = progress_bar(total, progress, "defrag offload", large=total > PROGRESS_BYTES)
     olds: list[int] = []
     try:
         with Transaction() as txn:
@@ -628,11 +617,9 @@ def offload(core: Core, mover: Mover, blocks, *, keep, scope: Scope | None = Non
                     # Undone newest first: the swap (new handles unmapped), the scratch, then `hosts` released.
                     olds += _rebacking(core, region, pages, list(hosts), HOST, txn)
                 report.pages += len(pages)
-                if bar is not None:
-                    bar.update(len(pages) * P)
+                bar.update(len(pages) * P)
     finally:
-        if bar is not None:
-            bar.close()
+        bar.close()
     for b in cold:
         b.offloaded = True
         res.holds[b.address] = keep(b)
@@ -692,7 +679,7 @@ def reload(core: Core, blocks=None, *, progress: bool | None = None) -> Residenc
                 f"{space.store.available + len(donors)} are free in the pool: free or offload other tensors "
                 f"first; nothing was reloaded")
         core.unmap_empty(donors[:short])
-    bar = _bar(need * P, progress, "defrag reload")
+    bar = progress_bar(need * P, progress, "defrag reload", large=need * P > PROGRESS_BYTES)
     olds: list[int] = []
     back: list[Block] = []
     try:
@@ -705,11 +692,9 @@ def reload(core: Core, blocks=None, *, progress: bool | None = None) -> Residenc
                     handles = space.store.take(len(pages), txn)
                     olds += _rebacking(core, region, pages, list(handles), DEVICE, txn)
                 report.pages += len(pages)
-                if bar is not None:
-                    bar.update(len(pages) * P)
+                bar.update(len(pages) * P)
     finally:
-        if bar is not None:
-            bar.close()
+        bar.close()
     # Committed: the fillers go, the blocks on those pages are device-resident and movable again.
     for index, pages in touched.items():
         for page in pages:
