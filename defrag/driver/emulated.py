@@ -574,22 +574,20 @@ class EmulatedCuda:
 
     def cuMemcpyDtoH(self, dstHost, srcDevice, ByteCount):
         self._count("cuMemcpyDtoH")
-        dst, src, nbytes = int(dstHost), int(srcDevice), int(ByteCount)
-        if nbytes == 0:
-            return (R.CUDA_SUCCESS,)
-        with self._lock:
-            if nbytes < 0 or not self._accessible(src, nbytes, False) or not self._in_pinned(dst, nbytes):
-                return (R.CUDA_ERROR_INVALID_VALUE,)
-            self._host_copy(dst, src, nbytes)
-            return (R.CUDA_SUCCESS,)
+        return self._pinned_copy(int(dstHost), int(srcDevice), int(ByteCount), to_device=False)
 
     def cuMemcpyHtoD(self, dstDevice, srcHost, ByteCount):
         self._count("cuMemcpyHtoD")
-        dst, src, nbytes = int(dstDevice), int(srcHost), int(ByteCount)
+        return self._pinned_copy(int(dstDevice), int(srcHost), int(ByteCount), to_device=True)
+
+    def _pinned_copy(self, dst: int, src: int, nbytes: int, *, to_device: bool):
+        """A copy between device memory and a pinned host buffer: the device end must be mapped with
+        read (DtoH) or write (HtoD) access, the host end inside one pinned buffer."""
         if nbytes == 0:
             return (R.CUDA_SUCCESS,)
+        device, host = (dst, src) if to_device else (src, dst)
         with self._lock:
-            if nbytes < 0 or not self._accessible(dst, nbytes, True) or not self._in_pinned(src, nbytes):
+            if nbytes < 0 or not self._accessible(device, nbytes, to_device) or not self._in_pinned(host, nbytes):
                 return (R.CUDA_ERROR_INVALID_VALUE,)
             self._host_copy(dst, src, nbytes)
             return (R.CUDA_SUCCESS,)
