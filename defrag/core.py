@@ -121,7 +121,7 @@ class KeptRanges:
     """Freed ranges kept carved per rounded size for the next request of that size (see `Core.free`).
 
     Entries are (region index, address), last in first out. A face's fast
-    path (`defrag.fastpath.FastPath`) implements the same four methods.
+    path's C++ object (`defrag/fastpath.cpp`) implements the same four methods.
     """
 
     __slots__ = ("_by_size", "_count")

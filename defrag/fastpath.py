@@ -152,11 +152,12 @@ def status() -> str:
 
 
 class FastPath:
-    """One pool's fast path: the core's kept ranges (`Core.kept`) and its front (`Core.front`).
+    """One pool's fast path as the core's front (`Core.front`).
 
     `cpp` is the C++ object (`empty`, `storage`, `put`, `take`, `take_all`,
     `kept_count`, `collect`, `collect_released`, `queue_python`, `close`,
-    `live`, `enabled`, `hits`, `misses`).
+    `live`, `enabled`, `hits`, `misses`); it is also the core's kept ranges
+    (`Core.kept`: the four methods of `core.KeptRanges`).
     `make_info(dtype, shape, storage_ref)` builds the face's `Block.info` for
     a block made in C++. Guarantees after `sync(core)`: the core holds a
     Block for every live block made since the previous sync, its counters
@@ -171,19 +172,6 @@ class FastPath:
         self.make_info = make_info
         self._by_serial: dict[int, Block] = {}  # blocks made in C++ that the core has seen, until released
         self._by_token: dict[int, Block] = {}  # blocks of the Python path released, until synced
-
-    # -- kept ranges (Core.kept's protocol)
-    def put(self, size: int, region: int, address: int) -> None:
-        self.cpp.put(size, region, address)
-
-    def take(self, size: int):
-        return self.cpp.take(size)
-
-    def take_all(self) -> list:
-        return self.cpp.take_all()
-
-    def kept_count(self) -> int:
-        return self.cpp.kept_count()
 
     def storage_over(self, block: Block):
         """A torch UntypedStorage over `block` whose death queues the block's release (the face's

@@ -346,8 +346,8 @@ class Pool:
             return TensorInfo(dtype, shape, storage_ref, "empty", alloc_stream=alloc_stream)
 
         self.core.flush_reuse()  # what the Python path kept goes back to the heap first
-        front = fastpath.FastPath(cpp, make_info)
-        self.core.kept = self.core.front = front
+        self.core.kept = cpp  # the C++ object holds the kept ranges (KeptRanges' four methods)
+        self.core.front = fastpath.FastPath(cpp, make_info)
         self._fast = cpp
         self._update_fast()
 
