@@ -47,6 +47,7 @@
 #include <memory>
 #include <mutex>
 #include <unordered_map>
+#include <tuple>
 #include <utility>
 #include <vector>
 
@@ -82,6 +83,7 @@ struct Slot {
   int8_t dtype = 0;
   int8_t ndim = 0;
   bool collected = false;
+  bool counted = false;  // in the allocation counters (only once its tensor exists)
   uint64_t serial = 0;
   PyObject* owner = nullptr;  // strong: the owner thread's weakref (defrag.threads.owner_ref())
   c10::weak_intrusive_ptr<c10::StorageImpl> storage{c10::intrusive_ptr<c10::StorageImpl>()};
@@ -133,8 +135,10 @@ void release_slot(void* ctx) noexcept {
       } else {
         st->queue.push_back(Entry{2, 0, slot->size, slot->region, slot->address});
       }
-      st->frees += 1;
-      st->allocated -= slot->size;
+      if (slot->counted) {
+        st->frees += 1;
+        st->allocated -= slot->size;
+      }
       if (slot->owner != nullptr) st->garbage.push_back(slot->owner);
       slot->owner = nullptr;
     }
@@ -234,25 +238,33 @@ class FastPath {
     drop_garbage();
     int64_t size = (nbytes + kAlignment - 1) / kAlignment * kAlignment;
 
-    std::pair<int32_t, uintptr_t> where;
-    {
-      std::lock_guard<std::mutex> guard(st_->mu);
-      if (!st_->queue.empty()) return miss();  // Python applies those releases first (Pool._refill)
-      auto it = st_->kept.find(size);
-      if (it == st_->kept.end() || it->second.empty()) return miss();
-      where = it->second.back();
-      it->second.pop_back();
-      st_->kept_count -= 1;
-    }
     auto* slot = new Slot();
     slot->state = st_;
-    slot->address = where.second;
-    slot->region = where.first;
     slot->size = size;
     slot->nbytes = nbytes;
     slot->dtype = static_cast<int8_t>(st_index);
     slot->ndim = static_cast<int8_t>(ndim);
     slot->shape = shape;
+    {
+      std::lock_guard<std::mutex> guard(st_->mu);
+      auto it = st_->kept.find(size);
+      // Queued releases first (Python applies them: Pool._refill); then a kept range of the size.
+      if (!st_->queue.empty() || it == st_->kept.end() || it->second.empty()) {
+        delete slot;
+        return miss();
+      }
+      std::tie(slot->region, slot->address) = it->second.back();
+      it->second.pop_back();
+      st_->kept_count -= 1;
+      // Linked (and holding the pool) before the tensor exists: if making it throws, the
+      // deleter that torch then runs puts the range back like any release of an uncounted block.
+      slot->serial = st_->next_serial++;
+      slot->prev = st_->fresh.prev;
+      slot->next = &st_->fresh;
+      st_->fresh.prev->next = slot;
+      st_->fresh.prev = slot;
+      if (st_->live++ == 0) Py_INCREF(st_->pool);  // the pool lives while a block made here does
+    }
     at::Tensor tensor;
     try {
       std::array<int64_t, kMaxDims> strides{};
@@ -261,38 +273,24 @@ class FastPath {
         strides[d] = stride;
         stride *= shape[d] > 1 ? shape[d] : 1;
       }
-      tensor = at::for_blob(reinterpret_cast<void*>(where.second), c10::IntArrayRef(shape.data(), ndim))
+      tensor = at::for_blob(reinterpret_cast<void*>(slot->address), c10::IntArrayRef(shape.data(), ndim))
                    .strides(c10::IntArrayRef(strides.data(), ndim))
                    .context(slot, &release_slot)
                    .options(at::TensorOptions().dtype(stype).device(device_))
                    .target_device(device_)
                    .make_tensor();
-      slot->storage = c10::weak_intrusive_ptr<c10::StorageImpl>(tensor.storage().getWeakStorageImpl());
     } catch (...) {
-      // Nothing was handed out: the range goes back where it was.
-      if (tensor.defined()) {
-        // The storage owns the slot now; unreachable in practice (getWeakStorageImpl does not throw).
-        std::terminate();
-      }
-      delete slot;
-      std::lock_guard<std::mutex> guard(st_->mu);
-      st_->kept[size].push_back(where);
-      st_->kept_count += 1;
-      return miss();
+      return miss();  // the slot is gone with the context torch dropped (release_slot ran)
     }
+    slot->storage = c10::weak_intrusive_ptr<c10::StorageImpl>(tensor.storage().getWeakStorageImpl());
     Py_INCREF(owner);
-    slot->owner = owner;
     {
       std::lock_guard<std::mutex> guard(st_->mu);
-      slot->serial = st_->next_serial++;
-      slot->prev = st_->fresh.prev;
-      slot->next = &st_->fresh;
-      st_->fresh.prev->next = slot;
-      st_->fresh.prev = slot;
+      slot->owner = owner;
+      slot->counted = true;
       st_->allocs += 1;
       st_->allocated += size;
       if (st_->allocated > st_->peak) st_->peak = st_->allocated;
-      if (st_->live++ == 0) Py_INCREF(st_->pool);  // the pool lives while a block made here does
     }
     hits += 1;
     return py::reinterpret_steal<py::object>(THPVariable_Wrap(std::move(tensor)));
