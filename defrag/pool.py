@@ -325,8 +325,9 @@ class Pool:
 
     def _attach_fast(self) -> None:
         """Hand the kept ranges to the C++ fast path and let it serve `empty` (gate held)."""
-        if not self._can_swap or self.core.closed:
-            return  # "rebind" mode must know every tensor it made; a closed pool makes none
+        if not self._can_swap:
+            self._fast_wanted = False  # "rebind" mode must know every tensor it made: never, and not asked again
+            return
         if fastpath.poll() is None:
             return  # its build failed or is unavailable: the Python path, and doctor says why
         try:
