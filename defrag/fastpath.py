@@ -139,7 +139,8 @@ def wait(timeout: float | None = None, *, build: bool = True):
 
 
 def status() -> str:
-    """"ready", "off", "building", "not started" or "unavailable: <why>"."""
+    """"ready", "off", "building", "built, not loaded yet" (a pool loads it at its next call),
+    "not started" or "unavailable: <why>"."""
     if module is not None:
         return "ready"
     if setting() == "off":
