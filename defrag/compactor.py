@@ -144,6 +144,10 @@ class Mover(Protocol):
     - `commit(old, new, held, dest)`: the owner now uses `new`'s memory; the
       face releases `old` later (when nothing can use it any more). Must not
       fail.
+    - `lets_go()`: whether, once the compaction drops the holds and the
+      destinations of a committed wave, nothing can use the old ranges any
+      more (the compaction then frees them at once, in one batch, instead of
+      waiting for their releases one by one).
     """
 
     def stream(self) -> int: ...
@@ -152,6 +156,7 @@ class Mover(Protocol):
     def destination(self, block): ...
     def check(self, old, held, dest) -> bool: ...
     def commit(self, old, new, held, dest) -> None: ...
+    def lets_go(self) -> bool: ...
 
 
 def default_engine(kind: str) -> str:
@@ -429,35 +434,43 @@ def _run_wave(core: Core, mover: Mover, region, plan: ArrayPlan, a: int, b: int,
     offsets = plan.dst[a:b].tolist()
     dsts = [base + d for d in offsets]
     dests = []  # (old Block, new Block, the face's hold on old's owner, the face's destination)
-    carved = []  # the destination Blocks made so far
+    carved = []  # the destination Blocks, once carved
     with Transaction() as txn:
-        # 1. prepare: map destination pages, carve destination ranges, make the face's destinations.
+        # 1. prepare: map destination pages, take the destination ranges from the heap.
         with PhaseTimer(phases, "prepare"):
             dest_pages = {p for d, old in zip(offsets, olds) for p in range(d // P, (d + old.size - 1) // P + 1)}
             to_map = sorted(p for p in dest_pages if not region.handles[p])
             _make_physical_room(core, region, dest_pages, len(to_map))
             core.map_pages(region, to_map, txn)
             heap.allocate_many_at([(dst, old.size) for old, dst in zip(olds, dsts)])  # one pass
-            # Undone last: whatever was taken from the heap but not carved into a block yet;
-            # before it, every carved block (one undo step for all: no closure per move).
+            # Undone last: whatever was taken from the heap but not carved into blocks.
             txn.on_rollback(lambda: heap.free_many(dsts[len(carved):]))
+        # 2. copy (whole blocks, 512-byte multiples: 16-byte aligned for the kernel, and the rounding
+        # stays inside each block), carve the destination blocks and make the face's destinations,
+        # then wait for the copy. On a GPU the copy is queued on the stream first and runs while the
+        # host carves; elsewhere it runs after the carving, on caches the carving left warm.
+        moves = [(old.address, dst, old.size) for old, dst in zip(olds, dsts)]
+        overlap = core.kind == "cuda"
+        if overlap:
+            with PhaseTimer(phases, "copy"):
+                _copy(core, mover, engine, moves)
+            # Undo steps run newest first: the carved blocks' undo (books only) runs before this one,
+            # the heap's and the pages' after it, so nothing is unmapped under a running copy.
+            txn.on_rollback(core.driver.synchronize)
+        with PhaseTimer(phases, "prepare"):
+            carved.extend(core.carve_moving(region, dsts, olds))
             txn.on_rollback(_free_blocks, core, carved)
-            carve, destination = core.carve, mover.destination
-            for old, dst in zip(olds, dsts):
-                new = carve(region, dst, old.size, old.nbytes, counted=False)
-                carved.append(new)
-                # Retired until the commit: not live, not counted. If the wave is
-                # abandoned the face's destination goes, and with it `new`.
-                new.retired = True
-                dests.append((old, new, held.pop(old.address), destination(new)))
+            lets_go = mover.lets_go()
+            if lets_go:
+                core.vacate(region, olds, txn)  # the old ranges' books, before the copy (see `vacate`)
+            # If the wave is abandoned the face's destinations go, and with them their blocks.
             txn.on_rollback(dests.clear)
-
-        # 2. copy, then wait for it; 2b. verify.
-        moves = [(old.address, new.address, old.size) for old, new, _, _ in dests]
+            destination = mover.destination
+            for old, new in zip(olds, carved):
+                dests.append((old, new, held.pop(old.address), destination(new)))
         with PhaseTimer(phases, "copy"):
-            # Whole blocks (512-byte multiples): 16-byte aligned for the kernel, and
-            # the rounding stays inside each block.
-            _copy(core, mover, engine, moves)
+            if not overlap:
+                _copy(core, mover, engine, moves)
             core.driver.synchronize()
         if verify:
             with PhaseTimer(phases, "verify"):
@@ -485,9 +498,11 @@ def _run_wave(core: Core, mover: Mover, region, plan: ArrayPlan, a: int, b: int,
         report.moved_bytes += sum(old.nbytes for old in olds)
         # Loop variables would keep the last destination (and its old range) alive.
         del grip, dest
-    # 4. release: the face lets go of the old ranges (for torch: the temporaries die); drained now.
+    # 4. release: the face lets go of the old ranges (for torch: the temporaries die); freed now.
     with PhaseTimer(phases, "release"):
         dests.clear()
+        if lets_go:
+            core.forget_moved(olds)  # vacated before the copy; their queued releases find nothing to do
         core.drain()
         core.flush_reuse()  # later waves' destinations lie in what this one vacated
 

@@ -396,6 +396,66 @@ class Core:
             if delta < 0:
                 self._empty += int((window == 0).sum())
 
+    def _account_many(self, region: Region, addresses: list[int], sizes: list[int], delta: int) -> None:
+        """`_account` for many blocks of one region at once (a compaction wave's): one numpy pass."""
+        P = self.page_size
+        start = np.array(addresses, dtype=np.int64) - region.base
+        first = start // P
+        span = (start + np.array(sizes, dtype=np.int64) - 1) // P + 1 - first
+        if int(span.max()) == 1:
+            pages = first
+        else:  # every page of every block: first + 0, 1, ... span-1
+            pages = np.repeat(first, span) + (np.arange(int(span.sum())) - np.repeat(np.cumsum(span) - span, span))
+        touched, times = np.unique(pages, return_counts=True)
+        counts = self._live_count[region.index]
+        before = counts[touched]
+        after = before + delta * times
+        counts[touched] = after
+        # Blocks lie on mapped pages only: a page is empty exactly when its count is 0.
+        self._empty += int(np.count_nonzero(after == 0)) - int(np.count_nonzero(before == 0))
+
+    def carve_moving(self, region: Region, addresses: list[int], olds: list[Block]) -> list[Block]:
+        """Blocks over ranges the heap has just allocated for a compaction wave: one at each of
+        `addresses` per block of `olds` (same sizes and owner), retired and not counted until the
+        commit swaps it in (see `defrag.compactor`). One batch: all carved, or none (on an error)."""
+        blocks = [Block(address, old.size, old.nbytes, region, retired=True, counted=False, owner=old.owner)
+                  for address, old in zip(addresses, olds)]
+        if blocks:
+            self._account_many(region, addresses, [old.size for old in olds], +1)
+            self._blocks.update(zip(addresses, blocks))
+        return blocks
+
+    def vacate(self, region: Region, blocks: list[Block], txn: Transaction) -> None:
+        """Give the ranges of `blocks` (one region's, which a compaction wave is moving away) back to
+        the heap and take them off their pages now; undone by `txn`. The blocks stay recorded (and
+        their owners keep them) until `forget_moved`.
+
+        For a wave whose face lets go of the old ranges at the commit: its copy still reads them,
+        but nothing can allocate them before the gate is released, and all of this bookkeeping runs
+        before the copy (on the emulated device, the copy leaves the host's caches cold).
+        """
+        if not blocks:
+            return
+        addresses = [b.address for b in blocks]
+        sizes = [b.size for b in blocks]
+        heap = self._heaps[region.index]
+        heap.free_many(addresses)
+        txn.on_rollback(heap.allocate_many_at, list(zip(addresses, sizes)))
+        self._account_many(region, addresses, sizes, -1)
+        txn.on_rollback(self._account_many, region, addresses, sizes, +1)
+
+    def forget_moved(self, blocks: list[Block]) -> None:
+        """Drop the records of blocks `vacate` freed, once their wave committed (the gate is held).
+        Their releases, still queued, then find nothing to do (`drain` frees a block only while
+        the core still holds it)."""
+        history = self.history
+        for block in blocks:
+            if self._blocks.get(block.address) is block:
+                del self._blocks[block.address]
+                block.keepalive = None
+                if history is not None:
+                    history.block_freed(block)
+
     def carve(self, region: Region, address: int, size: int, nbytes: int, *, counted: bool = True) -> Block:
         """Record a block over a range the heap has just allocated."""
         block = Block(address, size, nbytes, region, counted=counted, owner=self.user())

@@ -45,6 +45,9 @@ class _KeyMover:
         self.dry._blocks[held[0]] = new
         self.dry.core.release(old)  # nothing can use it: a key has no in-flight work
 
+    def lets_go(self) -> bool:
+        return True  # a key has no in-flight work, and `commit` released the old block
+
 
 class DryPool:
     """A `defrag.Pool` without memory: the same core and compactor, blocks named by keys.

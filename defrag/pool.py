@@ -180,6 +180,11 @@ class _TorchMover:
         user = held[0]
         return user.nbytes() == dest.nbytes() and user.data_ptr() == old.address
 
+    def lets_go(self) -> bool:
+        # Swapped: the temporary `dest` owns each old range alone, and dies with the compaction's
+        # references. Rebind mode: the old storage dies only once every reference to it is gone.
+        return self.pool._can_swap
+
     def commit(self, old: Block, new: Block, held, dest) -> None:
         user, rebind = held
         if rebind is None:
