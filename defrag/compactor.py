@@ -426,7 +426,7 @@ def _run_wave(core: Core, mover: Mover, region, plan: ArrayPlan, a: int, b: int,
               report) -> None:
     """Moves [a, b) of `plan` (one wave): prepare, copy, (verify), commit, release. All-or-nothing before the commit."""
     phases = report.phases
-    heap = core.heap(region)
+    core.flush_reuse()  # destinations may lie in ranges kept for reuse
     P = core.page_size
     blocks, held, base = layout.blocks, layout.held, region.base
     # Plain ints from here on: one tolist per array instead of numpy arithmetic per step.
@@ -434,40 +434,35 @@ def _run_wave(core: Core, mover: Mover, region, plan: ArrayPlan, a: int, b: int,
     offsets = plan.dst[a:b].tolist()
     dsts = [base + d for d in offsets]
     dests = []  # (old Block, new Block, the face's hold on old's owner, the face's destination)
-    carved = []  # the destination Blocks, once carved
     with Transaction() as txn:
-        # 1. prepare: map destination pages, take the destination ranges from the heap.
+        # 1. prepare: map the destination pages. The copy needs no more: on a GPU it is queued on the
+        # stream now and runs while the host does the rest; elsewhere it runs after it, on caches the
+        # rest left warm. (Whole blocks, 512-byte multiples: 16-byte aligned for the kernel, and the
+        # rounding stays inside each block.)
         with PhaseTimer(phases, "prepare"):
             dest_pages = {p for d, old in zip(offsets, olds) for p in range(d // P, (d + old.size - 1) // P + 1)}
             to_map = sorted(p for p in dest_pages if not region.handles[p])
             _make_physical_room(core, region, dest_pages, len(to_map))
             core.map_pages(region, to_map, txn)
-            heap.allocate_many_at([(dst, old.size) for old, dst in zip(olds, dsts)])  # one pass
-            # Undone last: whatever was taken from the heap but not carved into blocks.
-            txn.on_rollback(lambda: heap.free_many(dsts[len(carved):]))
-        # 2. copy (whole blocks, 512-byte multiples: 16-byte aligned for the kernel, and the rounding
-        # stays inside each block), carve the destination blocks and make the face's destinations,
-        # then wait for the copy. On a GPU the copy is queued on the stream first and runs while the
-        # host carves; elsewhere it runs after the carving, on caches the carving left warm.
         moves = [(old.address, dst, old.size) for old, dst in zip(olds, dsts)]
         overlap = core.kind == "cuda"
         if overlap:
             with PhaseTimer(phases, "copy"):
                 _copy(core, mover, engine, moves)
-            # Undo steps run newest first: the carved blocks' undo (books only) runs before this one,
-            # the heap's and the pages' after it, so nothing is unmapped under a running copy.
+            # Undo steps run newest first: the books' undo steps below run before this one, the
+            # pages' after it, so nothing is unmapped under a running copy.
             txn.on_rollback(core.driver.synchronize)
+        # 2. the books in one batch (destination blocks carved; the old ranges given back at once when
+        # the face lets go of them at the commit), and the face's destinations.
         with PhaseTimer(phases, "prepare"):
-            carved.extend(core.carve_moving(region, dsts, olds))
-            txn.on_rollback(_free_blocks, core, carved)
             lets_go = mover.lets_go()
-            if lets_go:
-                core.vacate(region, olds, txn)  # the old ranges' books, before the copy (see `vacate`)
+            carved = core.begin_moves(region, olds, dsts, txn, vacate=lets_go)
             # If the wave is abandoned the face's destinations go, and with them their blocks.
             txn.on_rollback(dests.clear)
             destination = mover.destination
             for old, new in zip(olds, carved):
                 dests.append((old, new, held.pop(old.address), destination(new)))
+        # 3. copy, wait for it; verify.
         with PhaseTimer(phases, "copy"):
             if not overlap:
                 _copy(core, mover, engine, moves)
@@ -483,7 +478,7 @@ def _run_wave(core: Core, mover: Mover, region, plan: ArrayPlan, a: int, b: int,
                 raise CompactionError(f"block at {old.address:#x} changed during compaction; nothing was moved")
         txn.commit()
 
-    # 3. commit: cannot fail (the face only exchanges fields).
+    # 4. commit: cannot fail (the face only exchanges fields).
     with PhaseTimer(phases, "swap"):
         history, commit = core.history, mover.commit
         for old, new, grip, dest in dests:
@@ -498,19 +493,13 @@ def _run_wave(core: Core, mover: Mover, region, plan: ArrayPlan, a: int, b: int,
         report.moved_bytes += sum(old.nbytes for old in olds)
         # Loop variables would keep the last destination (and its old range) alive.
         del grip, dest
-    # 4. release: the face lets go of the old ranges (for torch: the temporaries die); freed now.
+    # 5. release: the face lets go of the old ranges (for torch: the temporaries die); freed now.
     with PhaseTimer(phases, "release"):
         dests.clear()
         if lets_go:
             core.forget_moved(olds)  # vacated before the copy; their queued releases find nothing to do
         core.drain()
         core.flush_reuse()  # later waves' destinations lie in what this one vacated
-
-
-def _free_blocks(core: Core, blocks: list) -> None:
-    """Undo step: free `blocks` (carved, never used), newest first."""
-    for block in reversed(blocks):
-        core.free(block)
 
 
 def _make_physical_room(core: Core, region, dest_pages: set, needed: int) -> None:

@@ -396,8 +396,9 @@ class Core:
             if delta < 0:
                 self._empty += int((window == 0).sum())
 
-    def _account_many(self, region: Region, addresses: list[int], sizes: list[int], delta: int) -> None:
-        """`_account` for many blocks of one region at once (a compaction wave's): one numpy pass."""
+    def _account_many(self, region: Region, addresses: list[int], sizes: list[int], delta) -> None:
+        """`_account` for many blocks of one region at once (a compaction wave's): one numpy pass.
+        `delta`: +1 or -1 for every block, or a list of them (one per block)."""
         P = self.page_size
         start = np.array(addresses, dtype=np.int64) - region.base
         first = start // P
@@ -406,43 +407,57 @@ class Core:
             pages = first
         else:  # every page of every block: first + 0, 1, ... span-1
             pages = np.repeat(first, span) + (np.arange(int(span.sum())) - np.repeat(np.cumsum(span) - span, span))
-        touched, times = np.unique(pages, return_counts=True)
         counts = self._live_count[region.index]
+        if isinstance(delta, int):
+            touched, times = np.unique(pages, return_counts=True)
+            change = delta * times
+        else:  # one delta per block, for each of its pages
+            deltas = np.array(delta, dtype=np.int64)
+            if pages is not first:
+                deltas = np.repeat(deltas, span)
+            touched, where = np.unique(pages, return_inverse=True)
+            change = np.bincount(where, weights=deltas, minlength=touched.size).astype(np.int64)
         before = counts[touched]
-        after = before + delta * times
+        after = before + change
         counts[touched] = after
         # Blocks lie on mapped pages only: a page is empty exactly when its count is 0.
         self._empty += int(np.count_nonzero(after == 0)) - int(np.count_nonzero(before == 0))
 
-    def carve_moving(self, region: Region, addresses: list[int], olds: list[Block]) -> list[Block]:
-        """Blocks over ranges the heap has just allocated for a compaction wave: one at each of
-        `addresses` per block of `olds` (same sizes and owner), retired and not counted until the
-        commit swaps it in (see `defrag.compactor`). One batch: all carved, or none (on an error)."""
-        blocks = [Block(address, old.size, old.nbytes, region, retired=True, counted=False, owner=old.owner)
+    def begin_moves(self, region: Region, olds: list[Block], addresses: list[int], txn: Transaction, *,
+                    vacate: bool) -> list[Block]:
+        """The books of a compaction wave before its commit, in one batch, undone by `txn`: each block of
+        `olds` gets a destination block at the same index of `addresses` (taken from the heap, same
+        size and owner; retired and not counted until the commit swaps it in). With `vacate`, the
+        old ranges also go back to the heap and off their pages now; the old blocks stay recorded
+        (their owners still use them) until `forget_moved`.
+
+        Vacating early is for a wave whose face lets go of the old ranges at the commit: the
+        wave's copy still reads them, but nothing can allocate them before the gate is released,
+        and on the emulated device all of this runs before the copy leaves the host's caches cold.
+        """
+        heap = self._heaps[region.index]
+        sizes = [old.size for old in olds]
+        frees = [old.address for old in olds] if vacate else []
+        heap.exchange(frees, list(zip(addresses, sizes)))
+        txn.on_rollback(heap.exchange, addresses, list(zip(frees, sizes)))
+        blocks = [Block(address, old.size, old.nbytes, region, 0, True, False, False, old.owner)
                   for address, old in zip(addresses, olds)]
-        if blocks:
-            self._account_many(region, addresses, [old.size for old in olds], +1)
-            self._blocks.update(zip(addresses, blocks))
+        if vacate:
+            self._account_many(region, addresses + frees, sizes + sizes, [+1] * len(sizes) + [-1] * len(sizes))
+            txn.on_rollback(self._account_many, region, addresses + frees, sizes + sizes,
+                            [-1] * len(sizes) + [+1] * len(sizes))
+        else:
+            self._account_many(region, addresses, sizes, +1)
+            txn.on_rollback(self._account_many, region, addresses, sizes, -1)
+        self._blocks.update(zip(addresses, blocks))
+        txn.on_rollback(self._forget, blocks)
         return blocks
 
-    def vacate(self, region: Region, blocks: list[Block], txn: Transaction) -> None:
-        """Give the ranges of `blocks` (one region's, which a compaction wave is moving away) back to
-        the heap and take them off their pages now; undone by `txn`. The blocks stay recorded (and
-        their owners keep them) until `forget_moved`.
-
-        For a wave whose face lets go of the old ranges at the commit: its copy still reads them,
-        but nothing can allocate them before the gate is released, and all of this bookkeeping runs
-        before the copy (on the emulated device, the copy leaves the host's caches cold).
-        """
-        if not blocks:
-            return
-        addresses = [b.address for b in blocks]
-        sizes = [b.size for b in blocks]
-        heap = self._heaps[region.index]
-        heap.free_many(addresses)
-        txn.on_rollback(heap.allocate_many_at, list(zip(addresses, sizes)))
-        self._account_many(region, addresses, sizes, -1)
-        txn.on_rollback(self._account_many, region, addresses, sizes, +1)
+    def _forget(self, blocks: list[Block]) -> None:
+        """Undo step: drop the records of destination blocks that were never swapped in."""
+        for block in blocks:
+            if self._blocks.get(block.address) is block:
+                del self._blocks[block.address]
 
     def forget_moved(self, blocks: list[Block]) -> None:
         """Drop the records of blocks `vacate` freed, once their wave committed (the gate is held).

@@ -6,7 +6,8 @@ pages; it tells the heap which ranges are usable (`insert_free` when it maps,
 """
 from __future__ import annotations
 
-from operator import index, itemgetter
+from bisect import bisect_right
+from operator import add, eq, index, itemgetter
 
 from sortedcontainers import SortedDict, SortedList
 
@@ -189,7 +190,7 @@ class Heap:
     def _reset_free(self, ranges: list[tuple[int, int]]) -> None:
         """Rebuild the free-range index from sorted, disjoint, coalesced (offset, size) pairs."""
         self._free = SortedDict(ranges)
-        self._by_size = SortedList(map(_swapped, ranges))
+        self._by_size = SortedList(zip(map(_second, ranges), map(_first, ranges)))
         self._free_bytes = sum(map(_second, ranges))
 
     def allocate_many_at(self, ranges) -> None:
@@ -199,14 +200,27 @@ class Heap:
         range, or overlaps another. O(n + free ranges) when there are many;
         else one `allocate_at` each.
         """
-        todo = sorted(ranges)
-        sizes = list(map(_second, todo))
-        align = self.alignment
-        # Sizes the caller already rounded (a compaction's are block sizes) are checked in C;
-        # anything else goes through round_size, one by one.
-        if sizes and not (set(map(type, sizes)) == {int} and min(sizes) > 0 and not any(map(align.__rmod__, sizes))):
-            todo = sorted((offset, self.round_size(size)) for offset, size in todo)
-        if not self._bulk_pays(len(todo)):
+        self.exchange((), ranges)
+
+    def free_many(self, offsets) -> None:
+        """`free` every live block at `offsets`, coalescing, all or nothing (HeapError: nothing changed).
+
+        O(n + free ranges) when there are many; else one `free` each.
+        """
+        self.exchange(offsets, ())
+
+    def exchange(self, frees, takes) -> None:
+        """`allocate_many_at(takes)` then `free_many(frees)`, all or nothing, in one pass over the free
+        ranges (a compaction wave: its destinations taken, its old ranges given back).
+
+        Every range of `takes` must be free before the frees (none may use what
+        `frees` gives back). HeapError, with nothing changed, on any misuse
+        either call would refuse. O(n + free ranges) when there are many; else
+        one `allocate_at` and `free` each.
+        """
+        frees = self._checked_frees(frees)
+        todo = self._checked_takes(takes)
+        if not self._bulk_pays(len(todo) + len(frees)):
             done = []
             try:
                 for offset, size in todo:
@@ -215,20 +229,83 @@ class Heap:
                 for offset in done:
                     self.free(offset)
                 raise
+            for offset in frees:  # live, and not among the takes (each was free): cannot fail
+                self.free(offset)
             return
-        check, lengths = self._check_range, self._free
+        remaining = self._free_after_taking(todo) if todo else list(dict.items(self._free))
+        live = self._live
+        freed = list(zip(frees, map(live.__getitem__, frees)))
+        if frees and 8 * len(frees) < len(live) and not todo:
+            for offset in frees:
+                del live[offset]
+        elif frees:
+            # Rebuilding the live index once beats a SortedDict.pop (a list deletion and an index
+            # update) per block.
+            gone = set(frees)
+            self._live = live = SortedDict({o: s for o, s in dict.items(live) if o not in gone})
+        if todo:
+            # One SortedDict.update: it re-sorts once when the batch is large
+            # against the live blocks, else inserts one by one.
+            live.update(todo)
+        self._live_bytes += sum(map(_second, todo)) - sum(map(_second, freed))
+        if freed:
+            # Freed blocks and free ranges are disjoint, so their offsets differ:
+            # one sort (in C) orders them, one pass coalesces.
+            remaining = _coalesced(sorted(freed + remaining))
+        self._reset_free(remaining)
+
+    def _checked_frees(self, offsets) -> list[int]:
+        """`offsets` sorted, each a distinct live block (else HeapError)."""
+        offsets = sorted(offsets)
+        if not offsets:
+            return offsets
+        if len(set(offsets)) != len(offsets):
+            twice = next(a for a, b in zip(offsets, offsets[1:]) if a == b)
+            raise HeapError(f"block at offset {twice} freed twice")
+        live = self._live
+        if not all(map(live.__contains__, offsets)):
+            missing = next(o for o in offsets if o not in live)
+            raise HeapError(f"no live block at offset {missing} (unknown or already freed)")
+        return offsets
+
+    def _checked_takes(self, ranges) -> list[tuple[int, int]]:
+        """(offset, size) ranges sorted, sizes rounded (HeapError for a size that is not positive)."""
+        todo = sorted(ranges)
+        sizes = list(map(_second, todo))
+        align = self.alignment
+        # Sizes the caller already rounded (a compaction's are block sizes) are checked in C;
+        # anything else goes through round_size, one by one.
+        if sizes and not (set(map(type, sizes)) == {int} and min(sizes) > 0 and not any(map(align.__rmod__, sizes))):
+            todo = sorted((offset, self.round_size(size)) for offset, size in todo)
+        return todo
+
+    def _free_after_taking(self, todo: list[tuple[int, int]]) -> list[tuple[int, int]]:
+        """The free ranges left once the sorted `todo` ranges are taken; HeapError (nothing changed)
+        if one is misaligned, outside the span, not inside a free range, or overlaps another.
+
+        O(log n) per range taken plus one copy of the free ranges in C: ranges no take touches are
+        copied as they are.
+        """
+        check, align = self._check_range, self.alignment
         low, high = self.base, self.base + self.span
-        out, j, n = [], 0, len(todo)
+        starts = sorted(dict.keys(self._free))  # in C (the SortedDict's own key view yields in Python)
+        lengths = list(map(self._free.__getitem__, starts))
+        out = []
+        copied = 0  # free ranges before this index are in `out` or replaced by their remnants
+        j, n = 0, len(todo)
         prev_end = None
-        # Iterating the SortedDict's keys runs in C; its items view is a Python generator.
-        for start in self._free:
-            length = lengths[start]
-            end = start + length
+        while j < n:
+            i = bisect_right(starts, todo[j][0]) - 1
+            if i < copied:  # before the range the previous take ended in (overlaps it), or no range
+                check(*todo[j])  # names a misaligned range or one outside the span
+                raise HeapError(f"range {todo[j]} is not entirely free")
+            out += zip(starts[copied:i], lengths[copied:i])
+            start, end = starts[i], starts[i] + lengths[i]
             cursor = start
-            while j < n and todo[j][0] < end:
+            while j < n and todo[j][0] < end:  # every take inside this free range, in order
                 offset, size = todo[j]
                 if type(offset) is not int or offset % align or offset < low or offset + size > high:
-                    check(offset, size)  # the full check (raises naming the problem) only off the common case
+                    check(offset, size)
                 if offset < cursor or offset + size > end or (prev_end is not None and offset < prev_end):
                     raise HeapError(f"range ({offset}, {size}) is not entirely free")
                 if offset > cursor:
@@ -237,55 +314,9 @@ class Heap:
                 j += 1
             if cursor < end:
                 out.append((cursor, end - cursor))
-        if j < n:
-            raise HeapError(f"range {todo[j]} is not entirely free")
-        self._reset_free(out)
-        # One SortedDict.update: it re-sorts once when the batch is large
-        # against the live blocks, else inserts one by one.
-        self._live.update(todo)
-        self._live_bytes += sum(map(_second, todo))
-
-    def free_many(self, offsets) -> None:
-        """`free` every live block at `offsets`, coalescing, all or nothing (HeapError: nothing changed).
-
-        O(n + free ranges) when there are many; else one `free` each.
-        """
-        offsets = sorted(offsets)
-        if not offsets:
-            return
-        live, gone = self._live, set(offsets)
-        if len(gone) != len(offsets):
-            twice = next(a for a, b in zip(offsets, offsets[1:]) if a == b)
-            raise HeapError(f"block at offset {twice} freed twice")
-        if not all(map(live.__contains__, offsets)):
-            missing = next(o for o in offsets if o not in live)
-            raise HeapError(f"no live block at offset {missing} (unknown or already freed)")
-        if not self._bulk_pays(len(offsets)):
-            for offset in offsets:
-                self.free(offset)
-            return
-        freed = list(zip(offsets, map(live.__getitem__, offsets)))
-        if 8 * len(offsets) >= len(live):
-            # Rebuilding the live index once beats a SortedDict.pop (a list
-            # deletion and an index update) per block.
-            self._live = SortedDict({o: s for o, s in dict.items(live) if o not in gone})
-        else:
-            for offset in offsets:
-                del live[offset]
-        self._live_bytes -= sum(map(_second, freed))
-        # Freed blocks and free ranges are disjoint, so their offsets differ:
-        # one sort (in C) orders them, one pass coalesces.
-        ranges = sorted(freed + list(dict.items(self._free)))
-        out = []
-        cur, cur_size = ranges[0]
-        for offset, size in ranges[1:]:
-            if cur + cur_size == offset:
-                cur_size += size
-            else:
-                out.append((cur, cur_size))
-                cur, cur_size = offset, size
-        out.append((cur, cur_size))
-        self._reset_free(out)
+            copied = i + 1
+        out += zip(starts[copied:], lengths[copied:])
+        return out
 
     def block_size(self, offset: int) -> int:
         """Rounded size of the live block at `offset`; HeapError if there is none."""
@@ -377,7 +408,21 @@ class Heap:
             fail("byte counters do not add up")
 
 
+_first = itemgetter(0)
 _second = itemgetter(1)
+
+
+def _coalesced(ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """Sorted, disjoint (offset, size) ranges with every touching pair merged (the pairwise
+    comparisons run in C; Python loops over the merged ranges only)."""
+    starts = list(map(_first, ranges))
+    ends = list(map(add, starts, map(_second, ranges)))
+    breaks = [i for i, touching in enumerate(map(eq, ends, starts[1:]), 1) if not touching]
+    if len(breaks) == len(ranges) - 1:
+        return ranges
+    firsts = [0] + breaks
+    lasts = [i - 1 for i in breaks] + [len(ranges) - 1]
+    return [(starts[a], ends[b] - starts[a]) for a, b in zip(firsts, lasts)]
 
 
 def _swapped(pair: tuple[int, int]) -> tuple[int, int]:

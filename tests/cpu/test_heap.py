@@ -353,6 +353,12 @@ def test_batches_equal_one_call_per_block(seed):
     b.free_many(frees)
     assert snapshot(a) == snapshot(b)
     b.check_invariants()
+    for bulk in (True, False):  # both in one call, as a compaction wave does
+        c, _ = build()
+        c._bulk_pays = lambda n, bulk=bulk: bulk
+        c.exchange(frees, takes)
+        assert snapshot(a) == snapshot(c)
+        c.check_invariants()
 
 
 @pytest.mark.parametrize("bulk", [True, False])
@@ -368,5 +374,8 @@ def test_batch_misuse_raises_and_changes_nothing(bulk):
     expect_error(h, h.allocate_many_at, [(BASE + 10 * A + 1, A)])                  # misaligned
     expect_error(h, h.free_many, [x, x])                                          # twice
     expect_error(h, h.free_many, [x, BASE + 20 * A])                              # not live
+    expect_error(h, h.exchange, [x], [(x, A)])                                     # takes what it frees
+    expect_error(h, h.exchange, [BASE + 20 * A], [(BASE + 10 * A, A)])             # frees what is not live
+    expect_error(h, h.exchange, [x], [(BASE + 10 * A, A), (BASE + 10 * A, A)])     # takes one range twice
     h.free_many([x, y])
     assert h.free_ranges() == [(BASE, 64 * A)] and h.live_blocks() == []
