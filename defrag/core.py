@@ -596,6 +596,9 @@ class Core:
 
     def live_pages(self) -> int:
         """Pages that hold at least one block."""
+        space = self.space
+        if not space.host_mapped and not space.asleep:
+            return space.mapped - self._empty  # blocks lie on mapped pages only
         return int(sum(int((c > 0).sum()) for c in self._live_count))
 
     def untouched_pages(self, region: Region) -> np.ndarray:
@@ -913,7 +916,8 @@ class Core:
         """Whether a compaction of `scope` may move `block`, and why not.
 
         `can_rewrite(block) -> str` is the face's own verdict ("" when it can
-        rewrite the block's owner).
+        rewrite the block's owner). `defrag.compactor._collect` inlines the
+        common case (no flag set, the thread test passing at once): keep the two in step.
         """
         if block.pins:
             return False, "pinned"
@@ -1085,6 +1089,8 @@ class Core:
         assert self.space.mapped + len(self.space.store.cached) == self.space.store.total
         empty = sum(int(((r.handles != 0) & (c == 0)).sum()) for r, c in zip(self.space.regions, self._live_count))
         assert empty == self._empty, f"empty page count {self._empty} != {empty}"
+        live = sum(int((c > 0).sum()) for c in self._live_count)
+        assert live == self.live_pages(), f"live page count {self.live_pages()} != {live}"
 
     # ------------------------------------------------------------------ trim / close
     def trim(self) -> int:
