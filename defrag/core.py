@@ -408,18 +408,14 @@ class Core:
         else:  # every page of every block: first + 0, 1, ... span-1
             pages = np.repeat(first, span) + (np.arange(int(span.sum())) - np.repeat(np.cumsum(span) - span, span))
         counts = self._live_count[region.index]
+        touched = np.unique(pages)
+        before = counts[touched]
         if isinstance(delta, int):
-            touched, times = np.unique(pages, return_counts=True)
-            change = delta * times
+            np.add.at(counts, pages, delta)
         else:  # one delta per block, for each of its pages
             deltas = np.array(delta, dtype=np.int64)
-            if pages is not first:
-                deltas = np.repeat(deltas, span)
-            touched, where = np.unique(pages, return_inverse=True)
-            change = np.bincount(where, weights=deltas, minlength=touched.size).astype(np.int64)
-        before = counts[touched]
-        after = before + change
-        counts[touched] = after
+            np.add.at(counts, pages, deltas if pages is first else np.repeat(deltas, span))
+        after = counts[touched]
         # Blocks lie on mapped pages only: a page is empty exactly when its count is 0.
         self._empty += int(np.count_nonzero(after == 0)) - int(np.count_nonzero(before == 0))
 

@@ -284,34 +284,37 @@ class Heap:
         if one is misaligned, outside the span, not inside a free range, or overlaps another.
 
         O(log n) per range taken plus one copy of the free ranges in C: ranges no take touches are
-        copied as they are.
+        copied as they are. Types, alignment and bounds are checked for the whole batch in C first.
         """
-        check, align = self._check_range, self.alignment
-        low, high = self.base, self.base + self.span
+        offsets = list(map(_first, todo))
+        sizes = list(map(_second, todo))
+        align = self.alignment
+        if (set(map(type, offsets)) != {int} or any(map(align.__rmod__, offsets)) or offsets[0] < self.base
+                or max(map(add, offsets, sizes)) > self.base + self.span):
+            for offset, size in todo:
+                self._check_range(offset, size)  # raises, naming the first bad range
         starts = sorted(dict.keys(self._free))  # in C (the SortedDict's own key view yields in Python)
         lengths = list(map(self._free.__getitem__, starts))
         out = []
         copied = 0  # free ranges before this index are in `out` or replaced by their remnants
         j, n = 0, len(todo)
-        prev_end = None
         while j < n:
-            i = bisect_right(starts, todo[j][0]) - 1
+            i = bisect_right(starts, offsets[j]) - 1
             if i < copied:  # before the range the previous take ended in (overlaps it), or no range
-                check(*todo[j])  # names a misaligned range or one outside the span
                 raise HeapError(f"range {todo[j]} is not entirely free")
             out += zip(starts[copied:i], lengths[copied:i])
-            start, end = starts[i], starts[i] + lengths[i]
-            cursor = start
-            while j < n and todo[j][0] < end:  # every take inside this free range, in order
-                offset, size = todo[j]
-                if type(offset) is not int or offset % align or offset < low or offset + size > high:
-                    check(offset, size)
-                if offset < cursor or offset + size > end or (prev_end is not None and offset < prev_end):
-                    raise HeapError(f"range ({offset}, {size}) is not entirely free")
+            cursor = starts[i]
+            end = cursor + lengths[i]
+            while j < n and offsets[j] < end:  # every take inside this free range, in order
+                offset = offsets[j]
+                if offset < cursor:  # overlaps the previous take
+                    raise HeapError(f"range {todo[j]} is not entirely free")
                 if offset > cursor:
                     out.append((cursor, offset - cursor))
-                cursor = prev_end = offset + size
+                cursor = offset + sizes[j]
                 j += 1
+            if cursor > end:  # the last take runs past its free range
+                raise HeapError(f"range {todo[j - 1]} is not entirely free")
             if cursor < end:
                 out.append((cursor, end - cursor))
             copied = i + 1
