@@ -11,7 +11,8 @@ returns. Two forms of the same planner:
   destination, so each wave is one contiguous slice
   (:meth:`ArrayPlan.wave_slices`). No Python object per block or per move.
   :func:`plan_hole_arrays` and :func:`validate_arrays` are the array forms of
-  :func:`plan_hole` and :func:`validate_plan`.
+  :func:`plan_hole` and :func:`validate_plan`. :func:`plan_window_arrays`
+  (array form only) evacuates a window for a request of a page or more.
 - Objects: :func:`plan_compaction` takes :class:`LiveBlock` values with any
   hashable keys and returns a :class:`Plan` of :class:`Move` values. It is a
   thin wrapper over :func:`plan_arrays` and makes exactly the same decisions
@@ -140,6 +141,7 @@ __all__ = [
     "plan_compaction",
     "plan_hole",
     "plan_hole_arrays",
+    "plan_window_arrays",
     "touched_pages",
     "validate_arrays",
     "validate_plan",
@@ -245,6 +247,9 @@ class ArrayPlan:
     moved_bytes: int
     #: ``max(forced pages, ceil(live / page))``; ``None`` when not computed.
     pages_lower_bound: int | None = None
+    #: ``(offset, length)`` of the free range a :func:`plan_window_arrays` plan leaves for a request
+    #: (its unmapped pages still to be mapped); ``None`` for every other plan.
+    hole: tuple[int, int] | None = None
 
     def __post_init__(self) -> None:
         n = None
@@ -267,8 +272,9 @@ class ArrayPlan:
         if not isinstance(other, ArrayPlan):
             return NotImplemented
         return all(np.array_equal(getattr(self, f), getattr(other, f)) for f in _MOVE_ARRAYS) and (
-            self.page_size, self.pages_before, self.pages_after, self.moved_bytes, self.pages_lower_bound
-        ) == (other.page_size, other.pages_before, other.pages_after, other.moved_bytes, other.pages_lower_bound)
+            self.page_size, self.pages_before, self.pages_after, self.moved_bytes, self.pages_lower_bound, self.hole
+        ) == (other.page_size, other.pages_before, other.pages_after, other.moved_bytes, other.pages_lower_bound,
+              other.hole)
 
     __hash__ = None  # type: ignore[assignment]
 
@@ -1386,7 +1392,10 @@ def validate_arrays(
 
 
 def _validate(lay: _Layout, plan: ArrayPlan, *, span: int, alignment: int,
-              name: Callable[[int], str] = _index_name) -> None:
+              name: Callable[[int], str] = _index_name, large_on_pages: bool = True) -> None:
+    """The checks of :func:`validate_arrays`. ``large_on_pages=False`` lets a block of a page or more land
+    off a page boundary (:func:`plan_window_arrays` puts such blocks into free page tails, as the pool's own
+    placement does)."""
     P = plan.page_size
     n = lay.off.size
     wv = plan.wave
@@ -1425,7 +1434,7 @@ def _validate(lay: _Layout, plan: ArrayPlan, *, span: int, alignment: int,
     d, sz = plan.dst, plan.size
     for j in np.flatnonzero((d < 0) | (d > span - sz) | (d % alignment != 0))[:1].tolist():
         raise PlanError(f"move of {name(int(plan.index[j]))} to {d[j]} is misaligned or outside [0, {span})")
-    for j in np.flatnonzero((sz >= P) & (d % P != 0))[:1].tolist():
+    for j in np.flatnonzero((sz >= P) & (d % P != 0) & large_on_pages)[:1].tolist():
         raise PlanError(f"block {name(int(plan.index[j]))} of {sz[j]} bytes must land on a page boundary, "
                         f"not {d[j]}")
     leave[mv] = wv
@@ -1591,3 +1600,208 @@ def plan_hole(blocks: Sequence[LiveBlock], free: Sequence[tuple[int, int]], size
     fs = np.fromiter((int(s) for _, s in free), np.int64, len(free))
     plan = plan_hole_arrays(off, sz, mov, fo, fs, size, page_size=page_size, span=span, alignment=alignment)
     return None if plan is None else plan.to_plan(keys)
+
+
+# --------------------------------------------------------------------------
+# A window evacuated for a request of a page or more
+# --------------------------------------------------------------------------
+
+#: :func:`plan_window_arrays` packs at most this many candidate windows (cheapest first) before giving up.
+WINDOW_TRIES = 64
+
+
+def plan_window_arrays(
+    offsets: np.ndarray, sizes: np.ndarray, movable: np.ndarray,
+    free_offsets: np.ndarray, free_sizes: np.ndarray, size: int, *,
+    page_size: int, span: int, mapped: np.ndarray, spare_pages: int, alignment: int = 512,
+) -> ArrayPlan | None:
+    """The cheapest evacuation (in bytes moved) of a window of ``size`` bytes, for a request of a page or more.
+
+    For a request that no placement serves after the automatic compaction:
+    every page but a few is needed, the free bytes lie in tails between
+    large blocks, and a contiguous free range needs the request to share a
+    page with a block that stays. Blocks, ``free_offsets``/``free_sizes``
+    (the heap's free ranges, in mapped pages) and offsets are as for
+    :func:`plan_hole_arrays`; ``mapped`` has one bool per page of the span;
+    ``spare_pages`` counts the physical pages to be had besides this
+    region's empty mapped pages (cached or creatable ones, empty pages of
+    other regions).
+
+    A window ``[w, w + size)`` qualifies when every byte of it is free,
+    unmapped or in a movable block, and its blocks fit, one by one (largest
+    first), into free ranges outside it: each where it touches the fewest
+    pages no block touches (starting at a free range's start, so it fills
+    the tail of a page; ending at its end; or on a page boundary), then in
+    the shortest range, then at the lowest address. After the moves its
+    unmapped pages must be backable: no more than ``spare_pages`` plus the
+    mapped pages outside it that no block touches then. Windows start where
+    a block or free range ends or at a page boundary, or end where a block
+    or free range starts or at a page boundary; the cheapest (bytes moved,
+    then unmapped pages, then address) of the first ``WINDOW_TRIES`` that
+    pass cheap bounds wins.
+
+    Returns an :class:`ArrayPlan` of one wave (destinations only in free
+    ranges: they overlap no source; blocks of a page or more may land off a
+    page boundary, in a free tail) whose ``hole`` is ``(w, size)``: after
+    the wave, the caller maps the window's unmapped pages (unmapping empty
+    pages outside it first) and the request fits there. The plan may move
+    nothing (the window is free but needs mapping). None when no window
+    qualifies. Does not chain waves, move blocks into unmapped pages, or
+    use space the moved blocks vacate.
+    """
+    off, bsize, mov = _layout_arrays(offsets, sizes, movable)
+    _check_geometry(page_size, span, alignment)
+    lay = _layout(off, bsize, mov, span=span, alignment=alignment)
+    fo, fs = _int_array(free_offsets, "free_offsets"), _int_array(free_sizes, "free_sizes")
+    if fo.size != fs.size:
+        raise PlanError(f"free_offsets and free_sizes differ in length ({fo.size}, {fs.size})")
+    P = page_size
+    npages = span // P
+    mapped = np.asarray(mapped, dtype=bool)
+    if mapped.shape != (npages,):
+        raise PlanError(f"mapped needs one entry per page of the span ({npages}), got shape {mapped.shape}")
+    size = int(size)
+    if size <= 0 or size % alignment:
+        raise PlanError(f"size {size} must be a positive multiple of alignment {alignment}")
+    if size > span:
+        return None
+    keep = fs > 0
+    fo, fs = fo[keep], fs[keep]
+    fe = fo + fs
+    o, z, m = lay.off, lay.size, lay.movable
+    e = o + z
+    bfirst, blast = o // P, (e - 1) // P
+    # Blocks touching each page (a difference array: no per-page expansion of large blocks).
+    depth = np.zeros(npages + 1, np.int64)
+    np.add.at(depth, bfirst, 1)
+    np.add.at(depth, blast + 1, -1)
+    count = np.cumsum(depth[:-1])
+    empty = mapped & (count == 0)
+    un_s, un_e = _page_runs(np.flatnonzero(~mapped), P)
+
+    # Runs of space that is free, unmapped or in a block (any block: unmovable ones are checked below).
+    s_all = np.concatenate((fo, un_s, o))
+    e_all = np.concatenate((fe, un_e, e))
+    order = np.argsort(s_all, kind="stable")
+    s_all, e_all = s_all[order], e_all[order]
+    if not s_all.size:
+        return None
+    reach = np.maximum.accumulate(e_all)
+    starts = np.flatnonzero(np.concatenate(([True], s_all[1:] > reach[:-1])))
+    run_s = s_all[starts]
+    run_e = reach[np.concatenate((starts[1:] - 1, [s_all.size - 1]))]
+
+    bounds = np.arange(npages + 1, dtype=np.int64) * P
+    cand = np.concatenate((e, fo, un_s, bounds, o - size, fe - size, un_e - size, bounds - size))
+    cand = np.unique(cand[(cand >= 0) & (cand <= span - size) & (cand % alignment == 0)])
+    ce = cand + size
+    r = np.searchsorted(run_s, cand, side="right") - 1
+    ok = (r >= 0) & (run_e[np.maximum(r, 0)] >= ce)
+    lo = np.searchsorted(e, cand, side="right")  # first block ending after the window's start
+    hi = np.searchsorted(o, ce, side="left")     # blocks before hi start before the window's end
+    cz = np.concatenate(([0], np.cumsum(z)))
+    cost = cz[hi] - cz[lo]
+    cfix = np.concatenate(([0], np.cumsum(~m)))
+    ok &= cfix[hi] == cfix[lo]
+    first, last = cand // P, (ce - 1) // P
+    cun = np.concatenate(([0], np.cumsum(~mapped)))
+    unmapped_in = cun[last + 1] - cun[first]
+    cem = np.concatenate(([0], np.cumsum(empty)))
+    empty_out = int(empty.sum()) - (cem[last + 1] - cem[first])
+    # Bounds: pages outside the window that its straddling blocks leave, and free bytes outside it.
+    has = hi > lo
+    left = np.where(has, np.maximum(first - bfirst[np.minimum(lo, max(o.size - 1, 0))], 0), 0) if o.size else 0
+    right = np.where(has, np.maximum(blast[np.maximum(hi - 1, 0)] - last, 0), 0) if o.size else 0
+    ok &= unmapped_in <= spare_pages + empty_out + left + right
+    cf = np.concatenate(([0], np.cumsum(fs)))
+    flo = np.searchsorted(fe, cand, side="right")
+    fhi = np.searchsorted(fo, ce, side="left")
+    inside = cf[fhi] - cf[flo]
+    fl = np.minimum(flo, max(fo.size - 1, 0))
+    fh = np.maximum(fhi - 1, 0)
+    if fo.size:
+        some = fhi > flo
+        inside = inside - np.where(some, np.maximum(cand - fo[fl], 0), 0) - np.where(some, np.maximum(fe[fh] - ce, 0), 0)
+    ok &= cost <= int(fs.sum()) - inside
+    good = np.flatnonzero(ok)
+    if not good.size:
+        return None
+    good = good[np.lexsort((cand[good], unmapped_in[good], cost[good]))][:WINDOW_TRIES]
+    for c in good.tolist():
+        w, a, b = int(cand[c]), int(lo[c]), int(hi[c])
+        dst = _pack_window(o, z, fo, fe, count, mapped, w, w + size, a, b, P)
+        if dst is None:
+            continue
+        # Pages outside the window that no block touches after the moves back its unmapped pages.
+        after = count.copy()
+        for i, d in zip(range(a, b), dst):
+            after[bfirst[i]:blast[i] + 1] -= 1
+            after[d // P:(d + int(z[i]) - 1) // P + 1] += 1
+        donors = mapped & (after == 0)
+        donors[first[c]:last[c] + 1] = False
+        if unmapped_in[c] > spare_pages + int(donors.sum()):
+            continue
+        return _window_plan(lay, np.arange(a, b, dtype=np.int64), np.array(dst, np.int64), (w, size), P,
+                            span, alignment)
+    return None
+
+
+def _pack_window(o, z, fo, fe, count, mapped, w0, w1, a, b, P) -> list[int] | None:
+    """Destinations (in block order a..b-1) for the blocks of window [w0, w1) in free ranges outside it, or None.
+
+    Largest first; each where it touches the fewest pages no block touches
+    (from a range's start, to its end, or from a page boundary), then the
+    shortest range, then the lowest address.
+    """
+    if a == b:
+        return []
+    ps = np.concatenate((fo, np.maximum(fo, w1)))
+    pe = np.concatenate((np.minimum(fe, w0), fe))
+    keep = pe > ps
+    ps, pe = ps[keep], pe[keep]
+    untouched = (count == 0).astype(np.int64)
+    dst = [0] * (b - a)
+    for i in sorted(range(a, b), key=lambda i: (-int(z[i]), int(o[i]))):
+        n = int(z[i])
+        fit = np.flatnonzero(pe - ps >= n)
+        if not fit.size:
+            return None
+        s, t = ps[fit], pe[fit]
+        aligned = -(-s // P) * P
+        opts = np.concatenate((s, t - n, aligned))
+        where = np.concatenate((fit, fit, fit))
+        valid = opts + n <= np.concatenate((t, t, t))
+        opts, where = opts[valid], where[valid]
+        cu = np.concatenate(([0], np.cumsum(untouched)))
+        new = cu[(opts + n - 1) // P + 1] - cu[opts // P]
+        k = int(np.lexsort((opts, pe[where] - ps[where], new))[0])
+        d, j = int(opts[k]), int(where[k])
+        dst[i - a] = d
+        untouched[d // P:(d + n - 1) // P + 1] = 0
+        # The range splits around the destination.
+        rest = [(x, y) for x, y in ((int(ps[j]), d), (d + n, int(pe[j]))) if y > x]
+        ps = np.concatenate((np.delete(ps, j), np.array([x for x, _ in rest], np.int64)))
+        pe = np.concatenate((np.delete(pe, j), np.array([y for _, y in rest], np.int64)))
+    return dst
+
+
+def _window_plan(lay: _Layout, idx: np.ndarray, dst: np.ndarray, hole: tuple[int, int], P: int, span: int,
+                 alignment: int) -> ArrayPlan:
+    """One wave moving sorted blocks ``idx`` to ``dst``, checked, with ``hole`` recorded."""
+    first, last = lay.off // P, (lay.off + lay.size - 1) // P
+    before = _page_union_count(first, last) if lay.off.size else 0
+    o = np.argsort(dst, kind="stable")
+    idx, dst = idx[o], dst[o]
+    first[idx], last[idx] = dst // P, (dst + lay.size[idx] - 1) // P
+    after = _page_union_count(first, last) if lay.off.size else 0  # it sorts what the moves unsorted
+    size = lay.size[idx]
+    plan = ArrayPlan(lay.inputs(idx), lay.off[idx], dst, size, np.ones(idx.size, np.int64), P, before, after,
+                     int(size.sum()), None, hole)
+    _validate(lay, plan, span=span, alignment=alignment, large_on_pages=False)
+    # The window holds no block once the wave has run.
+    w, n = hole
+    final = lay.off.copy()
+    final[idx] = dst
+    if ((final < w + n) & (final + lay.size > w)).any():
+        raise PlanError("plan_window_arrays: a block stays in the window")  # a bug, never a layout's fault
+    return plan

@@ -23,6 +23,7 @@ from defrag.planner import (
     plan_compaction,
     plan_hole,
     plan_hole_arrays,
+    plan_window_arrays,
     touched_pages,
     validate_arrays,
     validate_plan,
@@ -913,3 +914,136 @@ def test_conveyor_plans_are_safe(seed):
         assert all(zone[p] for p in range(d // P, (d + n - 1) // P + 1))
         assert all(d + n <= s or s + m <= d for s, m in srcs)
     assert plan.pages_after < plan.pages_before and plan.waves == 1
+
+
+# --------------------------------------------------------------------------
+# A window evacuated for a request of a page or more
+# --------------------------------------------------------------------------
+
+
+def _window(blocks, size, *, pages, mapped_pages, spare=0, page=2 << 20, movable=None):
+    """plan_window_arrays over (offset, size) blocks, the free ranges being the mapped space no block covers."""
+    span = pages * page
+    off = np.array([o for o, _ in blocks], np.int64)
+    sz = np.array([s for _, s in blocks], np.int64)
+    mov = np.ones(len(blocks), bool) if movable is None else np.array(movable, bool)
+    mapped = np.zeros(pages, bool)
+    mapped[list(mapped_pages)] = True
+    free = [(o, n) for o, n in free_ranges([LiveBlock(i, o, s, True) for i, (o, s) in enumerate(blocks)], span)]
+    # Free ranges lie in mapped pages: cut them at page granularity.
+    pieces = []
+    for o, n in free:
+        for p in range(o // page, (o + n - 1) // page + 1):
+            if mapped[p]:
+                a, b = max(o, p * page), min(o + n, (p + 1) * page)
+                if pieces and pieces[-1][0] + pieces[-1][1] == a:
+                    pieces[-1] = (pieces[-1][0], b - pieces[-1][0])
+                else:
+                    pieces.append((a, b - a))
+    fo = np.array([o for o, _ in pieces], np.int64)
+    fs = np.array([n for _, n in pieces], np.int64)
+    plan = plan_window_arrays(off, sz, mov, fo, fs, size, page_size=page, span=span, mapped=mapped,
+                              spare_pages=spare)
+    return plan, (off, sz, mov, fo, fs, mapped, span)
+
+
+def _check_window(plan, args, size, spare):
+    """The plan is safe (one wave, destinations in free ranges, final layout disjoint), its window is free
+    afterwards, and the window's unmapped pages can be backed."""
+    off, sz, mov, fo, fs, mapped, span = args
+    P = plan.page_size
+    planner._validate(planner._layout(off, sz, mov, span=span, alignment=A), plan, span=span, alignment=A,
+                      large_on_pages=False)
+    assert plan.waves <= 1 and mov[plan.index].all()
+    for d, n in zip(plan.dst.tolist(), plan.size.tolist()):
+        assert any(o <= d and d + n <= o + s for o, s in zip(fo.tolist(), fs.tolist())), "destination not free"
+    w, n = plan.hole
+    assert n == size and 0 <= w and w + n <= span
+    final = off.copy()
+    final[plan.index] = plan.dst
+    assert not ((final < w + n) & (final + sz > w)).any()
+    count = np.zeros(span // P, np.int64)
+    for o, s in zip(final.tolist(), sz.tolist()):
+        count[o // P:(o + s - 1) // P + 1] += 1
+    window = np.zeros(span // P, bool)
+    window[w // P:(w + n - 1) // P + 1] = True
+    donors = int((mapped & (count == 0) & ~window).sum())
+    assert int((window & ~mapped).sum()) <= spare + donors
+
+
+def test_plan_window_evacuates_the_only_window_that_can_hold_the_request():
+    """Pinned X [0, 1.5P) leaves a free tail; movable Y fills pages 2-3; pinned Q fills pages 4-7; pages 8-9
+    are mapped and empty; nothing else can be backed. A 2.5-page request fits only where X's tail, Y's
+    pages and nothing more meet: Y moves into the empty pages."""
+    P = 2 << 20
+    blocks = [(0, 3 * P // 2), (2 * P, 2 * P), (4 * P, 4 * P)]
+    size = 5 * P // 2
+    plan, args = _window(blocks, size, pages=16, mapped_pages=range(10), movable=[False, True, False])
+    assert plan.hole == (3 * P // 2, size)
+    assert plan.index.tolist() == [1] and plan.dst.tolist() == [8 * P] and plan.moved_bytes == 2 * P
+    assert (plan.pages_before, plan.pages_after) == (8, 8)
+    _check_window(plan, args, size, 0)
+    # One spare physical page: the free pages 8-9 and unmapped page 10 are a window that moves nothing.
+    plan, args = _window(blocks, size, pages=16, mapped_pages=range(10), spare=1, movable=[False, True, False])
+    assert plan.empty and plan.hole == (8 * P, size)
+    _check_window(plan, args, size, 1)
+
+
+def test_plan_window_puts_a_large_block_into_a_free_tail():
+    """Y (1.5 pages) must leave the window; in the free tail of a pinned block it touches one page no block
+    touches, on a page boundary two: with one empty page to spare, only the tail works."""
+    P = 2 << 20
+    # X [0, 1.5P) pinned, Y [2P, 3.5P) movable, Z [4P, 5.5P) pinned: tail [5.5P, 6P), page 6 empty.
+    blocks = [(0, 3 * P // 2), (2 * P, 3 * P // 2), (4 * P, 3 * P // 2)]
+    size = 5 * P // 2
+    plan, args = _window(blocks, size, pages=8, mapped_pages=range(7), movable=[False, True, False])
+    assert plan.hole == (3 * P // 2, size) and plan.dst.tolist() == [11 * P // 2]
+    _check_window(plan, args, size, 0)
+
+
+def test_plan_window_returns_none_when_no_window_can_be_emptied():
+    P = 2 << 20
+    blocks = [(0, 3 * P // 2), (2 * P, 2 * P), (4 * P, 4 * P)]
+    size = 5 * P // 2
+    # Y pinned too: nothing may move and no free window can be backed.
+    plan, _ = _window(blocks, size, pages=16, mapped_pages=range(10), movable=[False, False, False])
+    assert plan is None
+    # Y movable but only 1.5 pages free elsewhere: it fits nowhere.
+    plan, _ = _window(blocks, size, pages=10, mapped_pages=range(9), movable=[False, True, False])
+    assert plan is None
+    # Larger than the span.
+    plan, _ = _window(blocks, 11 * P, pages=10, mapped_pages=range(10), movable=[False, True, False])
+    assert plan is None
+    with pytest.raises(PlanError):
+        _window(blocks, size + 1, pages=16, mapped_pages=range(10))
+    with pytest.raises(PlanError, match="mapped"):
+        plan_window_arrays([0], [P], [True], [], [], P, page_size=P, span=4 * P, mapped=np.ones(3, bool),
+                           spare_pages=0)
+
+
+@pytest.mark.parametrize("seed", range(60))
+def test_plan_window_plans_are_safe(seed):
+    """Random layouts of mixed blocks (some pinned) over partly mapped pages: every plan is one safe wave
+    into free ranges and leaves its window free and backable."""
+    rng = np.random.default_rng(seed)
+    P = 64 * 1024
+    pages = 48
+    blocks, cursor = [], 0
+    while True:
+        n = int(rng.choice([P + 512 * int(rng.integers(1, 200)), 512 * int(rng.integers(1, 120))]))
+        if cursor + n > 46 * P:
+            break
+        if rng.random() < 0.85:
+            blocks.append((cursor, n))
+        cursor += n + 512 * int(rng.integers(0, 30))
+    touched = set()
+    for o, n in blocks:
+        touched.update(range(o // P, (o + n - 1) // P + 1))
+    mapped_pages = sorted(touched | {p for p in range(pages) if rng.random() < 0.1})
+    movable = (rng.random(len(blocks)) < 0.9).tolist()
+    size = int(P + 512 * int(rng.integers(0, 3 * P // 512)))
+    spare = int(rng.integers(0, 2))
+    plan, args = _window(blocks, size, pages=pages, mapped_pages=mapped_pages, spare=spare, page=P,
+                         movable=movable)
+    if plan is not None:
+        _check_window(plan, args, size, spare)
