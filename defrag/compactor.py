@@ -71,7 +71,7 @@ import numpy as np
 
 from .core import Core, NoSpace, Scope
 from .errors import CompactionError, CudaError
-from .planner import ArrayPlan, plan_arrays, plan_conveyor, plan_hole_arrays
+from .planner import ArrayPlan, plan_arrays, plan_conveyor, plan_hole_arrays, plan_window_arrays
 from .units import format_bytes
 from .vmm import Transaction
 
@@ -213,7 +213,9 @@ def compact_core(core: Core, mover: Mover, *, verify: bool = False, progress: bo
     they stay mapped and empty, free for any later request (which unmaps
     only what it must), saving the unmap/remap round trip.
     `hole_for=n` plans instead the single cheapest move that merges two free
-    ranges into one hole of at least n bytes (see `_hole_plan`). `scope`
+    ranges into one hole of at least n bytes, or for n of a page or more the
+    cheapest evacuation of a window of n bytes whose unmapped pages are then
+    mapped (see `_hole_plan`). `scope`
     (from `Core.scope`) says which threads' blocks may move: by default,
     what a compaction from the calling thread may move. `callbacks` are
     called with the report at the end (one that raises is logged, ignored).
@@ -280,6 +282,9 @@ def compact_core(core: Core, mover: Mover, *, verify: bool = False, progress: bo
                 report.waves += 1
                 bar.update(int(plan.size[a:b].sum()))
             layout.held.clear()
+            if plan.hole is not None:
+                with PhaseTimer(phases, "prepare"):
+                    _map_hole(core, region, plan.hole)
     finally:
         for _, _, layout in plans:
             layout.held.clear()  # strong references to the owners end here, error or not
@@ -390,12 +395,34 @@ def _convey(core: Core, mover: Mover, scope: Scope, engine: str, verify: bool, r
 
 
 def _hole_plan(core: Core, region, layout: "_Layout", size: int) -> ArrayPlan | None:
-    """`defrag.planner.plan_hole_arrays` over this region's free ranges."""
+    """`defrag.planner.plan_hole_arrays` over this region's free ranges; for `size` of a page or more,
+    `plan_window_arrays` (its window's unmapped pages are backed by cached or creatable pages and
+    by the empty mapped pages of the other regions and of this one)."""
     free = core.heap(region).free_ranges()
     free_off = np.fromiter((off - region.base for off, _ in free), dtype=np.int64, count=len(free))
     free_size = np.fromiter((sz for _, sz in free), dtype=np.int64, count=len(free))
+    if size >= core.page_size:
+        mapped = region.handles != 0
+        here = int((mapped & core.untouched_pages(region)).sum())
+        spare = core.free_physical_pages() - here
+        return plan_window_arrays(layout.offsets, layout.sizes, layout.movable, free_off, free_size, size,
+                                  page_size=core.page_size, span=region.size, mapped=mapped, spare_pages=spare)
     return plan_hole_arrays(layout.offsets, layout.sizes, layout.movable, free_off, free_size, size,
                             page_size=core.page_size, span=region.size)
+
+
+def _map_hole(core: Core, region, hole: tuple[int, int]) -> None:
+    """Map the unmapped pages of the window `hole` (region offset, length) that a window plan emptied,
+    unmapping empty pages outside it first (so mapped pages never exceed the capacity); CompactionError
+    (nothing mapped) when too few physical pages are free."""
+    P = core.page_size
+    pages = range(hole[0] // P, (hole[0] + hole[1] - 1) // P + 1)
+    to_map = [p for p in pages if not region.handles[p]]
+    if not to_map:
+        return
+    _make_physical_room(core, region, set(pages), len(to_map))
+    with Transaction() as txn:
+        core.map_pages(region, to_map, txn)
 
 
 @dataclass
@@ -647,22 +674,25 @@ def rescue(core: Core, mover: Mover, nbytes: int, tried: list[str], callbacks=()
         return core.place(nbytes)
     except NoSpace as exc:
         tried.append(f"placement after compaction ({exc})")
-    if size >= core.page_size:
-        return None
-    # Every page is needed, but the free bytes are split: merge two holes.
+    # Every page is needed, but the free bytes are split: merge two holes (a sub-page request), or
+    # evacuate a window that shares a page with a block that stays (a request of a page or more).
+    large = size >= core.page_size
+    what = ("window-evacuating", "evacuating a window") if large else ("hole-merging", "merging holes")
     core.flush_reuse()
-    if not any(_hole_plan(core, region, _collect(core, mover, region, scope), size) for region in core.regions):
-        tried.append("no single move merges free ranges into a large enough hole")
+    if all(_hole_plan(core, region, _collect(core, mover, region, scope), size) is None
+           for region in core.regions):
+        tried.append("no window can be evacuated into free space with its pages backed" if large
+                     else "no single move merges free ranges into a large enough hole")
         return None
     try:
         compact_core(core, mover, automatic=True, release=False, hole_for=size, scope=scope, callbacks=callbacks)
     except (CompactionError, CudaError) as exc:
-        tried.append(f"hole-merging compaction did not run or was rolled back ({exc})")
+        tried.append(f"{what[0]} compaction did not run or was rolled back ({exc})")
         return None
     try:
         return core.place(nbytes)
     except NoSpace as exc:
-        tried.append(f"placement after merging holes ({exc})")
+        tried.append(f"placement after {what[1]} ({exc})")
         return None
 
 

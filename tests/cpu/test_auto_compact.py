@@ -257,3 +257,71 @@ def test_split_free_bytes_are_merged_into_a_hole(make_pool):
     assert st_["compaction.moved_tensors"] == 1 and st_["pages.mapped"] == 16
     assert check_pattern(hole, -5) and all(check_pattern(t, s) for s, t in survivors.items())
     pool.check_invariants()
+
+
+def _window_layout(pool_alloc, free, P):
+    """X (1.5 pages) with a free tail, Y (2 pages), T (2 pages, freed: two empty mapped pages), Q (3.5 pages):
+    ten pages mapped, no contiguous free range of 2.5 pages, two empty pages. The conveyor cannot free a page
+    (moving X into the empty pages gains none) and nothing is shorter than a page."""
+    for key, n in (("X", 3 * P // 2), ("Y", 2 * P), ("T", 2 * P), ("Q", 7 * P // 2)):
+        assert pool_alloc(key, n), key
+    free("T")
+
+
+@pytest.mark.parametrize("virtual_factor", [1, 2])
+def test_a_multi_page_request_is_rescued_by_evacuating_a_window(virtual_factor):
+    """A 2.5-page request with live + request == capacity: no placement and no automatic compaction serves
+    it (two empty pages, three needed on their own). Evacuating a window does: with no virtual space
+    beyond the capacity, Y moves into the empty pages and the request starts in X's free tail; with
+    more, the window is Q's free tail plus two unmapped pages backed by the empty ones (nothing moves)."""
+    from defrag.dry import DryPool
+
+    P = 2 * MiB
+    pool = DryPool(10 * P, P, auto_compact=False, virtual_factor=virtual_factor)
+    base = pool.core.regions[0].base
+    _window_layout(pool.alloc, pool.free, P)
+    where = {k: b.address - base for k, b in pool._blocks.items()}
+    assert where == {"X": 0, "Y": 2 * P, "Q": 6 * P}
+    assert not pool.alloc("before", 5 * P // 2)  # what the pool did before this rescue step existed
+    pool.core.auto_compact = True
+    assert pool.alloc("R", 5 * P // 2)
+    pool.check_invariants()
+    st_ = pool.stats()
+    where = {k: b.address - base for k, b in pool._blocks.items()}
+    if virtual_factor == 1:
+        assert where == {"X": 0, "Y": 4 * P, "Q": 6 * P, "R": 3 * P // 2}
+        assert st_["compaction.moved_tensors"] == 1 and st_["compaction.moved_bytes"] == 2 * P
+    else:
+        assert where == {"X": 0, "Y": 2 * P, "Q": 6 * P, "R": 19 * P // 2}
+        assert st_["compaction.moved_tensors"] == 0
+    assert st_["num_compactions.automatic"] == 2  # the ladder's compaction, then the window's
+    assert st_["reserved_bytes.all.peak"] <= 10 * P and st_["pages.mapped"] == 10
+    pool.free("R")
+    pool.check_invariants()
+    pool.close()
+
+
+def test_a_window_rescue_keeps_every_byte(make_pool):
+    """The same layout on the emulated device with tensors: the moved tensor keeps its bytes and its views."""
+    pool = make_pool("640KiB", virtual_factor=1)  # ten pages of 64 KiB
+    pool.auto_compact = False
+    ts = {}
+
+    def alloc(key, n):
+        ts[key] = pool.empty(n, dtype=torch.uint8)
+        return True
+
+    _window_layout(alloc, ts.pop, PAGE)
+    for i, (key, t) in enumerate(sorted(ts.items())):
+        fill_pattern(t, i)
+    view = ts["Y"][100:200]
+    old = ts["Y"].data_ptr()
+    with pytest.raises(defrag.OutOfMemoryError):
+        pool.empty(5 * PAGE // 2, dtype=torch.uint8)
+    pool.auto_compact = True
+    big = pool.empty(5 * PAGE // 2, dtype=torch.uint8)
+    fill_pattern(big, -3)
+    assert ts["Y"].data_ptr() != old and view.data_ptr() == ts["Y"].data_ptr() + 100
+    assert check_pattern(big, -3) and all(check_pattern(t, i) for i, (_, t) in enumerate(sorted(ts.items())))
+    assert pool.stats()["num_ooms"] == 1
+    pool.check_invariants()
