@@ -255,8 +255,8 @@ def compact_core(core: Core, mover: Mover, *, verify: bool = False, progress: bo
         plans = []
         for region in core.regions:
             layout = _collect(core, mover, region, scope)
-            if not layout.held:
-                continue
+            if not layout.held and (hole_for is None or hole_for < core.page_size):
+                continue  # nothing can move (a window plan may move nothing: it maps the window's pages)
             if hole_for is not None:
                 plan = _hole_plan(core, region, layout, hole_for)
                 if plan is not None:
