@@ -147,7 +147,13 @@ class Mover(Protocol):
     - `lets_go()`: whether, once the compaction drops the holds and the
       destinations of a committed wave, nothing can use the old ranges any
       more (the compaction then frees them at once, in one batch, instead of
-      waiting for their releases one by one).
+      waiting for their releases one by one);
+    - `commit_all(dests)`: None when the face commits move by move (`check`
+      for every move, then `commit` each); else it checks every move of
+      `dests` ((old, new, held, dest) tuples) as `check` would and, only if
+      all pass, commits all of them as `commit` would (then it must not
+      fail): -1, or the index of the first move that failed its check
+      (nothing committed).
     """
 
     def stream(self) -> int: ...
@@ -157,6 +163,7 @@ class Mover(Protocol):
     def check(self, old, held, dest) -> bool: ...
     def commit(self, old, new, held, dest) -> None: ...
     def lets_go(self) -> bool: ...
+    def commit_all(self, dests) -> int | None: ...
 
 
 def default_engine(kind: str) -> str:
@@ -519,22 +526,30 @@ def _run_wave(core: Core, mover: Mover, region, plan: ArrayPlan, a: int, b: int,
             with PhaseTimer(phases, "verify"):
                 _verify(core, mover, engine, moves)
 
-        # Everything the commit needs, checked before the first commit.
-        check = mover.check
-        for old, new, grip, dest in dests:
-            if not check(old, grip, dest):
-                raise CompactionError(f"block at {old.address:#x} changed during compaction; nothing was moved")
+        # Everything the commit needs, checked before the first commit (by a face's batch, which
+        # then commits every owner too, or move by move).
+        with PhaseTimer(phases, "swap"):
+            failed = mover.commit_all(dests)
+        if failed is None:
+            check = mover.check
+            for old, new, grip, dest in dests:
+                if not check(old, grip, dest):
+                    raise CompactionError(f"block at {old.address:#x} changed during compaction; nothing was moved")
+        elif failed >= 0:
+            raise CompactionError(f"block at {dests[failed][0].address:#x} changed during compaction; "
+                                  f"nothing was moved")
         txn.commit()
 
     # 4. commit: cannot fail (the face only exchanges fields).
     with PhaseTimer(phases, "swap"):
-        history, commit = core.history, mover.commit
+        history, commit = core.history, (mover.commit if failed is None else None)
         for old, new, grip, dest in dests:
             new.retired, new.counted = False, True
             old.counted = False
             new.pins, new.owner, new.shared, new.info = old.pins, old.owner, old.shared, old.info
             old.retired = True
-            commit(old, new, grip, dest)
+            if commit is not None:
+                commit(old, new, grip, dest)
             if history is not None:
                 history.block_moved(old, new)
         report.moved_tensors += len(dests)

@@ -48,6 +48,9 @@ class _KeyMover:
     def lets_go(self) -> bool:
         return True  # a key has no in-flight work, and `commit` released the old block
 
+    def commit_all(self, dests) -> None:
+        return None  # move by move: a dict entry each
+
 
 class DryPool:
     """A `defrag.Pool` without memory: the same core and compactor, blocks named by keys.

@@ -29,6 +29,9 @@
 //
 // Not thread-safe against Python calls without the GIL: every Python-facing
 // method runs with the GIL held, and the deleter synchronizes on `mu`.
+//
+// Also here, as defrag's one compiled module: `swap_storages`, a compaction
+// wave's storage swaps in one call (torch >= 2.13).
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
@@ -39,8 +42,11 @@
 #include <torch/csrc/Dtype.h>
 #include <torch/csrc/Storage.h>
 #include <torch/csrc/autograd/python_variable.h>
+#include <torch/version.h>
 
 #include <sys/stat.h>
+
+#include <stdexcept>
 
 #include <array>
 #include <cstdint>
@@ -544,7 +550,48 @@ class FastPath {
 
 }  // namespace
 
+#if TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 13)
+#define DEFRAG_SWAP_STORAGES 1
+// A compaction wave's commit: for every i, `users[i]._swap_data_ptr_(dests[i])`
+// (the same `c10::Storage::swap_data_ptr` torch's method calls), but only once
+// every pair passed its check: same device, same nbytes, and `users[i]` still
+// starting at `addresses[i]`. Returns -1 when all were swapped, else the index
+// of the first pair that failed (nothing swapped). Raises (nothing swapped) on
+// arguments that are not lists of storages of one length. Storages made by
+// defrag are never copy-on-write, so a swap cannot throw once the checks pass.
+py::int_ swap_storages(const py::list& users, const py::list& dests, const py::list& addresses) {
+  const size_t n = users.size();
+  if (dests.size() != n || addresses.size() != n) {
+    throw std::invalid_argument("swap_storages: users, dests and addresses differ in length");
+  }
+  std::vector<const c10::Storage*> mine(n), theirs(n);
+  for (size_t i = 0; i < n; ++i) {
+    PyObject* user = users[i].ptr();
+    PyObject* dest = dests[i].ptr();
+    if (!THPStorage_Check(user) || !THPStorage_Check(dest)) {
+      throw std::invalid_argument("swap_storages: expects UntypedStorages");
+    }
+    const c10::Storage& a = THPStorage_Unpack(user);
+    const c10::Storage& b = THPStorage_Unpack(dest);
+    auto address = addresses[i].cast<uintptr_t>();
+    if (a.device() != b.device() || a.nbytes() != b.nbytes() ||
+        reinterpret_cast<uintptr_t>(a.data_ptr().get()) != address) {
+      return py::int_(static_cast<int64_t>(i));
+    }
+    mine[i] = &a;
+    theirs[i] = &b;
+  }
+  for (size_t i = 0; i < n; ++i) {
+    mine[i]->swap_data_ptr(const_cast<c10::Storage&>(*theirs[i]));
+  }
+  return py::int_(-1);
+}
+#endif
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+#ifdef DEFRAG_SWAP_STORAGES
+  m.def("swap_storages", &swap_storages, "A compaction wave's storage swaps, after every check (see the source).");
+#endif
   py::class_<FastPath>(m, "FastPath")
       .def(py::init<py::object, py::dict, py::object, py::list, std::string, int, int, int64_t>())
       .def("empty", &FastPath::empty)

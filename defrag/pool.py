@@ -185,6 +185,15 @@ class _TorchMover:
         # references. Rebind mode: the old storage dies only once every reference to it is gone.
         return self.pool._can_swap
 
+    def commit_all(self, dests) -> int | None:
+        # One C++ call for the whole wave (`fastpath.cpp`'s `swap_storages`: `_swap_data_ptr_` per pair
+        # after every check) where torch has it; else move by move.
+        swap_all = getattr(fastpath.module, "swap_storages", None) if self.pool._swap_mode == "native" else None
+        if swap_all is None:
+            return None
+        return swap_all([held[0] for _, _, held, _ in dests], [dest for _, _, _, dest in dests],
+                        [old.address for old, _, _, _ in dests])
+
     def commit(self, old: Block, new: Block, held, dest) -> None:
         user, rebind = held
         if rebind is None:

@@ -254,6 +254,48 @@ def test_an_exception_mid_compaction_rolls_back(make_pool, monkeypatch, where):
     assert after["live_blocks"] == before["live_blocks"]
 
 
+@pytest.mark.parametrize("batched", [True, False])
+def test_a_storage_changed_during_the_copy_stops_the_wave(make_pool, monkeypatch, batched):
+    """The commit checks every owner before rewriting any (in one C++ call or move by move): an owner
+    whose memory changed meanwhile makes the wave roll back, every tensor where and as it was."""
+    from defrag import fastpath
+    from defrag.pool import _TorchMover
+
+    if batched and getattr(fastpath.module, "swap_storages", None) is None:
+        pytest.skip("no batched storage swap here (needs the fast path built against torch >= 2.13)")
+    if not batched:
+        monkeypatch.setattr(_TorchMover, "commit_all", lambda self, dests: None)
+    pool = make_pool("1MiB", auto_compact=False)
+    survivors = fragment(pool)
+    addresses = {s: t.data_ptr() for s, t in survivors.items()}
+    before = pool.stats()
+    real_copy = compactor._copy
+    victim = {}
+
+    def copy_then_meddle(core, mover, engine, moves):
+        real_copy(core, mover, engine, moves)
+        # The last moved tensor's storage takes other memory (as a stray thread might): its check fails.
+        seed = next(s for s, t in survivors.items() if t.data_ptr() == moves[-1][0])
+        storage = survivors[seed].untyped_storage()
+        stray = torch.UntypedStorage(storage.nbytes())
+        storage._swap_data_ptr_(stray)
+        victim.update(seed=seed, storage=storage, stray=stray)
+
+    monkeypatch.setattr(compactor, "_copy", copy_then_meddle)
+    with pytest.raises(defrag.CompactionError, match="changed during compaction; nothing was moved"):
+        pool.compact()
+    monkeypatch.undo()
+    victim["storage"]._swap_data_ptr_(victim["stray"])  # give the tensor its pool memory back
+    gc.collect()
+    pool.check_invariants()
+    assert {s: t.data_ptr() for s, t in survivors.items()} == addresses
+    assert all(check_pattern(t, s) for s, t in survivors.items())
+    after = pool.stats()
+    assert after["allocated_bytes.all.current"] == before["allocated_bytes.all.current"]
+    assert after["live_blocks"] == before["live_blocks"]
+    assert pool.compact().moved_tensors > 0  # and the next compaction moves them
+
+
 # ---------------------------------------------------------------- training
 def _step(model, opt, x, y):
     opt.zero_grad()
