@@ -24,7 +24,9 @@ class Heap:
     Guarantees: free ranges are kept sorted, disjoint, aligned and coalesced (no
     two touch); live blocks never overlap each other or free space; every
     failing call raises HeapError and leaves the heap unchanged. `allocate`,
-    `allocate_at`, `free`, `insert_free` and `remove_free` are O(log n).
+    `allocate_at`, `insert_free` and `remove_free` are O(log n); `free` is
+    O(log n) for the free ranges and O(1) for the live blocks (a plain dict:
+    `live_blocks()` sorts them).
     Does not: touch memory, know which pages are mapped, or move blocks.
     A new heap has no free space until `insert_free` is called.
     """
@@ -37,7 +39,12 @@ class Heap:
         self.base, self.span, self.alignment = base, span, alignment
         self._free = SortedDict()       # offset -> size of each free range
         self._by_size = SortedList()    # (size, offset) of each free range, for best fit
-        self._live = SortedDict()       # offset -> rounded size of each live block
+        # offset -> rounded size of each live block: a plain dict (allocation and release need no
+        # order); what `insert_free` must not overlap is kept as `_managed` instead.
+        self._live: dict[int, int] = {}
+        # Coalesced extents of everything inserted and not removed (free space and live blocks):
+        # offset -> size. Only `insert_free` and `remove_free` change it (mapping and unmapping).
+        self._managed = SortedDict()
         self._free_bytes = 0
         self._live_bytes = 0
 
@@ -120,9 +127,20 @@ class Heap:
         end = offset + size
         if (hit := self._overlapping(self._free, offset, end)) is not None:
             raise HeapError(f"range ({offset}, {size}) overlaps free range {hit}")
-        if (hit := self._overlapping(self._live, offset, end)) is not None:
+        if self._overlapping(self._managed, offset, end) is not None:  # then a live block (error path: a scan)
+            hit = min((o, s) for o, s in self._live.items() if o < end and o + s > offset)
             raise HeapError(f"range ({offset}, {size}) overlaps live block {hit}")
         self._add_coalesced(offset, size)
+        # Managed extents: coalesce with the extents that touch it on either side.
+        managed = self._managed
+        if end in managed:
+            size += managed.pop(end)
+        i = managed.bisect_left(offset) - 1
+        if i >= 0:
+            left, left_size = managed.peekitem(i)
+            if left + left_size == offset:
+                offset, size = left, size + left_size
+        managed[offset] = size
 
     def remove_free(self, offset: int, size: int) -> None:
         """Take [offset, offset+size), which must be entirely free, out of the free set.
@@ -134,6 +152,14 @@ class Heap:
         if (hit := self._containing_free(offset, size)) is None:
             raise HeapError(f"range ({offset}, {size}) is not entirely free")
         self._carve(*hit, offset, size)
+        # The managed extent holding it (free space is managed) loses it too.
+        managed = self._managed
+        start, length = managed.peekitem(managed.bisect_right(offset) - 1)
+        del managed[start]
+        if offset > start:
+            managed[start] = offset - start
+        if offset + size < start + length:
+            managed[offset + size] = start + length - offset - size
 
     # -- blocks ---------------------------------------------------------------------
 
@@ -234,19 +260,8 @@ class Heap:
             return
         remaining = self._free_after_taking(todo) if todo else list(dict.items(self._free))
         live = self._live
-        freed = list(zip(frees, map(live.__getitem__, frees)))
-        if frees and 8 * len(frees) < len(live) and not todo:
-            for offset in frees:
-                del live[offset]
-        elif frees:
-            # Rebuilding the live index once beats a SortedDict.pop (a list deletion and an index
-            # update) per block.
-            gone = set(frees)
-            self._live = live = SortedDict({o: s for o, s in dict.items(live) if o not in gone})
-        if todo:
-            # One SortedDict.update: it re-sorts once when the batch is large
-            # against the live blocks, else inserts one by one.
-            live.update(todo)
+        freed = list(zip(frees, map(live.pop, frees)))
+        live.update(todo)
         self._live_bytes += sum(map(_second, todo)) - sum(map(_second, freed))
         if freed:
             # Freed blocks and free ranges are disjoint, so their offsets differ:
@@ -350,8 +365,8 @@ class Heap:
         return list(self._free.items())
 
     def live_blocks(self) -> list[tuple[int, int]]:
-        """Live blocks as sorted (offset, rounded size) pairs."""
-        return list(self._live.items())
+        """Live blocks as sorted (offset, rounded size) pairs. O(n log n)."""
+        return sorted(self._live.items())
 
     def free_bytes(self) -> int:
         return self._free_bytes
@@ -397,7 +412,7 @@ class Heap:
                 fail(f"free range ({offset}, {size}) overlaps or touches its left neighbour")
             prev_end = offset + size
         prev_end = None
-        for offset, size in self._live.items():
+        for offset, size in sorted(self._live.items()):
             if size <= 0 or offset % self.alignment or size % self.alignment:
                 fail(f"live block ({offset}, {size}) empty or misaligned")
             if offset < self.base or offset + size > self.base + self.span:
@@ -409,6 +424,9 @@ class Heap:
             prev_end = offset + size
         if self._free_bytes != sum(self._free.values()) or self._live_bytes != sum(self._live.values()):
             fail("byte counters do not add up")
+        everything = sorted(list(self._free.items()) + list(self._live.items()))
+        if list(self._managed.items()) != (_coalesced(everything) if everything else []):
+            fail("managed extents are not the free ranges and live blocks, coalesced")
 
 
 _first = itemgetter(0)
