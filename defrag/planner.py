@@ -122,7 +122,7 @@ from __future__ import annotations
 
 import collections
 import gc
-from bisect import bisect_left
+from bisect import bisect_left, bisect_right
 from contextlib import contextmanager
 from dataclasses import dataclass
 from operator import attrgetter, neg
@@ -577,6 +577,10 @@ def _merge_intervals(a_s: np.ndarray, a_e: np.ndarray, b_s: np.ndarray, b_e: np.
 # --------------------------------------------------------------------------
 
 
+#: _best_fit buckets at most this many holes in Python rather than with numpy.
+_FEW_HOLES = 64
+
+
 def _best_fit(
     hole_s: np.ndarray, hole_e: np.ndarray, sizes: np.ndarray, unit: int, cap: int
 ) -> np.ndarray:
@@ -594,16 +598,34 @@ def _best_fit(
     few operations on small integers.
     """
     n = sizes.size
-    hs = hole_s // unit
-    hl = (hole_e - hole_s) // unit
-    is_big = hl >= cap
-    big = [[s, ln] for s, ln in zip(hs[is_big].tolist(), hl[is_big].tolist())]
-    big.reverse()  # carve from the end of the list: first given, first used
     buckets: collections.defaultdict[int, list[int]] = collections.defaultdict(list)  # only lengths seen
     words = [0] * ((cap + 63) >> 6)
     top = 0
-    small = ~is_big & (hl > 0)
-    if small.any():
+    if hole_s.size <= _FEW_HOLES:
+        # Few holes: bucket them in Python (same lists, same order); numpy's
+        # per-call cost dominates here.
+        big = []
+        for s, e in zip(hole_s.tolist(), hole_e.tolist()):
+            ln = (e - s) // unit
+            s //= unit
+            if ln >= cap:
+                big.append([s, ln])
+            elif ln > 0:
+                lst = buckets[ln]
+                if not lst:
+                    words[ln >> 6] |= 1 << (ln & 63)
+                    top |= 1 << (ln >> 6)
+                lst.append(s)
+        big.reverse()  # carve from the end of the list: first given, first used
+        small = None
+    else:
+        hs = hole_s // unit
+        hl = (hole_e - hole_s) // unit
+        is_big = hl >= cap
+        big = [[s, ln] for s, ln in zip(hs[is_big].tolist(), hl[is_big].tolist())]
+        big.reverse()  # carve from the end of the list: first given, first used
+        small = ~is_big & (hl > 0)
+    if small is not None and small.any():
         lens = hl[small]
         # Stable: each bucket lists its holes in the order given. (A stable
         # sort of 16-bit keys is a radix sort.)
@@ -658,6 +680,22 @@ def _best_fit(
                 if not x:
                     top ^= 1 << w
             r = b - g
+            if r >= g and i + 1 < n and units[i + 1] == g:
+                # A run of equal items: each next one would take the remnant
+                # just made (the shortest hole that fits, popped first), so
+                # carve as many as fit from this hole at once.
+                j = bisect_right(units, -g, i + 1, min(n, i + b // g), key=neg)  # end of the run in the hole
+                at_i.extend(range(i, j))
+                at_s.extend(range(start, start + (j - i) * g, g))
+                r = b - (j - i) * g
+                if r:
+                    lst = buckets[r]
+                    if not lst:
+                        words[r >> 6] |= 1 << (r & 63)
+                        top |= 1 << (r >> 6)
+                    lst.append(start + (j - i) * g)
+                i = j
+                continue
             if r:
                 lst = buckets[r]
                 if not lst:
