@@ -148,6 +148,9 @@ __all__ = [
 ]
 
 
+_INT64 = np.dtype(np.int64)
+
+
 class PlanError(ValueError):
     """Bad planner input (overlap, misalignment, out of span, duplicate key) or an unsafe plan."""
 
@@ -254,7 +257,17 @@ class ArrayPlan:
     def __post_init__(self) -> None:
         n = None
         for name in _MOVE_ARRAYS:
-            a = np.asarray(getattr(self, name))
+            a = getattr(self, name)
+            if type(a) is np.ndarray and a.dtype == _INT64 and a.ndim == 1:
+                # The planner's own arrays: only the read-only view to make (fewer numpy calls).
+                a = a.view()
+                a.flags.writeable = False
+                if n is not None and a.size != n:
+                    raise PlanError("ArrayPlan arrays must have equal lengths")
+                n = a.size
+                object.__setattr__(self, name, a)
+                continue
+            a = np.asarray(a)
             if a.ndim != 1 or (a.size and a.dtype.kind not in "iu"):
                 raise PlanError(f"ArrayPlan.{name} must be a 1-d integer array")
             a = a.astype(np.int64, copy=False).view()
@@ -427,15 +440,19 @@ def _layout(off: np.ndarray, size: np.ndarray, movable: np.ndarray, *, span: int
             name: Callable[[int], str] = _index_name) -> _Layout:
     """Check a layout (input order) and sort it by offset. ``name(i)`` names input block ``i`` in errors."""
     n = off.size
-    bad = (size <= 0) | (off < 0) | (off % alignment != 0) | (size % alignment != 0) | (off > span - size)
-    if bad.any():
+    if alignment & (alignment - 1):
+        bad = (size <= 0) | (off < 0) | (off % alignment != 0) | (size % alignment != 0) | (off > span - size)
+    else:  # a power of two: both aligned iff no low bit of either is set (fewer numpy calls)
+        bad = (size <= 0) | (off < 0) | ((off | size) & (alignment - 1) != 0) | (off > span - size)
+    # count_nonzero, not .any(): a C call instead of numpy's Python-level reduction wrapper.
+    if np.count_nonzero(bad):
         i = int(bad.nonzero()[0][0])
         raise PlanError(
             f"block {name(i)} [{off[i]}, +{size[i]}) must have positive size, be "
             f"{alignment}-aligned and lie inside [0, {span})"
         )
     order = None
-    if n > 1 and (off[1:] < off[:-1]).any():
+    if n > 1 and np.count_nonzero(off[1:] < off[:-1]):
         order = off.argsort(kind="stable")
         off, size, movable = off[order], size[order], movable[order]
     if n > 1:
@@ -504,7 +521,7 @@ def _intersect(
     lo = a_e.searchsorted(b_s, side="right")
     hi = a_s.searchsorted(b_e, side="left")
     cnt = hi - lo
-    if (cnt == 1).all():
+    if not np.count_nonzero(cnt != 1):
         return np.maximum(b_s, a_s[lo]), np.minimum(b_e, a_e[lo])
     owner = np.arange(b_s.size).repeat(cnt)
     j = np.arange(owner.size) + (lo - (cnt.cumsum() - cnt)).repeat(cnt)
@@ -810,23 +827,32 @@ class _Planner:
         self.fixed = ~lay.movable | (size >= P)
         # Touched pages, live bytes on each, and which are forced. The blocks
         # are sorted and disjoint, so the expanded page ids do not decrease.
-        pages, owner = _expand_pages(first, last)
-        lo = np.maximum(off[owner], pages * P)
-        hi = np.minimum(self.end[owner], (pages + 1) * P)
+        one = not np.count_nonzero(first != last)  # every block on one page: no expansion
+        if one:
+            pages = first
+        else:
+            pages, owner = _expand_pages(first, last)
         new = np.empty(pages.size, bool)
         new[0] = True
         np.not_equal(pages[1:], pages[:-1], out=new[1:])
         inv = new.cumsum() - 1
         self.touched = pages[new]
         T = self.touched.size
-        live_per_page = np.bincount(inv, weights=hi - lo, minlength=T)
         self.forced = np.zeros(T, bool)
-        self.forced[inv[self.fixed[owner]]] = True
-        # Each block's first/last page as an index into `touched`.
-        ends = (last - first + 1).cumsum()
-        self.first_pos = inv[ends - (last - first + 1)]
-        self.last_pos = inv[ends - 1]
-        self.n_forced = int(self.forced.sum())
+        if one:
+            live_per_page = np.bincount(inv, weights=size, minlength=T)
+            self.forced[inv[self.fixed]] = True
+            self.first_pos = self.last_pos = inv  # each block's page as an index into `touched`
+        else:
+            lo = np.maximum(off[owner], pages * P)
+            hi = np.minimum(self.end[owner], (pages + 1) * P)
+            live_per_page = np.bincount(inv, weights=hi - lo, minlength=T)
+            self.forced[inv[self.fixed[owner]]] = True
+            # Each block's first/last page as an index into `touched`.
+            ends = (last - first + 1).cumsum()
+            self.first_pos = inv[ends - (last - first + 1)]
+            self.last_pos = inv[ends - 1]
+        self.n_forced = int(np.count_nonzero(self.forced))
         self.pages_before = int(T)
         self.lower_bound = max(self.n_forced, -(-int(size.sum()) // P))
         # Page table: page id -> index into `touched` (-1: untouched).
@@ -877,13 +903,13 @@ class _Planner:
         m[pages] = True
         return m[x]
 
-    def _expand(self, pos: np.ndarray, idx: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """Pages touched by blocks ``idx`` placed at ``pos[idx]`` (with repeats), and bytes on each."""
+    def _expand(self, pos: np.ndarray, idx: np.ndarray | None) -> tuple[np.ndarray, np.ndarray]:
+        """Pages touched by blocks ``idx`` (None: all) placed at ``pos[idx]`` (with repeats), and bytes on each."""
         P = self.P
-        o, sz = pos[idx], self.lay.size[idx]
+        o, sz = (pos, self.lay.size) if idx is None else (pos[idx], self.lay.size[idx])
         first, last = o // P, (o + sz - 1) // P
         one = first == last  # most blocks: all their bytes on one page
-        if one.all():
+        if np.count_nonzero(one) == one.size:
             return first, sz
         many = (~one).nonzero()[0]
         pages, owner = _expand_pages(first[many], last[many])
@@ -899,7 +925,7 @@ class _Planner:
 
     def _final_pages(self, pos: np.ndarray) -> tuple[int, np.ndarray]:
         """Pages touched by every block at ``pos``, and live bytes per touched page (of now)."""
-        pages, b = self._expand(pos, np.arange(pos.size))
+        pages, b = self._expand(pos, None)
         if self.tpos is not None:
             per_page = np.bincount(pages, weights=b, minlength=self.npages)
             return int(np.count_nonzero(per_page)), per_page[self.touched]
@@ -917,7 +943,7 @@ class _Planner:
         cap = self.P // self.A  # movers are shorter than a page: size // A < cap
         if cap > 1 << 16:
             return idx[np.lexsort((idx, -size[idx]))]
-        if idx.size > 1 and (idx[1:] < idx[:-1]).any():
+        if idx.size > 1 and np.count_nonzero(idx[1:] < idx[:-1]):
             m = np.zeros(n, bool)
             m[idx] = True
             idx = m.nonzero()[0]
@@ -1004,9 +1030,9 @@ class _Planner:
             pending = self._place(pending, holes, dst, waiting)
             if not pending.size:
                 break
-            before = kept.sum()
+            before = np.count_nonzero(kept)
             pending = self._drop(kept, mover, dst, waiting, pending)
-            if kept.sum() == before:
+            if np.count_nonzero(kept) == before:
                 break
             mover = self._movers(kept)
             movers += pending.size
@@ -1129,7 +1155,7 @@ class _Planner:
                 wave_of[moved] = wave
                 new = wave.copy()
                 new[idx] = np.maximum.reduceat(wave_of, bounds)[0::2] + 1
-                if np.array_equal(new, wave):
+                if not np.count_nonzero(new != wave):
                     break
                 wave = new
         # A stable sort of 8-bit keys is a radix sort (at most 7 waves).
