@@ -697,52 +697,53 @@ def _best_fit(
                 if not x:
                     top ^= 1 << w
             r = b - g
-            if r >= g and i + 1 < n and units[i + 1] == g:
-                # A run of equal items: each next one would take the remnant
-                # just made (the shortest hole that fits, popped first), so
-                # carve as many as fit from this hole at once.
-                q = b // g
-                j = bisect_right(units, -g, i + 1, min(n, i + q), key=neg)  # end of the run in the hole
-                at_i.extend(range(i, j))
-                at_s.extend(range(start * unit, (start + (j - i) * g) * unit, g * unit))
-                r = b - (j - i) * g
-                if r:
-                    rl = buckets[r]
-                    if not rl:
-                        words[r >> 6] |= 1 << (r & 63)
-                        top |= 1 << (r >> 6)
-                    rl.append(start + (j - i) * g)
-                i = j
-                if r < g and lst and i < n and units[i] == g:
-                    # The hole is full and the run goes on: its next items take the
-                    # next holes of this bucket (still the shortest that fits: the
-                    # remnants are shorter than an item), q per hole.
-                    m = min(len(lst), (bisect_right(units, -g, i, n, key=neg) - i) // q)
-                    if m:
-                        taken = lst[-m:]
-                        del lst[-m:]
-                        taken.reverse()  # popped last first
-                        at_i.extend(range(i, i + m * q))
-                        for st in taken:
-                            at_s.extend(range(st * unit, (st + q * g) * unit, g * unit))
-                        if r:
-                            rl.extend([st + q * g for st in taken])
-                        if not lst:
-                            w = b >> 6
-                            x = words[w] ^ (1 << (b & 63))
-                            words[w] = x
-                            if not x:
-                                top ^= 1 << w
-                        i += m * q
-                continue
             if r:
+                if r >= g and i + 1 < n and units[i + 1] == g:
+                    # A run of equal items: each next one would take the remnant
+                    # just made (the shortest hole that fits, popped first), so
+                    # carve as many as fit from this hole at once.
+                    q = b // g
+                    j = bisect_right(units, -g, i + 1, min(n, i + q), key=neg)  # end of the run in the hole
+                    at_i.extend(range(i, j))
+                    at_s.extend(range(start, start + (j - i) * g, g))
+                    r = b - (j - i) * g
+                    if r:
+                        rl = buckets[r]
+                        if not rl:
+                            words[r >> 6] |= 1 << (r & 63)
+                            top |= 1 << (r >> 6)
+                        rl.append(start + (j - i) * g)
+                    i = j
+                    if r < g and lst and i + q <= n and units[i + q - 1] == g:
+                        # The hole is full and the run goes on for a hole or more: its
+                        # next items take the next holes of this bucket (still the
+                        # shortest that fit: the remnants are shorter than an item), q
+                        # per hole.
+                        m = (bisect_right(units, -g, i + q, min(n, i + q * len(lst)), key=neg) - i) // q
+                        if m:
+                            taken = lst[-m:]
+                            del lst[-m:]
+                            taken.reverse()  # popped last first
+                            at_i.extend(range(i, i + m * q))
+                            for st in taken:
+                                at_s.extend(range(st, st + q * g, g))
+                            if r:
+                                rl.extend([st + q * g for st in taken])
+                            if not lst:
+                                w = b >> 6
+                                x = words[w] ^ (1 << (b & 63))
+                                words[w] = x
+                                if not x:
+                                    top ^= 1 << w
+                            i += m * q
+                    continue
                 lst = buckets[r]
                 if not lst:
                     words[r >> 6] |= 1 << (r & 63)
                     top |= 1 << (r >> 6)
                 lst.append(start + g)
             add_i(i)
-            add_s(start * unit)
+            add_s(start)
             i += 1
             continue
         # Into the first big hole, from its front.
@@ -750,7 +751,7 @@ def _best_fit(
         if h[1] - cap < 32 * g:  # few items fit before it stops being big: one
             cnt = 1
             add_i(i)
-            add_s(h[0] * unit)
+            add_s(h[0])
             used = g
         else:
             # So go the items after this one that fit no small hole either
@@ -766,7 +767,7 @@ def _best_fit(
             ends = units_arr[i:hi].cumsum()  # hole used after each item
             cnt = min(int(ends.searchsorted(h[1] - cap, side="right")) + 1, hi - i)
             used = int(ends[cnt - 1])
-            out[i:i + cnt] = (ends[:cnt] - units_arr[i:i + cnt] + h[0]) * unit
+            out[i:i + cnt] = ends[:cnt] - units_arr[i:i + cnt] + h[0]
             window = max(64, 2 * cnt)
         h[0] += used
         h[1] -= used
@@ -782,7 +783,7 @@ def _best_fit(
         i += cnt
     if at_i:
         out[at_i] = at_s
-    return out  # byte offsets (placements are stored scaled), -1: no room
+    return np.where(out >= 0, out * unit, -1)
 
 
 def _runs_first(pages: np.ndarray) -> np.ndarray:
