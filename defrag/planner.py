@@ -523,6 +523,12 @@ def _intersect(
     cnt = hi - lo
     if not np.count_nonzero(cnt != 1):
         return np.maximum(b_s, a_s[lo]), np.minimum(b_e, a_e[lo])
+    if not np.count_nonzero(cnt > 1):
+        # Each b-interval meets at most one a-interval (e.g. gaps between blocks and
+        # runs of kept pages): the general case below with fewer numpy calls.
+        k = cnt.nonzero()[0]
+        j = lo[k]
+        return np.maximum(b_s[k], a_s[j]), np.minimum(b_e[k], a_e[j])
     owner = np.arange(b_s.size).repeat(cnt)
     j = np.arange(owner.size) + (lo - (cnt.cumsum() - cnt)).repeat(cnt)
     return np.maximum(b_s[owner], a_s[j]), np.minimum(b_e[owner], a_e[j])
@@ -1049,7 +1055,7 @@ class _Planner:
             # go (all on kept pages: _drop undoes the others).
             gaps = _intersect(*_page_runs(self.touched[kept], P), *gaps)
             at = (~waiting).nonzero()[0]
-            holes = _minus(*gaps, dst[at], dst[at] + size[at])
+            holes = _minus(*gaps, dst[at], dst[at] + size[at]) if at.size else gaps
             pending = self._place(pending, holes, dst, waiting)
             if not pending.size:
                 break
