@@ -78,7 +78,8 @@ block placed into a hole shorter than a page: holes are bucketed by length
 non-empty buckets form a bitmask, so the best bucket is a shift and a
 lowest-set-bit; blocks longer than every hole are skipped with a bisect.
 Runs of blocks that go into the same hole of a page or more (zone pages) are
-placed with one prefix sum per hole. Measured on the synthetic layout of
+placed with one prefix sum per hole, and runs of equal blocks a hole (or a
+bucket of equal holes) at a time. Measured on the synthetic layout of
 ``benchmarks/bench_planner.py`` (every page about half full, 2 MiB pages, one
 shared 2-core machine): :func:`plan_arrays` ~0.08 s for 10^5 blocks and
 ~0.9 s for 10^6 (7 * 10^5 moves); :func:`plan_compaction`, which also reads
