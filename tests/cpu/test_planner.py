@@ -1047,3 +1047,63 @@ def test_plan_window_plans_are_safe(seed):
                          movable=movable)
     if plan is not None:
         _check_window(plan, args, size, spare)
+
+
+# --------------------------------------------------------------------------
+# Best fit against a one-item-at-a-time reference
+# --------------------------------------------------------------------------
+
+
+def reference_best_fit(hole_s, hole_e, sizes, unit, cap):
+    """_best_fit's rule, one item at a time: the shortest hole shorter than ``cap`` units that fits
+    (of equal ones the last given or made), else the front of the first hole of ``cap`` units or more."""
+    big = [[s // unit, (e - s) // unit] for s, e in zip(hole_s, hole_e) if (e - s) // unit >= cap]
+    stacks: dict[int, list[int]] = {}
+    for s, e in zip(hole_s, hole_e):
+        if 0 < (e - s) // unit < cap:
+            stacks.setdefault((e - s) // unit, []).append(s // unit)
+    out = []
+    for z in sizes:
+        g = z // unit
+        fits = [b for b, st in stacks.items() if st and g <= b] if g < cap else []
+        if fits:
+            b = min(fits)
+            start = stacks[b].pop()
+            if b > g:
+                stacks.setdefault(b - g, []).append(start + g)
+        elif g < cap and big:
+            start = big[0][0]
+            big[0][0] += g
+            big[0][1] -= g
+            if big[0][1] < cap:
+                s, ln = big.pop(0)
+                if ln:
+                    stacks.setdefault(ln, []).append(s)
+        else:
+            out.append(-1)
+            continue
+        out.append(start * unit)
+    return out
+
+
+@pytest.mark.parametrize("seed", range(60))
+def test_best_fit_matches_one_at_a_time(seed):
+    # Runs of equal items into equal holes (the compactor's usual case, placed a hole at a
+    # time) as well as mixed ones.
+    r = random.Random(seed)
+    cap = r.choice([8, 64, 4096])
+    lens = [r.choice([cap // 2, cap // 3 or 1, cap - 1, r.randint(1, 2 * cap)]) for _ in range(r.randint(0, 90))]
+    if r.random() < 0.5:
+        lens = [r.choice([cap - 1, cap // 2 + 1, 3 * cap // 4])] * len(lens)
+    starts, at = [], 0
+    for ln in lens:
+        at += r.randint(0, 2)
+        starts.append(at)
+        at += ln
+    choices = [max(1, cap // k) for k in (2, 3, 4, 5, 8)] + [1, cap - 1, cap, cap + 1]
+    items = sorted((r.choice(choices[: r.randint(1, len(choices))]) for _ in range(r.randint(0, 300))), reverse=True)
+    s = np.array(starts, np.int64) * A
+    e = s + np.array(lens, np.int64) * A
+    z = np.array(items, np.int64) * A
+    got = planner._best_fit(s, e, z, A, cap)
+    assert got.tolist() == reference_best_fit(s.tolist(), e.tolist(), z.tolist(), A, cap)
