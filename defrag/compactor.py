@@ -136,6 +136,8 @@ class Mover(Protocol):
       else why not (the block is then unmovable);
     - `hold(block)`: a strong reference that keeps the owner alive and
       unchanged through the compaction, or None when it cannot move now;
+    - `hold_movable(block)`: `hold(block)` when `can_rewrite(block)` is "",
+      else None, in one call;
     - `destination(block)`: for a freshly carved destination, whatever the
       commit will need; if the wave is abandoned, dropping it must lead the
       face to release `block` (or the face does nothing when `free` is used);
@@ -159,6 +161,7 @@ class Mover(Protocol):
     def stream(self) -> int: ...
     def can_rewrite(self, block) -> str: ...
     def hold(self, block): ...
+    def hold_movable(self, block): ...
     def destination(self, block): ...
     def check(self, old, held, dest) -> bool: ...
     def commit(self, old, new, held, dest) -> None: ...
@@ -451,24 +454,21 @@ def _collect(core: Core, mover: Mover, region, scope: Scope, *, large_only: bool
     """
     blocks, offsets, sizes, movable, held = [], [], [], [], {}
     base, small = region.base, core.page_size if large_only else 0
-    is_movable, can_rewrite, hold = core.movable, mover.can_rewrite, mover.hold
+    is_movable, can_rewrite, hold, hold_movable = core.movable, mover.can_rewrite, mover.hold, mover.hold_movable
     everything, mine = scope.everything, scope.mine
     # One pass, plain lists: this runs for every block of the region before each plan.
     for block in core.blocks():
         if block.region is not region:
             continue
         if block.size < small or block.pins or block.retired or block.pending or block.offloaded:
-            ok = False
+            grip = None
         elif everything or block.owner is mine:  # `Core.movable`, inlined for the common case
-            ok = not can_rewrite(block)
+            grip = hold_movable(block)
         else:
-            ok = is_movable(block, scope, can_rewrite)[0]
+            grip = hold(block) if is_movable(block, scope, can_rewrite)[0] else None
+        ok = grip is not None
         if ok:
-            grip = hold(block)
-            if grip is None:
-                ok = False
-            else:
-                held[block.address] = grip
+            held[block.address] = grip
         blocks.append(block)
         offsets.append(block.address - base)
         sizes.append(block.size)

@@ -35,6 +35,9 @@ class _KeyMover:
     def hold(self, block: Block):
         return (block.info,)  # the key, boxed: any key (0, None) is a valid hold
 
+    def hold_movable(self, block: Block):
+        return (block.info,)  # every block can be rewritten
+
     def destination(self, block: Block):
         return None  # nothing owns the destination but the core: a rolled-back wave frees it
 

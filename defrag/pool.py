@@ -173,6 +173,19 @@ class _TorchMover:
         rebind = self.pool._rebindable(block, storage)
         return None if rebind is None else (storage, rebind)
 
+    def hold_movable(self, block: Block):
+        # `can_rewrite` and `hold` in one: a dead storage has no hold, so no separate liveness test.
+        info = block.info
+        if info is None or isinstance(info, SegmentInfo) or info.storage_ref is None:
+            return None
+        storage = tz.strong_storage(info.storage_ref)
+        if storage is None:
+            return None
+        if self.pool._can_swap:
+            return storage, None
+        rebind = self.pool._rebindable(block, storage)
+        return None if rebind is None else (storage, rebind)
+
     def destination(self, block: Block):
         return self.pool._storage_over(block)
 
