@@ -22,10 +22,14 @@
 // - `collect()` hands Python every block made since the last call that still
 //   lives, with a weak reference to its storage, its owner thread and dtype,
 //   and the counters (allocations, frees, the peak of allocated bytes).
-// - The deleter takes only this object's mutex; it takes the GIL only to drop
-//   the pool reference when the last live block made here dies, and after the
-//   pool closed (to let the pool release its memory), like torch's own
-//   deleters of Python-owned memory. No exception crosses it.
+// - The deleter takes only this object's mutex, and never waits for the GIL.
+//   It runs Python only to drop the pool reference when the last live block
+//   made here dies, and after the pool closed (to let the pool release its
+//   memory): at once, taking the GIL, in a Python thread (one dropping a
+//   tensor); else as a pending call the main thread runs at its next check (a
+//   C++ worker thread Python never saw, freeing a tensor: waiting for the GIL
+//   there could abort the process if the interpreter began finalizing
+//   meanwhile). No exception crosses it.
 //
 // Not thread-safe against Python calls without the GIL: every Python-facing
 // method runs with the GIL held, and the deleter synchronizes on `mu`.
@@ -46,6 +50,7 @@
 
 #include <sys/stat.h>
 
+#include <new>
 #include <stdexcept>
 
 #include <array>
@@ -123,6 +128,34 @@ void unlink(Slot* s) {
   s->prev = s->next = nullptr;
 }
 
+// The Python side of a release, with the GIL held: after close, let the pool
+// give its memory back; when the last live block made here died, drop the pool
+// reference that block held (see FastPath::empty), even if a new block raced in.
+void pool_work(PyObject* pool, bool notify, bool last) {
+  if (notify) {
+    PyObject* result = PyObject_CallMethod(pool, "_release_after_close", nullptr);
+    if (result == nullptr) {
+      PyErr_WriteUnraisable(pool);  // never across the C boundary: logged by Python's hook
+    } else {
+      Py_DECREF(result);
+    }
+  }
+  if (last) Py_DECREF(pool);
+}
+
+struct PoolWork {
+  PyObject* pool;
+  bool notify, last;
+};
+
+// A pending call (Py_AddPendingCall): runs in the main thread with the GIL held.
+int run_pool_work(void* arg) {
+  auto* work = static_cast<PoolWork*>(arg);
+  pool_work(work->pool, work->notify, work->last);
+  delete work;
+  return 0;  // an error is already reported: a pending call must not leave one set
+}
+
 // Runs when the storage of a block made here is freed: any thread, GIL or not.
 void release_slot(void* ctx) noexcept {
   auto* slot = static_cast<Slot*>(ctx);
@@ -158,22 +191,29 @@ void release_slot(void* ctx) noexcept {
 #else
   if (_Py_IsFinalizing()) return;
 #endif
-  PyGILState_STATE gil = PyGILState_Ensure();
   PyObject* pool = st->pool;
-  if (notify && pool != nullptr) {
-    PyObject* result = PyObject_CallMethod(pool, "_release_after_close", nullptr);
-    if (result == nullptr) {
-      PyErr_WriteUnraisable(pool);  // never across the C boundary: logged by Python's hook
-    } else {
-      Py_DECREF(result);
-    }
+  if (pool == nullptr) return;
+  if (PyGILState_GetThisThreadState() != nullptr) {
+    // The usual case: a Python thread dropped the tensor (torch may have let go
+    // of the GIL while it frees the storage; this thread takes it back).
+    PyGILState_STATE gil = PyGILState_Ensure();
+    pool_work(pool, notify, last);
+    PyGILState_Release(gil);
+    return;
   }
-  if (last && pool != nullptr) {
-    // This block held the pool alive (see FastPath::empty); the transition to
-    // zero live blocks drops that reference, even if a new block raced in.
-    Py_DECREF(pool);
+  // A thread Python never saw (a C++ worker freeing a tensor): never wait for the GIL here.
+  // A thread that blocks on the GIL while the interpreter starts finalizing is
+  // ended by Python (a forced unwind through this noexcept function, which
+  // aborts the process). The main thread does the work at its next check for
+  // pending calls; if it never comes (the process is exiting), nothing is lost.
+  // Only for the last block, whose pool reference keeps the pool alive until
+  // then: an earlier release after close needs nothing (the last one lets the
+  // pool give everything back), and the pool it would name may be gone by then.
+  if (!last) return;
+  auto* work = new (std::nothrow) PoolWork{pool, notify, last};
+  if (work == nullptr || Py_AddPendingCall(run_pool_work, work) != 0) {
+    delete work;  // the queue is full: the pool reference stays (a leak, not a crash)
   }
-  PyGILState_Release(gil);
 }
 
 class FastPath {
