@@ -178,13 +178,7 @@ class _TorchMover:
         info = block.info
         if info is None or isinstance(info, SegmentInfo) or info.storage_ref is None:
             return None
-        storage = tz.strong_storage(info.storage_ref)
-        if storage is None:
-            return None
-        if self.pool._can_swap:
-            return storage, None
-        rebind = self.pool._rebindable(block, storage)
-        return None if rebind is None else (storage, rebind)
+        return self.hold(block)
 
     def destination(self, block: Block):
         return self.pool._storage_over(block)
