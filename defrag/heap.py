@@ -445,6 +445,3 @@ def _coalesced(ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
     lasts = [i - 1 for i in breaks] + [len(ranges) - 1]
     return [(starts[a], ends[b] - starts[a]) for a, b in zip(firsts, lasts)]
 
-
-def _swapped(pair: tuple[int, int]) -> tuple[int, int]:
-    return pair[1], pair[0]
