@@ -250,15 +250,14 @@ def compact_core(core: Core, mover: Mover, *, verify: bool = False, progress: bo
     core.flush_reuse()  # the plan and the destinations read the heap's free space
     with PhaseTimer(phases, "sync"):
         core.driver.synchronize()  # queued kernels may still use blocks we are about to move
-    report.stranded_before, report.fragmentation_before = _stranded(core)
+    report.stranded_before, report.fragmentation_before = core.stranded()
     report.pages_before = core.live_pages()
-    books = (core.space.mapped, core.empty_page_count())  # for pages_after (see _finish)
 
     if hole_for is None:
         try:
             _convey(core, mover, scope, engine, verify, report, automatic)
         except BaseException:
-            _finish(core, report, t_start, automatic, release, books)
+            _finish(core, report, t_start, automatic, release)
             raise
 
     with PhaseTimer(phases, "plan"):
@@ -299,7 +298,7 @@ def compact_core(core: Core, mover: Mover, *, verify: bool = False, progress: bo
         for _, _, layout in plans:
             layout.held.clear()  # strong references to the owners end here, error or not
         bar.close()
-        _finish(core, report, t_start, automatic, release, books)
+        _finish(core, report, t_start, automatic, release)
     for callback in list(callbacks):
         try:
             callback(report)
@@ -309,12 +308,8 @@ def compact_core(core: Core, mover: Mover, *, verify: bool = False, progress: bo
     return report
 
 
-def _finish(core: Core, report: CompactionReport, t_start: float, automatic: bool, release: bool,
-            books: tuple[int, int]) -> None:
-    """The end of every compaction, failed or not: release, the report's after-figures, the counters.
-
-    `books`: the core's mapped and empty-page counts when `report.pages_before` was taken.
-    """
+def _finish(core: Core, report: CompactionReport, t_start: float, automatic: bool, release: bool) -> None:
+    """The end of every compaction, failed or not: release, the report's after-figures, the counters."""
     phases = report.phases
     # Release the pages the moves emptied, even after a failed wave: earlier
     # waves' work is committed and their pages are free.
@@ -327,13 +322,8 @@ def _finish(core: Core, report: CompactionReport, t_start: float, automatic: boo
             except CudaError:
                 pass  # pages that could not be unmapped stay mapped and usable; state stays consistent
             report.unmapped_pages = mapped_before_release - core.space.mapped
-    report.stranded_after, report.fragmentation_after = _stranded(core)
-    # Pages holding data = mapped pages - empty mapped pages, as far as changes go: a page
-    # gaining or losing its last block moves the empty count alone, and mapping or unmapping
-    # (empty pages only) moves both counts alike. So no pass over the page counts (after the
-    # copy, that numpy reduction runs with cold caches).
-    mapped0, empty0 = books
-    report.pages_after = report.pages_before + (core.space.mapped - mapped0) - (core.empty_page_count() - empty0)
+    report.stranded_after, report.fragmentation_after = core.stranded()
+    report.pages_after = core.live_pages()
     report.released_pages = max(report.pages_before - report.pages_after, 0)
     report.seconds = time.perf_counter() - t_start
     c = core.counters
@@ -344,19 +334,6 @@ def _finish(core: Core, report: CompactionReport, t_start: float, automatic: boo
     c["compaction.released_pages"] += report.released_pages
     if core.history is not None:
         core.history.compacted(report)
-
-
-def _stranded(core: Core) -> tuple[int, float]:
-    """`stranded_bytes` and `fragmentation` exactly as `Core.stats_locked` gives them, without the other
-    statistics (that builds ~50 figures and walks every block twice; a compaction reads these two).
-
-    Free bytes in the heaps (ranges kept for reuse returned first) beyond the
-    empty mapped pages, and their share of the mapped bytes.
-    """
-    heap_free = sum(core.heap(region).free_bytes() for region in core.regions)
-    stranded = heap_free - core.empty_page_count() * core.page_size
-    reserved = core.space.mapped * core.page_size
-    return stranded, (stranded / reserved if reserved else 0.0)
 
 
 def _page_budget(core: Core, automatic: bool) -> int:
@@ -560,7 +537,7 @@ def _run_wave(core: Core, mover: Mover, region, plan: ArrayPlan, a: int, b: int,
     with PhaseTimer(phases, "release"):
         dests.clear()
         if lets_go:
-            core.forget_moved(olds)  # vacated before the copy; their queued releases find nothing to do
+            core.forget(olds)  # vacated before the copy; their queued releases find nothing to do
         core.drain()
         core.flush_reuse()  # later waves' destinations lie in what this one vacated
 

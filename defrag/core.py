@@ -425,7 +425,7 @@ class Core:
         `olds` gets a destination block at the same index of `addresses` (taken from the heap, same
         size and owner; retired and not counted until the commit swaps it in). With `vacate`, the
         old ranges also go back to the heap and off their pages now; the old blocks stay recorded
-        (their owners still use them) until `forget_moved`.
+        (their owners still use them) until `forget`.
 
         Vacating early is for a wave whose face lets go of the old ranges at the commit: the
         wave's copy still reads them, but nothing can allocate them before the gate is released,
@@ -446,19 +446,14 @@ class Core:
             self._account_many(region, addresses, sizes, +1)
             txn.on_rollback(self._account_many, region, addresses, sizes, -1)
         self._blocks.update(zip(addresses, blocks))
-        txn.on_rollback(self._forget, blocks)
+        txn.on_rollback(self.forget, blocks)
         return blocks
 
-    def _forget(self, blocks: list[Block]) -> None:
-        """Undo step: drop the records of destination blocks that were never swapped in."""
-        for block in blocks:
-            if self._blocks.get(block.address) is block:
-                del self._blocks[block.address]
-
-    def forget_moved(self, blocks: list[Block]) -> None:
-        """Drop the records of blocks `vacate` freed, once their wave committed (the gate is held).
-        Their releases, still queued, then find nothing to do (`drain` frees a block only while
-        the core still holds it)."""
+    def forget(self, blocks: list[Block]) -> None:
+        """Drop the records of blocks whose ranges `begin_moves` already settled with the heap and the
+        pages (the gate is held): the old blocks it vacated, once their wave committed, or, as its
+        undo step, destination blocks never swapped in. Releases still queued for them then find
+        nothing to do (`drain` frees a block only while the core still holds it)."""
         history = self.history
         for block in blocks:
             if self._blocks.get(block.address) is block:
@@ -957,16 +952,24 @@ class Core:
                            "active_bytes": c["allocated_bytes"] + c["pending_bytes"],
                            "reserved_bytes": self.space.mapped * self.page_size})
 
+    def stranded(self) -> tuple[int, float]:
+        """(`stranded_bytes`, `fragmentation`) as `stats_locked` gives them, without the other figures:
+        free bytes in the heaps (ranges kept for reuse returned first) beyond the empty mapped
+        pages, and their share of the mapped bytes."""
+        self.flush_reuse()
+        stranded = sum(h.free_bytes() for h in self._heaps) - self._empty * self.page_size
+        reserved = self.space.mapped * self.page_size
+        return stranded, (stranded / reserved if reserved else 0.0)
+
     def stats_locked(self) -> dict:
         """Counters and gauges in PyTorch's key grammar (the gate is held; see `Pool.stats`)."""
-        self.flush_reuse()
+        stranded, fragmentation = self.stranded()
         P = self.page_size
         allocated = self.counters["allocated_bytes"]
         pending = self.counters["pending_bytes"]
         mapped = self.space.mapped
         empty = self.empty_page_count()
-        heap_free = sum(h.free_bytes() for h in self._heaps)
-        stranded = heap_free - empty * P
+        heap_free = stranded + empty * P
         store = self.space.store
         free_pages = len(store.cached) + (0 if store.device_full else store.creatable) + empty
         if free_pages >= 1:
@@ -1002,7 +1005,7 @@ class Core:
             "free_inside_mapped_bytes": heap_free,
             "stranded_bytes": stranded,
             "largest_free_bytes": largest,
-            "fragmentation": stranded / reserved if reserved else 0.0,
+            "fragmentation": fragmentation,
             "num_compactions": c["num_compactions"],
             "num_compactions.explicit": c["num_compactions.explicit"],
             "num_compactions.automatic": c["num_compactions.automatic"],
