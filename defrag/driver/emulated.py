@@ -16,11 +16,23 @@ It is an emulation of the mechanism, not a mock of the results:
   memfd over each unmapped granule, so that a stale access is recorded
   (`touched_unmapped()`) instead of killing the process (a GPU reports it as
   an illegal address; a host would segfault);
-- copies are memmove, memset is memset, and the "device" is always idle, so
-  synchronization is a no-op.
+- copies are memmove, memset is memset; by default every call completes
+  before it returns. Asynchrony is modelled where a test asks for it: with
+  `async_work = True` device-to-device copies and memsets are queued and run
+  at the next synchronize, and `defer_write` queues a write on a side stream
+  that only a device-wide `cuCtxSynchronize` waits for (a kernel still in
+  flight on another stream). Queued work whose target was unmapped meanwhile
+  makes that synchronize return CUDA_ERROR_ILLEGAL_ADDRESS, as a GPU does;
+- the current context is per thread, as in the driver: `cuCtxSetCurrent` /
+  `cuCtxGetCurrent`; mapping, unmapping, access, copies, memsets, stream
+  queries and synchronization fail with CUDA_ERROR_INVALID_CONTEXT on a
+  thread with none, and a synchronize waits only for the current context's
+  device.
 
 It enforces the rules a GPU enforces and answers with the error a GPU answers:
-granularity alignment of sizes, addresses and offsets; mapping only inside one
+granularity alignment of sizes, addresses and offsets (and, with
+`zero_map_offset`, a `cuMemMap` offset of zero, the only one CUDA accepts
+today); mapping only inside one
 reservation and never over a mapped range; unmapping only whole mappings;
 access only on mapped ranges; a device capacity beyond which `cuMemCreate`
 returns CUDA_ERROR_OUT_OF_MEMORY; aliasing (one handle mapped at two addresses
@@ -48,8 +60,7 @@ its own, with its own capacity (`host_capacity`), separate from the device's:
   CUDA_ERROR_INVALID_VALUE, where a GPU would accept pageable memory: on the
   host a wrong pointer would crash the process).
 
-What it does not emulate: asynchrony (every call completes before it returns),
-multiple devices' peer access, IPC handles, and the exact error codes of corner
+What it does not emulate: asynchrony unless asked (above), multiple devices' peer access, IPC handles, and the exact error codes of corner
 cases the CUDA documentation leaves open (those return CUDA_ERROR_INVALID_VALUE).
 """
 
@@ -143,6 +154,17 @@ class _Reservation:
     size: int
 
 
+SIDE_STREAM = -1  # `defer_write`'s stream: only a device-wide synchronize waits for it
+
+
+@dataclass
+class _Queued:
+    """Work queued on a device (see `async_work`, `defer_write`), run at a synchronize."""
+    device: int
+    stream: int
+    run: object  # callable(): False where its target is no longer mapped with access
+
+
 class EmulatedCuda:
     """One emulated GPU (or several identical ones) on host memory.
 
@@ -153,7 +175,8 @@ class EmulatedCuda:
 
     def __init__(self, *, capacity: int = DEFAULT_CAPACITY, granularity: int = DEFAULT_GRANULARITY,
                  device_count: int = 1, name: str = "defrag emulated device",
-                 host_capacity: int = DEFAULT_HOST_CAPACITY, host_pages: bool = True):
+                 host_capacity: int = DEFAULT_HOST_CAPACITY, host_pages: bool = True,
+                 host_numa_attributes: bool = True):
         page = mmap.PAGESIZE
         if granularity <= 0 or granularity % page:
             raise ValueError(f"granularity must be a positive multiple of the host page size ({page}), got {granularity}")
@@ -169,8 +192,15 @@ class EmulatedCuda:
         self.host_capacity = int(host_capacity)  # host-located pages and pinned buffers, apart from `capacity`
         self.host_used = 0
         self.host_pages = bool(host_pages)  # whether cuMemCreate accepts a host NUMA location
+        # False: the host NUMA attributes are unknown to this "driver" (CUDA_ERROR_INVALID_VALUE), as on
+        # 12.x drivers older than those attributes, whatever `host_pages` says.
+        self.host_numa_attributes = bool(host_numa_attributes)
         self._pinned: dict[int, int] = {}  # cuMemAllocHost base -> size
         self.capturing = False  # tests flip this to emulate CUDA graph capture
+        # cuMemMap's offset "currently must be zero" (CUDA driver API). True refuses any other offset
+        # with CUDA_ERROR_INVALID_VALUE, as CUDA does (the GPU rehearsal's devices); False also maps
+        # granularity-aligned offsets into a handle, which older tests of the emulation rely on.
+        self.zero_map_offset = False
         self._lock = threading.RLock()
         self._initialized = False
         self._handles: dict[int, _Physical] = {}
@@ -180,6 +210,11 @@ class EmulatedCuda:
         self._mappings: dict[int, _Mapping] = {}
         self._map_starts: list[int] = []
         self._contexts: dict[int, int] = {}  # context id -> retain count
+        self._thread = threading.local()  # .ctx: the calling thread's current context (0: none)
+        self.async_work = False  # tests: queue DtoD copies and memsets until a synchronize, as a GPU runs them
+        self._queued: list[_Queued] = []
+        self.late_faults = 0  # queued work that found its target unmapped (an illegal address on a GPU)
+        self._closing = False
         self.calls: dict[str, int] = {}
         self._tombstone: int | None = None  # memfd mapped over every unmapped granule (see _bury)
 
@@ -298,6 +333,8 @@ class EmulatedCuda:
         if not 0 <= int(dev) < self.device_count:
             return (R.CUDA_ERROR_INVALID_DEVICE, 0)
         a = cu.CUdevice_attribute
+        if not self.host_numa_attributes:
+            return (R.CUDA_ERROR_INVALID_VALUE, 0)
         if attrib == a.CU_DEVICE_ATTRIBUTE_HOST_NUMA_ID:
             return (R.CUDA_SUCCESS, HOST_NUMA_NODE if self.host_pages else -1)
         if attrib == a.CU_DEVICE_ATTRIBUTE_HOST_NUMA_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED:
@@ -326,24 +363,83 @@ class EmulatedCuda:
         self._count("cuCtxSetCurrent")
         if int(ctx) and int(ctx) not in self._contexts:
             return (R.CUDA_ERROR_INVALID_CONTEXT,)
+        self._thread.ctx = int(ctx)
         return (R.CUDA_SUCCESS,)
+
+    def cuCtxGetCurrent(self):
+        self._count("cuCtxGetCurrent")
+        return (R.CUDA_SUCCESS, cu.CUcontext(getattr(self._thread, "ctx", 0)))
+
+    def _current_device(self) -> int | None:
+        """The device whose context is current on the calling thread, None when none is."""
+        if self._closing:
+            return 0
+        ctx = getattr(self._thread, "ctx", 0)
+        return ctx - 0xC000 if ctx in self._contexts else None
 
     def cuCtxSynchronize(self):
         self._count("cuCtxSynchronize")
-        return (R.CUDA_SUCCESS,)
+        device = self._current_device()
+        if device is None:
+            return (R.CUDA_ERROR_INVALID_CONTEXT,)
+        return self._run_queued(lambda q: q.device == device)
 
     def cuStreamSynchronize(self, stream):
         self._count("cuStreamSynchronize")
-        return (R.CUDA_SUCCESS,)
+        device = self._current_device()
+        if device is None:
+            return (R.CUDA_ERROR_INVALID_CONTEXT,)
+        stream = int(stream)
+        return self._run_queued(lambda q: q.device == device and q.stream == stream)
+
+    def _run_queued(self, chosen):
+        """Run the queued work `chosen` selects, oldest first; CUDA_ERROR_ILLEGAL_ADDRESS if any of it
+        found its target unmapped (the rest still runs, as other streams on a GPU would)."""
+        with self._lock:
+            run = [q for q in self._queued if chosen(q)]
+            if not run:
+                return (R.CUDA_SUCCESS,)
+            self._queued = [q for q in self._queued if not chosen(q)]
+            faults = sum(1 for q in run if not q.run())
+            self.late_faults += faults
+        return (R.CUDA_ERROR_ILLEGAL_ADDRESS,) if faults else (R.CUDA_SUCCESS,)
+
+    def defer_write(self, ptr: int, data: bytes, device: int = 0) -> None:
+        """Queue a write of `data` at `ptr` on a side stream of `device` (a test aid).
+
+        It lands at that device's next `cuCtxSynchronize`, through whatever is
+        mapped at `ptr` then, like a kernel still running on another stream;
+        nothing else (a copy on the legacy stream, a stream synchronize)
+        waits for it.
+        """
+        ptr, data = int(ptr), bytes(data)
+
+        def run() -> bool:
+            if not self._accessible(ptr, len(data), True):
+                return False
+            ctypes.memmove(ptr, data, len(data))
+            return True
+
+        with self._lock:
+            self._queued.append(_Queued(int(device), SIDE_STREAM, run))
+
+    def queued(self) -> int:
+        """How many queued operations have not run yet (a test aid)."""
+        with self._lock:
+            return len(self._queued)
 
     def cuStreamIsCapturing(self, stream):
         self._count("cuStreamIsCapturing")
+        if self._current_device() is None:
+            return (R.CUDA_ERROR_INVALID_CONTEXT, cu.CUstreamCaptureStatus.CU_STREAM_CAPTURE_STATUS_NONE)
         status = cu.CUstreamCaptureStatus
         return (R.CUDA_SUCCESS,
                 status.CU_STREAM_CAPTURE_STATUS_ACTIVE if self.capturing else status.CU_STREAM_CAPTURE_STATUS_NONE)
 
     def cuMemGetInfo(self):
         self._count("cuMemGetInfo")
+        if self._current_device() is None:
+            return (R.CUDA_ERROR_INVALID_CONTEXT, 0, 0)
         with self._lock:
             return (R.CUDA_SUCCESS, self.capacity - self.used, self.capacity)
 
@@ -444,9 +540,12 @@ class EmulatedCuda:
     def cuMemMap(self, ptr, size, offset, handle, flags):
         self._count("cuMemMap")
         ptr, size, offset, handle = int(ptr), int(size), int(offset), int(handle)
+        if self._current_device() is None:
+            return (R.CUDA_ERROR_INVALID_CONTEXT,)
         with self._lock:
             phys = self._handles.get(handle)
             if (phys is None or phys.released or size <= 0 or int(flags) != 0
+                    or (offset != 0 and self.zero_map_offset)
                     or not self._aligned(ptr, size, offset) or offset + size > phys.size
                     or self._reservation_of(ptr, size) is None or self._mappings_in(ptr, size)):
                 return (R.CUDA_ERROR_INVALID_VALUE,)
@@ -459,6 +558,8 @@ class EmulatedCuda:
     def cuMemUnmap(self, ptr, size):
         self._count("cuMemUnmap")
         ptr, size = int(ptr), int(size)
+        if self._current_device() is None:
+            return (R.CUDA_ERROR_INVALID_CONTEXT,)
         with self._lock:
             if size <= 0 or not self._aligned(ptr, size):
                 return (R.CUDA_ERROR_INVALID_VALUE,)
@@ -485,6 +586,8 @@ class EmulatedCuda:
         for d in descs:
             if not isinstance(d, cu.CUmemAccessDesc):
                 raise TypeError(f"desc entries must be CUmemAccessDesc, got {type(d).__name__}")
+        if self._current_device() is None:
+            return (R.CUDA_ERROR_INVALID_CONTEXT,)
         with self._lock:
             if count != len(descs) or count < 1 or size <= 0 or not self._aligned(ptr, size):
                 return (R.CUDA_ERROR_INVALID_VALUE,)
@@ -514,31 +617,56 @@ class EmulatedCuda:
     # ---------------------------------------------------------------- copies
     def cuMemcpyDtoDAsync(self, dst, src, nbytes, stream):
         self._count("cuMemcpyDtoDAsync")
-        return self._memcpy(int(dst), int(src), int(nbytes))
+        return self._memcpy(int(dst), int(src), int(nbytes), int(stream))
 
     def cuMemcpyDtoD(self, dst, src, nbytes):
         self._count("cuMemcpyDtoD")
-        return self._memcpy(int(dst), int(src), int(nbytes))
+        return self._memcpy(int(dst), int(src), int(nbytes), None)
 
-    def _memcpy(self, dst: int, src: int, nbytes: int):
+    def _memcpy(self, dst: int, src: int, nbytes: int, stream: int | None):
+        """A copy, checked now; run now, or queued on `stream` under `async_work` (None: synchronous)."""
+        device = self._current_device()
+        if device is None:
+            return (R.CUDA_ERROR_INVALID_CONTEXT,)
         if nbytes == 0:
             return (R.CUDA_SUCCESS,)
         with self._lock:
             if nbytes < 0 or not self._accessible(src, nbytes, False) or not self._accessible(dst, nbytes, True):
                 return (R.CUDA_ERROR_INVALID_VALUE,)
-            self._host_copy(dst, src, nbytes)
-            return (R.CUDA_SUCCESS,)
+
+            def run() -> bool:
+                if not (self._accessible(src, nbytes, False) and self._accessible(dst, nbytes, True)):
+                    return False
+                self._host_copy(dst, src, nbytes)
+                return True
+            return self._issue(device, stream, run)
+
+    def _issue(self, device: int, stream: int | None, run):
+        """Run `run` now, or queue it on `stream` when `async_work` is on (lock held)."""
+        if self.async_work and stream is not None:
+            self._queued.append(_Queued(device, stream, run))
+        elif not run():
+            return (R.CUDA_ERROR_ILLEGAL_ADDRESS,)
+        return (R.CUDA_SUCCESS,)
 
     def cuMemsetD8Async(self, dst, value, nbytes, stream):
         self._count("cuMemsetD8Async")
-        dst, nbytes = int(dst), int(nbytes)
+        dst, nbytes, value = int(dst), int(nbytes), int(value) & 0xFF
+        device = self._current_device()
+        if device is None:
+            return (R.CUDA_ERROR_INVALID_CONTEXT,)
         if nbytes == 0:
             return (R.CUDA_SUCCESS,)
         with self._lock:
             if nbytes < 0 or not self._accessible(dst, nbytes, True):
                 return (R.CUDA_ERROR_INVALID_VALUE,)
-            self._host_set(dst, int(value) & 0xFF, nbytes)
-            return (R.CUDA_SUCCESS,)
+
+            def run() -> bool:
+                if not self._accessible(dst, nbytes, True):
+                    return False
+                self._host_set(dst, value, nbytes)
+                return True
+            return self._issue(device, int(stream), run)
 
     # ---------------------------------------------------------------- pinned host buffers
     def cuMemAllocHost(self, bytesize):
@@ -583,6 +711,13 @@ class EmulatedCuda:
     def _pinned_copy(self, dst: int, src: int, nbytes: int, *, to_device: bool):
         """A copy between device memory and a pinned host buffer: the device end must be mapped with
         read (DtoH) or write (HtoD) access, the host end inside one pinned buffer."""
+        current = self._current_device()
+        if current is None:
+            return (R.CUDA_ERROR_INVALID_CONTEXT,)
+        # Synchronous, on the legacy stream: what was queued there runs first.
+        ran = self._run_queued(lambda q: q.device == current and q.stream == 0)
+        if ran[0] != R.CUDA_SUCCESS:
+            return ran
         if nbytes == 0:
             return (R.CUDA_SUCCESS,)
         device, host = (dst, src) if to_device else (src, dst)
@@ -740,8 +875,10 @@ class EmulatedCuda:
                     "reservations": len(self._reservations), "used_bytes": self.used}
 
     def close(self) -> None:
-        """Tear down everything still held (a process exit for this device)."""
+        """Tear down everything still held (a process exit for this device), from any thread."""
         with self._lock:
+            self._closing = True  # a process exit needs no current context
+            self._queued.clear()
             for va in list(self._map_starts):
                 m = self._mappings[va]
                 self.cuMemUnmap(m.va, m.size)

@@ -283,6 +283,71 @@ def test_map_rejects_offset_plus_size_beyond_handle(drv):
     drv.map(va, G, h, G)
 
 
+def test_zero_map_offset_refuses_any_nonzero_offset_like_cuda(drv):
+    """cuMemMap's offset "currently must be zero": with `zero_map_offset` (the GPU rehearsal's devices)
+    the emulation answers CUDA_ERROR_INVALID_VALUE, through the driver layer's CudaError, and maps nothing."""
+    drv.api.zero_map_offset = True
+    h = drv.create(4 * G)
+    va = drv.reserve(4 * G)
+    expect_error(drv, drv.map, va, G, h, G, call="cuMemMap")          # aligned, inside the handle
+    expect_error(drv, drv.map, va, 2 * G, h, 2 * G, call="cuMemMap")
+    drv.map(va, 4 * G, h)                                             # offset 0 maps
+    drv.set_access(va, 4 * G)
+    write(va + 3 * G, b"zero")
+    assert read(va + 3 * G, 4) == b"zero"
+
+
+def test_gpu_rehearsal_devices_refuse_a_nonzero_map_offset():
+    """tests/gpu's emulated devices (DEFRAG_GPU_REHEARSAL=1) catch a GPU test or a pool that maps at an offset."""
+    from tests.gpu import conftest as gpu_conftest
+
+    d = gpu_conftest.emulated_device(4 << 20)
+    try:
+        P = d.granularity
+        h = d.create(2 * P)
+        va = d.reserve(2 * P)
+        expect_error(d, d.map, va, P, h, P, call="cuMemMap")
+        d.map(va, 2 * P, h)
+        d.unmap(va, 2 * P)
+        d.release(h)
+        d.free_address(va, 2 * P)
+    finally:
+        d.api.close()
+        d.close()
+
+
+class _HostPageReservations(EmulatedCuda):
+    """A device whose cuMemAddressReserve takes any host-page multiple (the CUDA driver may), rounded up inside."""
+
+    def _round(self, size) -> int:
+        size, G = int(size), self.granularity
+        return -(-size // G) * G if size % 4096 == 0 else size
+
+    def cuMemAddressReserve(self, size, alignment, addr, flags):
+        return super().cuMemAddressReserve(self._round(size), alignment, addr, flags)
+
+    def cuMemAddressFree(self, ptr, size):
+        return super().cuMemAddressFree(ptr, self._round(size))
+
+
+def test_gpu_misaligned_reserve_check_frees_a_reservation_the_gpu_accepts():
+    """tests/gpu's misalignment test on a GPU that accepts reserve(granularity + 4096): passes, leaks nothing."""
+    from tests.gpu import test_driver_gpu as gpu_tests
+
+    api = _HostPageReservations(capacity=16 * (2 << 20), granularity=2 << 20)
+    d = Driver(api, 0, kind="cuda")
+    held = gpu_tests.Held(d)
+    try:
+        gpu_tests.test_gpu_misaligned_sizes_addresses_and_offsets(held, d)
+    finally:
+        held.close()
+    try:
+        assert api.state() == {"handles": 0, "mappings": 0, "reservations": 0, "used_bytes": 0}
+    finally:
+        api.close()
+        d.close()
+
+
 def test_map_rejects_addresses_outside_a_reservation(drv):
     h = drv.create(2 * G)
     va = drv.reserve(2 * G)

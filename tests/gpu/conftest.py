@@ -15,7 +15,8 @@ Three modes, decided once per session (`MODE`):
 
 Fixtures: `make_pool` (pools on the test's device; in a rehearsal, each on its
 own emulated device, checked for leaks after close), `gpu_driver` (a
-`defrag.driver.Driver`: the GPU's, or an emulated one with 2 MiB pages) and
+`defrag.driver.Driver`: the GPU's, or an emulated one with 2 MiB pages; the
+emulated devices here refuse a non-zero `cuMemMap` offset, as CUDA does) and
 `figures` (measurements a test reports, never asserts on: printed at the end
 of the run and appended as JSON lines to
 ``$DEFRAG_GPU_FIGURES`` when that is set; gpu_check puts them in its report).
@@ -116,8 +117,13 @@ def sync(pool_or_device=None) -> None:
 
 
 def emulated_device(capacity: int) -> Driver:
-    """A fresh emulated device with the GPU's 2 MiB pages and room for `capacity` plus slack."""
-    return Driver.emulated(capacity=2 * int(capacity) + 16 * GPU_PAGE, granularity=GPU_PAGE)
+    """A fresh emulated device with the GPU's 2 MiB pages and room for `capacity` plus slack.
+
+    Like CUDA, it refuses a non-zero `cuMemMap` offset (`zero_map_offset`).
+    """
+    d = Driver.emulated(capacity=2 * int(capacity) + 16 * GPU_PAGE, granularity=GPU_PAGE)
+    d.api.zero_map_offset = True
+    return d
 
 
 @pytest.fixture
@@ -154,6 +160,8 @@ def make_pool():
 def gpu_driver():
     """The GPU's driver (`Driver.cuda(0)`), or in a rehearsal an emulated device with 2 MiB pages (1 GiB)."""
     d = Driver.cuda(0) if MODE == "cuda" else Driver.emulated(capacity=1 << 30, granularity=GPU_PAGE)
+    if d.kind == "emulated":
+        d.api.zero_map_offset = True  # CUDA's rule: cuMemMap's offset must be 0
     yield d
     if d.kind == "emulated":
         d.api.close()
