@@ -1,6 +1,14 @@
-"""Draw docs/img/design-layers.png, the layer picture of docs/design.md.
+"""Draw docs/img/design-layers.png, the layer picture of docs/design.md, and the guide's compaction picture.
 
-    python docs/make_design_pictures.py            # writes docs/img/design-layers.png
+    python docs/make_design_pictures.py            # writes docs/img/design-layers.png and guide-compaction.png
+    python docs/make_design_pictures.py guide      # only docs/img/guide-compaction.png
+
+docs/img/guide-compaction.png (docs/guide.md, "Observability") is not drawn by
+hand: `draw_guide_compaction` runs a small serving-like workload on a private
+emulated device, compacts the pool as `pool.compact()` does by default, and
+draws `defrag.viz.plot_compaction` of the layouts before and after. Run it
+again whenever compaction or the picture changes, and check the guide's text
+under the picture against the numbers it prints.
 
 Boxes and arrows only (matplotlib, Agg canvas; no display needed). Keep it in
 step with the "Layers" section of docs/design.md and with the import rules that
@@ -166,5 +174,56 @@ def draw(path: pathlib.Path = OUT) -> pathlib.Path:
     return path
 
 
+GUIDE_OUT = OUT.parent / "guide-compaction.png"
+
+
+def draw_guide_compaction(path: pathlib.Path = GUIDE_OUT, seed: int = 0) -> dict:
+    """The guide's picture: KV caches of 128 KiB to 1 MiB, 3 of 4 finished out of order, one pinned.
+
+    A 64 MiB pool of 2 MiB pages on a private emulated device, filled to
+    60 MiB; then `pool.compact()` with its defaults (the
+    emptied pages stay mapped and free). Returns the figures the guide's text
+    quotes.
+    """
+    import random
+
+    import torch
+
+    import defrag
+    from defrag.driver import Driver
+    from defrag.viz import layout_totals, plot_compaction
+
+    rng = random.Random(seed)
+    drv = Driver.emulated(capacity=128 << 20, granularity=2 << 20)
+    with defrag.Pool(device=drv, capacity="64MiB", auto_compact=False) as pool:
+        caches = []
+        while pool.stats()["allocated_bytes.all.current"] < 60 << 20:  # most of the 32 pages
+            caches.append(pool.empty((rng.choice((128, 256, 512, 1024)) << 10,), dtype=torch.uint8))
+        rng.shuffle(caches)
+        survivors = caches[: len(caches) // 4]  # 3 of every 4 requests finish, in random order
+        del caches
+        pinned = max(survivors, key=lambda t: t.numel())  # a large one, to be seen
+        pool.pin(pinned)  # e.g. its address was handed to a CUDA graph
+        before = pool.layout()
+        report = pool.compact()
+        after = pool.layout()
+        path.parent.mkdir(parents=True, exist_ok=True)
+        plot_compaction(before, after, path, report=report)
+        tb, ta = layout_totals(before), layout_totals(after)
+        figures = {"path": str(path), "survivors": len(survivors), "moved": report.moved_tensors,
+                   "pages_before": report.pages_before, "pages_after": report.pages_after,
+                   "released": report.released_pages, "unmapped": report.unmapped_pages,
+                   "mapped_before": tb["pages_mapped"], "mapped_after": ta["pages_mapped"],
+                   "cached_after": ta["pages_cached"]}
+        pool.unpin(pinned)
+        del survivors, pinned
+    return figures
+
+
 if __name__ == "__main__":
-    print(draw(pathlib.Path(sys.argv[1]) if len(sys.argv) > 1 else OUT))
+    if sys.argv[1:] == ["guide"]:
+        print(draw_guide_compaction())
+    else:
+        print(draw(pathlib.Path(sys.argv[1]) if len(sys.argv) > 1 else OUT))
+        if len(sys.argv) == 1:
+            print(draw_guide_compaction())
