@@ -8,7 +8,7 @@ pool stitches free pages into one virtual range for a large request.
 from .capture import TorchAllocator, install
 from .compactor import CompactionReport
 from .errors import (CompactionError, ConcurrencyError, CudaError, CudaOutOfMemoryError, NotSupportedError,
-                     PoolAsleepError, PoolClosedError, ResidencyError, StaleAccessError)
+                     PoolAsleepError, PoolClosedError, ResidencyError, SettingError, StaleAccessError)
 from .oom import OutOfMemoryError
 from .pool import LiveTensor, Pool, compact, open_pools, save_snapshot
 from .residency import ResidencyReport
@@ -24,5 +24,5 @@ __all__ = [
     "ConcurrencyError", "CudaError", "CudaOutOfMemoryError", "OutOfMemoryError", "PoolClosedError", "StaleAccessError",
     "parse_size", "format_bytes", "TorchAllocator", "install",
     "distributed", "CollectiveError",
-    "ResidencyReport", "ResidencyError", "PoolAsleepError", "NotSupportedError",
+    "ResidencyReport", "ResidencyError", "PoolAsleepError", "NotSupportedError", "SettingError",
 ]

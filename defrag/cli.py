@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 
 from .arguments import UsageError
@@ -96,6 +97,13 @@ class _OneLineParser(argparse.ArgumentParser):
     """argparse's own errors (a missing or unknown argument, a bad choice) as one line and exit code 2,
     like every other bad argument; `--help` still prints the usage."""
 
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        # A value that starts like a negative number ("--capacity -1GiB") is a value, so that its own
+        # check names what is wrong with it, not argparse's "expected one argument". No option of
+        # ours looks like "-<digit>".
+        self._negative_number_matcher = re.compile(r"^-\.?\d")
+
     def error(self, message: str):
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
@@ -122,9 +130,14 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("replay", help="replay an allocation trace or PyTorch memory snapshot")
     p.add_argument("path", help="a defrag trace (.jsonl/.json) or a torch.cuda.memory._dump_snapshot pickle")
-    p.add_argument("--capacity", required=True, help="pool capacity, e.g. 80GiB")
+    p.add_argument("--capacity", default=None,
+                   help="pool capacity, e.g. 80GiB (required for a defrag trace; a snapshot's default: the GPU "
+                        "at its OOM, reserved + free, else PyTorch's recorded peak reserved)")
     p.add_argument("--dry", action="store_true", help="the pool's own code over a memory-less device: no bytes are mapped or copied")
     p.add_argument("--json", default=None, help="write the results as JSON to this path")
+    p.add_argument("--plot", default=None, help="draw live and reserved bytes over time per allocator and device (PNG)")
+    p.add_argument("--snapshot-device", type=int, default=None,
+                   help="replay only this device of a snapshot (default: every device with recorded actions)")
     p.add_argument("--device", default=None, help="'emulated' or 'cuda:N'")
     p.set_defaults(func=replay)
     return parser
@@ -141,9 +154,11 @@ def main(argv=None) -> int:
         print(f"defrag {args.command}: error: unrecognized arguments: {' '.join(extra)} "
               f"(see defrag {args.command} --help)", file=sys.stderr)
         return 2
+    from .errors import SettingError
+
     try:
         return int(args.func(args) or 0)
-    except UsageError as exc:
+    except (UsageError, SettingError) as exc:  # a bad argument, or a DEFRAG_* variable it cannot use
         print(f"defrag {args.command}: error: {exc}", file=sys.stderr)
         return 2
 

@@ -232,6 +232,11 @@ def compact_core(core: Core, mover: Mover, *, verify: bool = False, progress: bo
     """
     if scope is None:
         scope = core.scope(None)
+    for name, value in (("verify", verify), ("release", release)):
+        if not isinstance(value, bool):
+            raise TypeError(f"compact({name}=...) takes True or False, got {value!r}; nothing was moved")
+    if progress is not None and not isinstance(progress, bool):
+        raise TypeError(f"compact(progress=...) takes True, False or None, got {progress!r}; nothing was moved")
     engine = engine or default_engine(core.kind)
     if engine not in ENGINES:
         raise ValueError(f"unknown copy engine {engine!r}; expected one of {ENGINES}")

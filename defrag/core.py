@@ -197,7 +197,15 @@ class Core:
         self.front = None
         self.counters: collections.Counter = collections.Counter()
         self.peaks: collections.Counter = collections.Counter()
-        self.add_region(self.capacity_pages * max(1, int(virtual_factor)))
+        npages = self.capacity_pages * max(1, int(virtual_factor))
+        try:
+            self.add_region(npages)
+        except CudaOutOfMemoryError as exc:
+            raise ValueError(
+                f"{label}: capacity {format_bytes(self.capacity)} needs {format_bytes(npages * page_size)} of "
+                f"virtual address space ({max(1, int(virtual_factor))} x the capacity), which the {driver.kind} "
+                f"device cannot reserve ({exc.name}); the device has {format_bytes(driver.total_memory)} of "
+                f"memory in all: ask for a capacity up to that") from None
 
     # ------------------------------------------------------------------ read-only views
     @property
@@ -229,21 +237,40 @@ class Core:
         return region
 
     def check_open(self) -> None:
-        """PoolClosedError after close; StaleAccessError if unmapped memory was touched (emulated device)."""
+        """PoolClosedError after close; StaleAccessError if unmapped memory was touched (emulated
+        device); PoolAsleepError while the pool sleeps."""
         if self.closed:
             raise PoolClosedError(f"{self.label} is closed")
-        if self.space.sleeping:  # issue 15: defrag.residency
+        self.check_untouched()
+        if self.space.sleeping:
             raise PoolAsleepError(
                 f"{self.label} is asleep (pool.sleep()): its tensors have no device memory until pool.wake(). "
                 f"Only stats(), summary(), layout(), snapshot(), live_tensors(), wake() and close() work now")
+
+    def check_untouched(self) -> None:
+        """StaleAccessError if unmapped memory of this device was read or written since the last check.
+
+        The emulated device records such accesses (a GPU raises its own
+        illegal-address error instead); the count is reset by the check, so
+        each access is reported once, at the first pool call after it. The
+        message names the likely cause: the pool being asleep, else a
+        compaction that moved what a thread was still using.
+        """
         touched = self.driver.touched_unmapped()
-        if touched:
+        if not touched:
+            return
+        if self.space.sleeping:
             raise StaleAccessError(
-                f"{format_bytes(touched)} of unmapped {self.kind} device memory was read or written since the "
-                f"last pool call: a thread kept using an address after a compaction moved what was there and "
-                f"its page was unmapped (on a GPU: an illegal-address error). Those reads saw zeros and those "
-                f"writes were dropped; the pool's tensors are intact. Usual cause: a tensor handed to another "
-                f"thread without pool.claim(t) or pool.share(t), or a raw data_ptr() kept (pin such tensors).")
+                f"{format_bytes(touched)} of {self.label}'s memory was read or written while the pool was asleep "
+                f"(pool.sleep() unmapped every device page): those reads saw zeros and those writes were dropped. "
+                f"The bytes sleep() kept are intact and come back with pool.wake(); use the pool's tensors only "
+                f"after wake(). The pool is still asleep.")
+        raise StaleAccessError(
+            f"{format_bytes(touched)} of unmapped {self.kind} device memory was read or written since the "
+            f"last pool call: a thread kept using an address after a compaction moved what was there and "
+            f"its page was unmapped (on a GPU: an illegal-address error). Those reads saw zeros and those "
+            f"writes were dropped; the pool's tensors are intact. Usual cause: a tensor handed to another "
+            f"thread without pool.claim(t) or pool.share(t), or a raw data_ptr() kept (pin such tensors).")
 
     # ------------------------------------------------------------------ threads
     def user(self):
@@ -562,15 +589,15 @@ class Core:
             peaks["allocated_bytes"] = top
         if top + c["pending_bytes"] > peaks["active_bytes"]:
             peaks["active_bytes"] = top + c["pending_bytes"]
-        owners = set()
+        owners = {}  # by identity: a dead thread's weak reference cannot be hashed
         for block in blocks:
             self._blocks[block.address] = block
             self._account(block, +1)
             c["allocated_bytes"] += block.size
-            owners.add(block.owner)
+            owners[id(block.owner)] = block.owner
         c["num_allocs"] += allocs
         c["num_frees"] += frees
-        for ref in owners:
+        for ref in owners.values():
             token = ref() if ref is not None else None
             if token is not None and self._threads.get(token.id) is not ref:
                 self._threads[token.id] = ref

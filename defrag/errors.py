@@ -84,3 +84,11 @@ class ResidencyError(RuntimeError):
 class PoolAsleepError(ResidencyError):
     """A pool call that needs device memory was made while the pool sleeps (`pool.sleep()`):
     call `pool.wake()` first. Raised before anything changes."""
+
+
+class SettingError(ValueError):
+    """An environment variable defrag reads (DEFRAG_*) holds a value it cannot use.
+
+    The message is one line: the variable, what it holds and what it accepts.
+    The `defrag` command prints it and exits 2, as for a bad argument.
+    """

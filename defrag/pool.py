@@ -64,6 +64,11 @@ from .units import format_bytes, parse_size
 _log = logging.getLogger("defrag")
 _open_pools: "weakref.WeakSet[Pool]" = weakref.WeakSet()
 _pool_ids = itertools.count(1)
+# A CUDA device's default stream, known without asking torch (whose stream queries initialize its
+# CUDA allocator): c10 numbers it 0 (StreamIdType DEFAULT, index 0) and its cudaStream_t is the
+# legacy default stream, 0.
+DEFAULT_STREAM_ID = 0
+DEFAULT_STREAM_HANDLE = 0
 
 
 def open_pools() -> list["Pool"]:
@@ -352,17 +357,16 @@ class Pool:
         if fastpath.poll() is None:
             return  # its build failed or is unavailable: the Python path, and doctor says why
         try:
-            default = (torch.cuda.default_stream(self.device) if self.kind == "cuda" else None)
+            # The default stream is known without asking torch (see _current_stream): its c10 id is 0.
             cpp = fastpath.module.FastPath(
                 self, self.core.gate.occupants, threads.owner_ref, list(tz.SUPPORTED_DTYPES),
-                self.device.type, self.device.index or 0, self.driver.stale_probe_fd(),
-                default.stream_id if default is not None else 0)
+                self.device.type, self.device.index or 0, self.driver.stale_probe_fd(), DEFAULT_STREAM_ID)
         except Exception:  # never fatal: the Python path does everything the fast path does
             _log.warning("defrag: the allocation fast path could not attach to %s; using the Python path\n%s",
                          self.core.label, traceback.format_exc())
             self._fast_wanted = False  # once: not at every call
             return
-        alloc_stream = default.cuda_stream if default is not None else 0
+        alloc_stream = DEFAULT_STREAM_HANDLE
 
         def make_info(dtype, shape, storage_ref):
             return TensorInfo(dtype, shape, storage_ref, "empty", alloc_stream=alloc_stream)
@@ -391,9 +395,17 @@ class Pool:
             self._fast.enabled = not (core.closed or core.space.sleeping or core.history is not None)
 
     def _current_stream(self) -> int:
-        if self.kind == "cuda":
+        """The cudaStream_t torch runs on now (0 on the emulated device).
+
+        Asks torch only once torch has initialized CUDA itself: its stream
+        queries initialize its CUDA allocator, after which `defrag.install`
+        can no longer replace it. Before that no stream can have been made
+        current (making a torch stream initializes CUDA), so the answer is
+        the default stream.
+        """
+        if self.kind == "cuda" and torch.cuda.is_initialized():
             return torch.cuda.current_stream(self.device).cuda_stream
-        return 0
+        return DEFAULT_STREAM_HANDLE
 
     def _stream_events(self, block: Block) -> list:
         """CUDA: events on every stream that used `block`; it is reused once they completed."""
@@ -1015,8 +1027,13 @@ class Pool:
         `ResidencyError` when the pool is awake. When the device cannot
         supply the pages (or any driver call fails) the pool stays asleep
         with every byte kept, and the error says so: call it again later.
+        `StaleAccessError` (the pool still asleep, nothing changed) when a
+        tensor of the pool was touched while it slept (emulated device): the
+        access read zeros or lost its write, and is reported once, here.
         """
         with self.core.gate:
+            if self.asleep and not self.closed:
+                self.core.check_untouched()
             try:
                 return residency.wake(self.core, progress=progress)
             finally:

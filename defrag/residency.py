@@ -467,9 +467,17 @@ def _rebacking(core: Core, region: Region, pages: list[int], handles: list[int],
     then swap (unmap the old mapping, map the new handle at the same address),
     then grant access. Undone by `txn` until it commits: the old handles are
     mapped back (they still hold every byte). The caller frees the old ones.
+
+    The device is synchronized before the copy (the copy runs on the legacy
+    stream, which does not wait for non-blocking streams: a write still in
+    flight there would land in the old page after the copy read it, and be
+    lost with that page) and, on rollback, before the scratch range is
+    unmapped (copies into it may still run).
     """
     space, driver, P = core.space, core.driver, core.page_size
     scratch, teardown = _map_scratch(core, handles, txn)
+    txn.on_rollback(driver.synchronize)  # undone newest first: before the scratch is unmapped
+    driver.synchronize()
     for i, page in enumerate(pages):
         driver.copy(scratch + i * P, region.address(page), P)
     driver.synchronize()

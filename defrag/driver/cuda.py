@@ -14,8 +14,6 @@ call (SetAccess is one call per contiguous range, however many pages it spans).
 
 from __future__ import annotations
 
-import threading
-
 from cuda.bindings import driver as cu
 
 from ..errors import CudaError, CudaOutOfMemoryError, NotSupportedError
@@ -26,6 +24,13 @@ from .memoryless import MemorylessCuda
 R = cu.CUresult
 KINDS = ("cuda", "emulated", "memoryless")
 HOST_NUMA_MIN_DRIVER = 12020  # cuMemCreate with CU_MEM_LOCATION_TYPE_HOST_NUMA: CUDA 12.2 drivers and later
+# Names that older cuda-bindings lack (the host NUMA VMM attribute came with 12.9; the location type and
+# the NUMA id with 12.2): looked up, not assumed, so an older binding answers "unknown", not AttributeError.
+HOST_NUMA_VMM_ATTRIBUTE = getattr(cu.CUdevice_attribute,
+                                  "CU_DEVICE_ATTRIBUTE_HOST_NUMA_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED", None)
+HOST_NUMA_ID_ATTRIBUTE = getattr(cu.CUdevice_attribute, "CU_DEVICE_ATTRIBUTE_HOST_NUMA_ID", None)
+HOST_NUMA_LOCATION = getattr(cu.CUmemLocationType, "CU_MEM_LOCATION_TYPE_HOST_NUMA", None)
+_REFUSALS = (int(R.CUDA_ERROR_INVALID_VALUE), int(R.CUDA_ERROR_NOT_SUPPORTED))  # "no", as the driver states it
 
 
 def _check(call: str, result):
@@ -87,7 +92,6 @@ class Driver:
         self.ordinal = int(ordinal)
         self.faults = FaultInjector(api)
         self._api = self.faults  # every call passes the fault plan first
-        self._current = threading.local()
         self._closed = False
         _check("cuInit", self._api.cuInit(0))
         count = _check("cuDeviceGetCount", self._api.cuDeviceGetCount())
@@ -159,11 +163,17 @@ class Driver:
 
     # ------------------------------------------------------------ context
     def make_current(self) -> None:
-        """Make the primary context current on the calling thread (once per thread)."""
-        if getattr(self._current, "ok", False):
-            return
-        _check("cuCtxSetCurrent", self._api.cuCtxSetCurrent(self.context))
-        self._current.ok = True
+        """Make this device's primary context current on the calling thread, unless it already is.
+
+        Asks the driver every time (cuCtxGetCurrent): the current context is
+        per thread and anyone may change it between two calls of ours
+        (`torch.cuda.set_device`, another library, another device's pool), so
+        a cached "done" would send a synchronize or an unmap to the wrong
+        device. Every method below that needs a context calls this first.
+        """
+        current = _check("cuCtxGetCurrent", self._api.cuCtxGetCurrent())
+        if int(current) != int(self.context):
+            _check("cuCtxSetCurrent", self._api.cuCtxSetCurrent(self.context))
 
     def synchronize(self) -> None:
         """Wait until the device has finished all queued work (cuCtxSynchronize)."""
@@ -185,6 +195,7 @@ class Driver:
 
     def is_capturing(self, stream: int = 0) -> bool:
         """Whether `stream` is capturing a CUDA graph (mapping or moving then is unsafe)."""
+        self.make_current()
         status = _check("cuStreamIsCapturing", self._api.cuStreamIsCapturing(cu.CUstream(int(stream))))
         return status != cu.CUstreamCaptureStatus.CU_STREAM_CAPTURE_STATUS_NONE
 
@@ -208,11 +219,13 @@ class Driver:
             if not supported:
                 raise NotSupportedError(f"host-located pages are not supported here: {reason}")
             prop = self._host_prop
+        self.make_current()
         handle = _check("cuMemCreate", self._api.cuMemCreate(int(size), prop, 0))
         return int(handle)
 
     def release(self, handle: int) -> None:
         """Release a physical handle (its memory is freed at its last unmap)."""
+        self.make_current()
         _check("cuMemRelease", self._api.cuMemRelease(int(handle)))
 
     # ------------------------------------------------------------ host memory (sleep, offload)
@@ -220,56 +233,55 @@ class Driver:
         """Whether `create(..., host=True)` works here: (supported, reason). Asked once, then cached.
 
         Host-located VMM pages (`cuMemCreate` with a `CU_MEM_LOCATION_TYPE_HOST_NUMA`
-        location) need a CUDA 12.2 driver or later and a device reporting
-        `CU_DEVICE_ATTRIBUTE_HOST_NUMA_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED`; the
-        location's id is the device's `CU_DEVICE_ATTRIBUTE_HOST_NUMA_ID` (node 0
-        on a machine without NUMA). Then one granule is created and released as
-        a trial. A refusal the driver states (an old driver, an attribute it does
-        not know, CUDA_ERROR_NOT_SUPPORTED or CUDA_ERROR_INVALID_VALUE from the
-        trial) is a cached "no"; any other error propagates and nothing is cached.
+        location) need a CUDA 12.2 driver or later. The device's own answer
+        (`CU_DEVICE_ATTRIBUTE_HOST_NUMA_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED`) is
+        taken when it gives one; a binding that lacks the attribute, or a driver
+        that refuses the query (older 12.x drivers do), says nothing either way.
+        The location's id is `CU_DEVICE_ATTRIBUTE_HOST_NUMA_ID` where known,
+        else node 0 (a machine without NUMA has just that one). Then one granule
+        is created and released as a trial, and that trial decides: any driver
+        error there is a "no" with its reason, never an exception. A "no" the
+        driver states (CUDA_ERROR_INVALID_VALUE, CUDA_ERROR_NOT_SUPPORTED) is
+        cached; any other (out of memory, a transient fault) is asked again at
+        the next call. Errors outside the probe's own questions (the context,
+        releasing the trial page) propagate.
         """
         if self._host_support is not None:
             return self._host_support
+        self.make_current()
         if self._trial_handle:
             _check("cuMemRelease", self._api.cuMemRelease(self._trial_handle))
             self._trial_handle = 0
+        if HOST_NUMA_LOCATION is None:
+            self._host_support = (False, "this cuda-bindings has no CU_MEM_LOCATION_TYPE_HOST_NUMA "
+                                         "(install cuda-bindings 12.2 or later)")
+            return self._host_support
         if self.kind == "cuda":
             version = int(_check("cuDriverGetVersion", self._api.cuDriverGetVersion()))
             if version < HOST_NUMA_MIN_DRIVER:
                 self._host_support = (False, f"the CUDA driver is {version // 1000}.{version % 1000 // 10}; "
                                              f"host-located VMM pages need 12.2 or later")
                 return self._host_support
-        attr = cu.CUdevice_attribute
-        refused = {int(R.CUDA_ERROR_INVALID_VALUE), int(R.CUDA_ERROR_NOT_SUPPORTED)}
-        try:
-            vmm = _check("cuDeviceGetAttribute", self._api.cuDeviceGetAttribute(
-                attr.CU_DEVICE_ATTRIBUTE_HOST_NUMA_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED, self.device))
-            numa = _check("cuDeviceGetAttribute", self._api.cuDeviceGetAttribute(
-                attr.CU_DEVICE_ATTRIBUTE_HOST_NUMA_ID, self.device))
-        except CudaError as exc:
-            if exc.code not in refused:
-                raise
-            self._host_support = (False, f"the driver does not know the host NUMA attributes ({exc.name})")
-            return self._host_support
-        if not int(vmm):
+        if self._device_attribute(HOST_NUMA_VMM_ATTRIBUTE) == 0:
             self._host_support = (False, "the device reports no host NUMA virtual memory management support "
                                          "(CU_DEVICE_ATTRIBUTE_HOST_NUMA_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED is 0)")
             return self._host_support
+        numa = self._device_attribute(HOST_NUMA_ID_ATTRIBUTE)
         prop = cu.CUmemAllocationProp()
         prop.type = cu.CUmemAllocationType.CU_MEM_ALLOCATION_TYPE_PINNED
         loc = cu.CUmemLocation()
-        loc.type = cu.CUmemLocationType.CU_MEM_LOCATION_TYPE_HOST_NUMA
-        loc.id = max(int(numa), 0)  # -1: not a NUMA machine; its one node is 0
+        loc.type = HOST_NUMA_LOCATION
+        loc.id = max(int(numa), 0) if numa is not None else 0  # -1: not a NUMA machine; its one node is 0
         prop.location = loc
         try:
             granularity = int(_check("cuMemGetAllocationGranularity", self._api.cuMemGetAllocationGranularity(
                 prop, cu.CUmemAllocationGranularity_flags.CU_MEM_ALLOC_GRANULARITY_MINIMUM)))
             handle = _check("cuMemCreate", self._api.cuMemCreate(granularity, prop, 0))
         except CudaError as exc:
-            if exc.code not in refused:
-                raise
-            self._host_support = (False, f"the driver refused a host-located page ({exc.call}: {exc.name})")
-            return self._host_support
+            answer = (False, f"the driver refused a host-located page ({exc.call}: {exc.name})")
+            if exc.code in _REFUSALS:
+                self._host_support = answer
+            return answer
         self._trial_handle = int(handle)
         _check("cuMemRelease", self._api.cuMemRelease(handle))
         self._trial_handle = 0
@@ -277,6 +289,18 @@ class Driver:
         self.host_granularity = granularity
         self._host_support = (True, f"host NUMA node {loc.id}, granularity {granularity} bytes")
         return self._host_support
+
+    def _device_attribute(self, attribute) -> int | None:
+        """The device's value of `attribute`; None where the binding lacks it (None) or the driver
+        refuses the query (an attribute older drivers do not know)."""
+        if attribute is None:
+            return None
+        try:
+            return int(_check("cuDeviceGetAttribute", self._api.cuDeviceGetAttribute(attribute, self.device)))
+        except CudaError as exc:
+            if exc.code in _REFUSALS:
+                return None
+            raise
 
     def alloc_host(self, nbytes: int) -> int:
         """Page-locked host memory of `nbytes` (cuMemAllocHost); returns its address."""
@@ -301,23 +325,28 @@ class Driver:
     # ------------------------------------------------------------ virtual memory
     def reserve(self, size: int, alignment: int = 0) -> int:
         """Reserve `size` bytes of virtual address space; returns the base address."""
+        self.make_current()
         va = _check("cuMemAddressReserve", self._api.cuMemAddressReserve(int(size), int(alignment), 0, 0))
         return int(va)
 
     def free_address(self, va: int, size: int) -> None:
         """Return a whole reservation (nothing may be mapped inside it)."""
+        self.make_current()
         _check("cuMemAddressFree", self._api.cuMemAddressFree(int(va), int(size)))
 
     def map(self, va: int, size: int, handle: int, offset: int = 0) -> None:
         """Map `size` bytes of `handle` (from `offset`) at `va`; no access yet."""
+        self.make_current()
         _check("cuMemMap", self._api.cuMemMap(int(va), int(size), int(offset), int(handle), 0))
 
     def unmap(self, va: int, size: int) -> None:
         """Unmap whole mappings covering exactly [va, va+size). Does not synchronize."""
+        self.make_current()
         _check("cuMemUnmap", self._api.cuMemUnmap(int(va), int(size)))
 
     def set_access(self, va: int, size: int) -> None:
         """Grant this device read/write access to [va, va+size): one call for the whole range."""
+        self.make_current()
         _check("cuMemSetAccess", self._api.cuMemSetAccess(int(va), int(size), [self._access_rw], 1))
 
     # ------------------------------------------------------------ data
