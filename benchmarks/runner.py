@@ -453,15 +453,30 @@ def _table(rows: list[dict]) -> list[str]:
     return lines
 
 
+GOAL_LABEL_KEYS = ("workload", "method", "pattern", "size_bytes", "blocks", "moves", "workers", "backend")
+
+
 def goals_of(results: dict) -> list[dict]:
-    """Every goal row of every benchmark: name, goal, met (True/False/None), and the row's label."""
-    out = []
+    """Every goal of every benchmark: name, goal, met (True/False/None), and the row's label (`where`).
+
+    Rows that no label key tells apart state one goal, listed once: not met if any of them is not
+    met, else met if any is, else not applicable here (None).
+    """
+    out: list[dict] = []
+    seen: dict[tuple, dict] = {}
     for name, res in results["benchmarks"].items():
         for r in res.get("rows", []):
             if "goal" in r:
-                label = ", ".join(f"{k}={_fmt(r[k])}" for k in ("workload", "method", "pattern", "size_bytes",
-                                                                  "blocks", "moves", "backend") if k in r)
-                out.append({"benchmark": name, "goal": r["goal"], "met": r.get("goal_met"), "where": label})
+                label = ", ".join(f"{k}={_fmt(r[k])}" for k in GOAL_LABEL_KEYS if k in r)
+                met = r.get("goal_met")
+                key = (name, r["goal"], label)
+                if key in seen:
+                    g = seen[key]
+                    both = (g["met"], met)
+                    g["met"] = False if False in both else (True if True in both else None)
+                    continue
+                seen[key] = {"benchmark": name, "goal": r["goal"], "met": met, "where": label}
+                out.append(seen[key])
     return out
 
 

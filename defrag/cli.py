@@ -108,6 +108,15 @@ class _OneLineParser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
+def _bench_names() -> str:
+    """The names `defrag bench --only` takes (runner.REGISTRY), for its --help; "" where benchmarks is absent."""
+    try:
+        from .benchmarks.runner import REGISTRY
+    except ImportError:
+        return ""
+    return ", ".join(REGISTRY)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _OneLineParser(prog="defrag", description="Move live GPU tensors to end fragmentation OOMs.")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_OneLineParser)
@@ -125,7 +134,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--smoke", action="store_true", help="tiny sizes: finishes in well under a minute on a CPU")
     p.add_argument("--device", default=None, help="'emulated' or 'cuda:N' (default: GPU if one works)")
     p.add_argument("--out", default="bench-out", help="folder for results.json, results.md and plots")
-    p.add_argument("--only", default=None, help="comma-separated benchmark names to run")
+    p.add_argument("--only", default=None, metavar="NAMES",
+                   help="comma-separated benchmark names to run, of: " + (_bench_names() or "see docs/benchmarks.md"))
     p.set_defaults(func=bench)
 
     p = sub.add_parser("replay", help="replay an allocation trace or PyTorch memory snapshot")

@@ -136,3 +136,37 @@ def test_gpu_check_on_a_cpu_says_no_gpu_and_exits_0(tmp_path):
     assert tests["ran"] and tests["returncode"] == 0
     assert tests["counts"].get("skipped", 0) > 0 and not tests["counts"].get("failed")
     assert (tmp_path / "bench" / "results.json").exists()
+
+
+def test_the_summary_prints_each_goal_once(smoke):
+    """Two rows with the same goal (threads: 2 and 4 workers) read as two different lines, never the same twice."""
+    _, _, results = smoke
+    lines = runner.summary_lines(results)
+    goals = [ln for ln in lines if ln.lstrip().startswith("goal [")]
+    assert goals and len(goals) == len(set(goals)), "\n".join(goals)
+    threads = [ln for ln in goals if ln.lstrip().startswith("goal [threads]")]
+    assert len(threads) == len(results["benchmarks"]["threads"]["rows"])
+    assert all("workers=" in ln for ln in threads), threads
+
+
+def test_goal_rows_that_no_label_tells_apart_are_one_goal():
+    rows = [{"goal": "no crash", "goal_met": True}, {"goal": "no crash", "goal_met": True},
+            {"goal": "no crash", "goal_met": None}, {"goal": "fast", "goal_met": False}]
+    goals = runner.goals_of({"benchmarks": {"b": {"rows": rows}}})
+    assert [(g["goal"], g["met"]) for g in goals] == [("no crash", True), ("fast", False)]
+    bad = runner.goals_of({"benchmarks": {"b": {"rows": rows + [{"goal": "no crash", "goal_met": False}]}}})
+    assert [(g["goal"], g["met"]) for g in bad] == [("no crash", False), ("fast", False)]
+
+
+def test_bench_help_lists_the_names_only_takes(capsys):
+    try:
+        rc = cli.main(["bench", "--help"])
+    except SystemExit as exc:  # argparse's own exit, where main lets it through
+        rc = exc.code
+    assert rc in (0, None)
+    text = " ".join(capsys.readouterr().out.split())
+    for name in runner.REGISTRY:
+        assert name in text, name
+    assert cli.main(["bench", "--smoke", "--only", "stitching,nope", "--out", "unused-bench-out"]) == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and "nope" in err and "stitching" in err
