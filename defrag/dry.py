@@ -115,6 +115,13 @@ class DryPool:
         with self.core.gate:
             return compact_core(self.core, self._mover, automatic=False, release=release)
 
+    def reserved_bytes(self) -> int:
+        """Bytes in mapped pages now (`reserved_bytes.all.current`), without building the whole stats dict.
+
+        Cheap enough to read after every event of a replay; does not update the peak.
+        """
+        return self.core.space.mapped * self.core.page_size
+
     def stats(self) -> dict:
         """`Pool.stats()`'s keys and values for the same history."""
         with self.core.gate:

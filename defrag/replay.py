@@ -57,10 +57,13 @@ from .units import format_bytes, parse_size
 DEFAULT_PAGE = 2 << 20
 PROGRESS_EVENTS = 50_000  # show a progress bar (on a terminal) for traces at least this long
 MIN_CAPACITY_STEPS = 14
-SEARCH_BUDGET_S = 15.0  # per smallest-capacity search in the CLI; the result says when it stopped early
+SEARCH_BUDGET_S = 60.0  # per smallest-capacity search in the CLI; the result says when it stopped early
+MIN_CAPACITY_MAX_STEPS = 28  # probes per search in the CLI: enough for one page out of 2^28
+MAX_WORKERS = 4
 # The models of PyTorch's caching allocator: allocator name -> expandable_segments.
 TORCH_MODELS = {"torch (model)": False, "torch-expandable (model)": True}
 MODEL_PAGE = 2 << 20  # every segment and mapping of PyTorch's allocator is a multiple of 2 MiB
+SERIES_POINTS = 2000  # points per curve of reserved bytes over time (each the most in its stretch)
 
 
 class ReplayError(RuntimeError):
@@ -110,6 +113,9 @@ class ReplayResult:
     min_capacity: MinCapacity | None = None
     error: str | None = None  # the pool raised something other than OutOfMemoryError; the replay stopped
     notes: list = field(default_factory=list)
+    # Reserved bytes over the trace (when asked for): (event indices, bytes), each point the most
+    # reserved from that event to the next point's. Not in `as_dict`: it is for pictures.
+    series: tuple | None = field(default=None, repr=False)
 
     @property
     def completed(self) -> bool:
@@ -121,11 +127,20 @@ class ReplayResult:
         return self.peak_reserved_bytes / self.peak_live_bytes if self.peak_live_bytes else 1.0
 
     def meets_goal(self, ratio: float = 1.02) -> bool:
-        """Peak reserved <= ratio x peak live + one page."""
-        return self.peak_reserved_bytes <= ratio * self.peak_live_bytes + self.page_size
+        """Peak reserved <= ratio x peak live + one page, in a replay that completed.
+
+        A replay with a failed allocation never meets the goal: its peaks
+        leave out the memory it could not place.
+        """
+        return self.completed and self.peak_reserved_bytes <= ratio * self.peak_live_bytes + self.page_size
 
     def as_dict(self) -> dict:
-        out = asdict(self)
+        series, self.series = self.series, None
+        try:
+            out = asdict(self)
+        finally:
+            self.series = series
+        out.pop("series", None)
         out["completed"] = self.completed
         out["reserved_over_live"] = self.reserved_over_live
         out["meets_goal_1_02"] = self.meets_goal()
@@ -134,9 +149,19 @@ class ReplayResult:
 
 # ---------------------------------------------------------------------- loading
 def load_any(path: str | os.PathLike) -> tuple[Trace, str]:
-    """A trace file or a snapshot pickle (plain or gzip), told apart by content; ("trace"|"snapshot")."""
+    """A trace file or a snapshot pickle (plain or gzip), told apart by content; ("trace"|"snapshot").
+
+    A snapshot gives the device `load_snapshot` picks; `load_input` gives every device.
+    """
     from .traces.snapshot import load_snapshot, read_pickle
 
+    body = _read_body(path)
+    if _is_pickle(body):
+        return load_snapshot(read_pickle(body, path=path), name=Path(path).name), "snapshot"
+    return _parse_body(body, path)
+
+
+def _read_body(path) -> bytes:
     try:
         raw = Path(path).read_bytes()
     except IsADirectoryError:
@@ -145,17 +170,22 @@ def load_any(path: str | os.PathLike) -> tuple[Trace, str]:
         raise TraceError(f"cannot read the file ({exc.strerror or exc})", path=path) from None
     if not raw:
         raise TraceError("empty file: not a defrag trace or a PyTorch memory snapshot", path=path)
-    body = raw
     if raw[:2] == b"\x1f\x8b":
         try:
-            body = gzip.decompress(raw)
+            return gzip.decompress(raw)
         except (EOFError, OSError) as exc:
             raise TraceError(f"truncated or corrupt gzip data ({exc})", path=path) from None
+    return raw
+
+
+def _is_pickle(body: bytes) -> bool:
+    return body[:64].lstrip(b"\xef\xbb\xbf \t\r\n").startswith(b"\x80")  # pickle protocol 2 and later
+
+
+def _parse_body(body: bytes, path) -> tuple[Trace, str]:
     head = body[:64].lstrip(b"\xef\xbb\xbf \t\r\n")
     if head.startswith(b"{"):
         return Trace.from_bytes(body, path=path), "trace"
-    if head.startswith(b"\x80"):  # pickle protocol 2 and later
-        return load_snapshot(read_pickle(body, path=path), name=Path(path).name), "snapshot"
     preview = body[:16]
     raise TraceError(f"not a defrag trace (JSON Lines starting with a header) nor a PyTorch memory snapshot "
                      f"(a pickle); the file starts with {preview!r}", path=path)
@@ -171,7 +201,8 @@ def _progress(total: int, progress: bool | None, desc: str):
 
 
 def replay(trace: Trace, capacity, *, device=None, dry: bool = False, compaction: bool = True,
-           page_size=None, progress: bool | None = None, stop_at_first_oom: bool = False) -> ReplayResult:
+           page_size=None, progress: bool | None = None, stop_at_first_oom: bool = False,
+           series: bool = False) -> ReplayResult:
     """Replay `trace` on a defrag pool of `capacity` (bytes or "8GiB") and return what happened.
 
     ``compaction``: compact at every phase marker and on a failed allocation
@@ -179,8 +210,10 @@ def replay(trace: Trace, capacity, *, device=None, dry: bool = False, compaction
     real `defrag.Pool` on ``device`` (None: the GPU if one works, else the
     emulated device). A failed allocation is counted and skipped (its free is
     ignored). ``stop_at_first_oom`` ends the replay at the first failure (for
-    capacity searches). Does not compute ``min_capacity`` (see
-    :func:`min_capacity`).
+    capacity searches). ``series``: also record reserved bytes over the
+    trace (`ReplayResult.series`, at most `SERIES_POINTS` points, each the
+    most reserved in its stretch; dry replays only). Does not compute
+    ``min_capacity`` (see :func:`min_capacity`).
     """
     capacity = parse_size(capacity, what="capacity")
     page = DEFAULT_PAGE if page_size is None else parse_size(page_size, what="page_size")
@@ -188,7 +221,7 @@ def replay(trace: Trace, capacity, *, device=None, dry: bool = False, compaction
         raise ValueError(f"capacity {format_bytes(capacity)} is smaller than one page ({format_bytes(page)})")
     name = "defrag" if compaction else "defrag-no-compaction"
     if dry:
-        return _replay_dry(trace, capacity, page, compaction, name, progress, stop_at_first_oom)
+        return _replay_dry(trace, capacity, page, compaction, name, progress, stop_at_first_oom, series)
     return _replay_real(trace, capacity, page, device, compaction, name, progress, stop_at_first_oom)
 
 
@@ -203,7 +236,9 @@ class _Run:
     def __init__(self):
         self.i = self.ooms = self.failed_bytes = 0
 
-    def drive(self, trace, alloc, free, compact, bar, stop_at_first_oom: bool) -> None:
+    def drive(self, trace, alloc, free, compact, bar, stop_at_first_oom: bool, reserved=None) -> None:
+        if reserved is not None:
+            return self._drive_sampled(trace, alloc, free, compact, bar, stop_at_first_oom, reserved)
         failed: set = set()
         for self.i, ev in enumerate(trace.events):
             op = ev[0]
@@ -225,15 +260,47 @@ class _Run:
                 bar.n = self.i
                 bar.refresh()
 
+    def _drive_sampled(self, trace, alloc, free, compact, bar, stop_at_first_oom, reserved) -> None:
+        """`drive`, reading ``reserved()`` after every event into `self.reserved` (one int64 per event).
 
-def _replay_dry(trace, capacity, page, compaction, name, progress, stop_at_first_oom) -> ReplayResult:
+        A second copy of the loop so that replays without a picture pay nothing for it.
+        """
+        import numpy as np
+
+        out = self.reserved = np.zeros(len(trace.events), dtype=np.int64)
+        failed: set = set()
+        for self.i, ev in enumerate(trace.events):
+            op = ev[0]
+            if op == ALLOC:
+                if not alloc(ev[1], ev[2]):
+                    self.ooms += 1
+                    self.failed_bytes += ev[2]
+                    failed.add(ev[1])
+                    if stop_at_first_oom:
+                        out[self.i:] = reserved()
+                        break
+            elif op == FREE:
+                if failed and ev[1] in failed:
+                    failed.discard(ev[1])
+                else:
+                    free(ev[1])
+            elif compact is not None:
+                compact()
+            out[self.i] = reserved()
+            if bar is not None and self.i % 4096 == 0:
+                bar.n = self.i
+                bar.refresh()
+
+
+def _replay_dry(trace, capacity, page, compaction, name, progress, stop_at_first_oom, series=False) -> ReplayResult:
     t0 = time.perf_counter()
     model = DryPool(capacity, page, auto_compact=compaction)
     run = _Run()
     error = None
     bar = _progress(len(trace.events), progress, f"{name} (dry)")
     try:
-        run.drive(trace, model.alloc, model.free, model.compact if compaction else None, bar, stop_at_first_oom)
+        run.drive(trace, model.alloc, model.free, model.compact if compaction else None, bar, stop_at_first_oom,
+                  model.reserved_bytes if series else None)
     except CompactionError as exc:
         error = _pool_error(exc, run.i, trace.events[run.i])
     finally:
@@ -247,11 +314,27 @@ def _replay_dry(trace, capacity, page, compaction, name, progress, stop_at_first
                         peak_reserved_bytes=st["reserved_bytes.all.peak"], ooms=ooms, failed_bytes=failed_bytes,
                         compactions=st["num_compactions"], compactions_automatic=st["num_compactions.automatic"],
                         moved_bytes=st["compaction.moved_bytes"], moved_tensors=st["compaction.moved_tensors"],
-                        seconds=time.perf_counter() - t0, error=error)
+                        seconds=time.perf_counter() - t0, error=error,
+                        series=_window_max(run.reserved, run.i + 1) if series else None)
+
+
+def _window_max(values, used: int, points: int | None = None) -> tuple[list, list]:
+    """(event indices, values) with at most `points` points: each the most of `values[:used]` from its
+    index to the next one's, so no peak is lost however long the trace."""
+    import numpy as np
+
+    points = points or SERIES_POINTS
+    values = np.asarray(values[:max(used, 1)], dtype=np.int64)
+    if values.size == 0:
+        return [0], [0]
+    width = max(1, -(-values.size // points))
+    pad = -values.size % width
+    padded = np.concatenate([values, np.full(pad, values[-1], dtype=np.int64)]) if pad else values
+    return list(range(0, values.size, width)), padded.reshape(-1, width).max(axis=1).tolist()
 
 
 def replay_model(trace: Trace, capacity, *, expandable: bool = False, progress: bool | None = None,
-                 stop_at_first_oom: bool = False, **settings) -> ReplayResult:
+                 stop_at_first_oom: bool = False, series: bool = False, **settings) -> ReplayResult:
     """Replay `trace` on the model of PyTorch's caching allocator (`defrag.traces.torch_model`).
 
     The allocator is ``"torch-expandable (model)"`` with ``expandable`` (PyTorch's
@@ -261,6 +344,7 @@ def replay_model(trace: Trace, capacity, *, expandable: bool = False, progress: 
     ignored), and peak live / peak reserved are ``allocated_bytes.all.peak`` /
     ``reserved_bytes.all.peak`` (whole blocks: a block handed out unsplit
     counts whole). Phase markers do nothing (PyTorch has no compaction).
+    ``series``: also record reserved bytes over the trace, as `replay` does.
     """
     capacity = parse_size(capacity, what="capacity")
     name = "torch-expandable (model)" if expandable else "torch (model)"
@@ -269,7 +353,8 @@ def replay_model(trace: Trace, capacity, *, expandable: bool = False, progress: 
     run = _Run()
     bar = _progress(len(trace.events), progress, name)
     try:
-        run.drive(trace, model.alloc, model.free_key, None, bar, stop_at_first_oom)
+        run.drive(trace, model.alloc, model.free_key, None, bar, stop_at_first_oom,
+                  (lambda: model.reserved) if series else None)
     finally:
         if bar is not None:
             bar.close()
@@ -278,7 +363,8 @@ def replay_model(trace: Trace, capacity, *, expandable: bool = False, progress: 
     return ReplayResult(name, trace.name, capacity, MODEL_PAGE, True, "none (model of PyTorch's caching allocator)",
                         len(trace.events), peak_live_bytes=st["allocated_bytes.all.peak"],
                         peak_reserved_bytes=st["reserved_bytes.all.peak"], ooms=ooms, failed_bytes=failed_bytes,
-                        seconds=time.perf_counter() - t0)
+                        seconds=time.perf_counter() - t0,
+                        series=_window_max(run.reserved, run.i + 1) if series else None)
 
 
 def _pool_error(exc: Exception, index: int, event: tuple) -> str:
@@ -355,8 +441,8 @@ def _replay_real(trace, capacity, page, device, compaction, name, progress, stop
 
 def min_capacity(trace: Trace, *, compaction: bool = True, page_size=None, known_good: int | None = None,
                  known_bad: int | None = None, hint: int | None = None, max_steps: int = MIN_CAPACITY_STEPS,
-                 tolerance: float = 0.002, budget_s: float | None = None,
-                 allocator: str | None = None) -> MinCapacity:
+                 tolerance: float = 0.0, budget_s: float | None = None,
+                 allocator: str | None = None, split: int = 1) -> MinCapacity:
     """Smallest capacity (whole pages) at which a dry replay completes, by bisection.
 
     ``allocator``: None (or ``"defrag"`` / ``"defrag-no-compaction"``) searches
@@ -365,65 +451,218 @@ def min_capacity(trace: Trace, *, compaction: bool = True, page_size=None, known
 
     The bracket starts at ``ceil(peak live / page) - 1`` pages (cannot
     complete) or ``known_bad``, and ``known_good`` (or a capacity found by
-    doubling from the peak live). The first probes are just above the lower
-    bound (within ``tolerance``), then ``hint`` (e.g. the peak reserved of a
-    completed replay), then bisection. Stops when the bracket is one page wide
-    or narrower than ``tolerance`` of the answer, after ``max_steps``
-    replays, or once ``budget_s`` seconds are spent; ``exact`` says whether
-    it got to one page. Failing probes stop at their first failed allocation.
+    doubling from the peak live). The first round also probes ``hint``
+    (e.g. the peak reserved of a completed replay); each round probes
+    ``split`` capacities (the same rounds whether they run one after the
+    other or at once, so the answer does not depend on the machine). Stops
+    when the bracket is one page wide (``exact``) or narrower than
+    ``tolerance`` of the answer, after ``max_steps`` replays, or once
+    ``budget_s`` seconds are spent. Failing probes stop at their first
+    failed allocation. Completion is not monotonic in capacity for any of
+    these allocators: the answer is the boundary the search found.
     """
-    if allocator in ("defrag", "defrag-no-compaction"):
-        compaction, allocator = allocator == "defrag", None
-    if allocator is not None and allocator not in TORCH_MODELS:
+    allocator, page = _allocator_and_page(allocator, compaction, page_size)
+    key = _share(trace)
+    try:
+        job = _search_job(key, allocator, page, trace.stats().peak_live_bytes, known_good=known_good,
+                          known_bad=known_bad, hint=hint, max_steps=max_steps, tolerance=tolerance,
+                          budget_s=budget_s, split=split)
+        return _Workers(1).run([(0, job)])[0]
+    finally:
+        _SHARED.pop(key, None)
+
+
+def _allocator_and_page(allocator: str | None, compaction: bool, page_size) -> tuple[str, int]:
+    if allocator is None:
+        allocator = "defrag" if compaction else "defrag-no-compaction"
+    if allocator not in POOLS and allocator not in TORCH_MODELS:
         raise ValueError(f"unknown allocator {allocator!r}: 'defrag', 'defrag-no-compaction' or one of "
                          f"{sorted(TORCH_MODELS)}")
-    page = ((DEFAULT_PAGE if allocator is None else MODEL_PAGE) if page_size is None
+    page = ((DEFAULT_PAGE if allocator in POOLS else MODEL_PAGE) if page_size is None
             else parse_size(page_size, what="page_size"))
-    live_pages = max(1, -(-trace.stats().peak_live_bytes // page))
-    deadline = None if budget_s is None else time.perf_counter() + budget_s
+    return allocator, page
 
-    def completes(pages: int) -> bool:
-        if allocator is not None:
-            return replay_model(trace, pages * page, expandable=TORCH_MODELS[allocator], progress=False,
-                                stop_at_first_oom=True).completed
-        return replay(trace, pages * page, dry=True, compaction=compaction, page_size=page, progress=False,
-                      stop_at_first_oom=True).completed
+
+def _search_job(key, allocator: str, page: int, peak_live: int, *, known_good=None, known_bad=None, hint=None,
+                max_steps: int = MIN_CAPACITY_STEPS, tolerance: float = 0.0, budget_s=None, split: int = 1,
+                gallop: bool = False):
+    """A generator: yields rounds of probe tasks, receives whether each completed, returns a MinCapacity.
+
+    Rounds of ``split`` probes: the hint first, then (``gallop``) down from the
+    smallest capacity known to complete in steps of 1, 2, 4, ... pages until
+    one fails, then bisection; the rounds depend only on the answers.
+    """
+    deadline = None if budget_s is None else time.perf_counter() + budget_s
+    steps = 0
 
     def out_of_time() -> bool:
         return steps >= max_steps or (deadline is not None and time.perf_counter() > deadline)
 
-    steps = 0
-    lo = live_pages - 1  # fails: fewer pages than the live bytes need
+    def probes(pages: list[int]) -> list:
+        return [("probe", key, allocator, q * page, page) for q in pages]
+
+    lo = max(1, -(-peak_live // page)) - 1  # fails: fewer pages than the live bytes need
     if known_bad is not None:
         lo = max(lo, known_bad // page)
     hi = known_good // page if known_good is not None else None
+    if hi is not None and hi <= lo:
+        hi = None  # a "good" capacity below what the live bytes need cannot be
     if hi is None:
-        hi = live_pages
+        hi = max(lo + 1, -(-peak_live // page))
         while True:
             steps += 1
-            if completes(hi):
+            (ok,) = yield probes([hi])
+            if ok:
                 break
             lo, hi = hi, hi * 2
             if out_of_time():
-                return MinCapacity(None, hi * page, False, steps)
-    # Two probes first: just above the lower bound (compaction often gets there), then the hint.
-    near = lo + max(1, int(tolerance * lo))
-    for probe in (near, None if hint is None else -(-hint // page)):
-        if probe is None or not lo < probe < hi or out_of_time():
-            continue
-        steps += 1
-        if completes(probe):
-            hi = probe
-        else:
-            lo = probe
+                return MinCapacity(None, lo * page if lo >= 1 else None, False, steps)
+    hint_pages = None if hint is None else -(-hint // page)
+    first, step = True, 1
     while hi - lo > 1 and (hi - lo) > tolerance * hi and not out_of_time():
-        mid = (lo + hi) // 2
-        steps += 1
-        if completes(mid):
-            hi = mid
-        else:
-            lo = mid
+        points = [hint_pages] if first and hint_pages is not None and lo < hint_pages < hi else []
+        first = False
+        top = min(points, default=hi)
+        if gallop and step:
+            # Down from the top in doubling steps while they complete: a pool's peak reserved at a
+            # roomier capacity is usually within a few pages of its smallest capacity.
+            for _ in range(max(0, split - len(points))):
+                q = top - step
+                if q <= lo:
+                    break
+                points.append(q)
+                top, step = q, step * 2
+        extra = max(0, split - len(points))
+        for j in range(1, extra + 1):
+            q = lo + (top - lo) * j // (extra + 1)
+            if lo < q < top and q not in points:
+                points.append(q)
+        if not points:
+            break
+        points.sort()
+        answers = yield probes(points)
+        steps += len(points)
+        good = [q for q, ok in zip(points, answers) if ok]
+        if good:
+            hi = min(hi, good[0])
+        # A failure above a completing capacity (allocators are not monotonic) says nothing of the bracket.
+        bad = [q for q, ok in zip(points, answers) if not ok and q < hi]
+        if bad:
+            lo = max(lo, max(bad))
+            step = 0  # the answer is bracketed: bisect from here
     return MinCapacity(hi * page, lo * page if lo >= 1 else None, hi - lo <= 1, steps)
+
+
+# ---------------------------------------------------------------------- work on both cores
+POOLS = ("defrag", "defrag-no-compaction")
+_REFUSED = "refused request"  # the key of a recorded OOM's request added back into a trace
+_SHARED: dict = {}  # key -> Trace; forked workers inherit it, so a trace is never pickled
+
+
+def _share(trace: Trace) -> int:
+    key = id(trace)
+    _SHARED[key] = trace
+    return key
+
+
+def _run_dry(trace: Trace, allocator: str, capacity: int, page: int, *, stop: bool,
+             series: bool = False) -> ReplayResult:
+    if allocator in TORCH_MODELS:
+        return replay_model(trace, capacity, expandable=TORCH_MODELS[allocator], progress=False,
+                            stop_at_first_oom=stop, series=series)
+    return replay(trace, capacity, dry=True, compaction=allocator == "defrag", page_size=page, progress=False,
+                  stop_at_first_oom=stop, series=series)
+
+
+def _task(spec: tuple):
+    """One unit of work, in a worker or inline: ("replay", ...) -> ReplayResult; ("probe" | "oom", ...) ->
+    whether the dry replay completed."""
+    kind, key, allocator, capacity, page = spec[:5]
+    trace = _SHARED[key]
+    if kind == "replay":
+        return _run_dry(trace, allocator, capacity, page, stop=False, series=spec[5])
+    if kind == "oom":
+        event, size = spec[5], spec[6]
+        # The refused request, served at the point PyTorch refused it and freed at once: what it
+        # would have held afterwards is not recorded.
+        events = trace.events[:event] + [(ALLOC, _REFUSED, size), (FREE, _REFUSED)] + trace.events[event:]
+        trace = Trace(events, name=trace.name)
+    return _run_dry(trace, allocator, capacity, page, stop=True).completed
+
+
+class _Workers:
+    """Runs jobs (generators that yield rounds of tasks) on up to `n` forked processes, inline when n <= 1.
+
+    Tasks of a lower priority number go first. The answers are the same
+    however many processes run them: a job sees a whole round's answers at
+    once, in the order it asked.
+    """
+
+    def __init__(self, n: int):
+        import multiprocessing
+
+        self.n = max(1, int(n))
+        if self.n > 1 and "fork" not in multiprocessing.get_all_start_methods():
+            self.n = 1
+        self.context = multiprocessing.get_context("fork") if self.n > 1 else None
+
+    def run(self, jobs: list) -> list:
+        """`jobs`: (priority, generator) pairs; returns each generator's return value, in order."""
+        import heapq
+        import itertools
+        from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
+
+        out = [None] * len(jobs)
+        queue: list = []
+        waiting: dict = {}
+        order = itertools.count()
+
+        def advance(j: int, answers) -> None:
+            gen = jobs[j][1]
+            try:
+                specs = next(gen) if answers is None else gen.send(answers)
+            except StopIteration as stop:
+                out[j] = stop.value
+                return
+            waiting[j] = [[None] * len(specs), len(specs)]
+            for slot, spec in enumerate(specs):
+                heapq.heappush(queue, (jobs[j][0], next(order), j, slot, spec))
+
+        def deliver(j: int, slot: int, value) -> None:
+            w = waiting[j]
+            w[0][slot] = value
+            w[1] -= 1
+            if w[1] == 0:
+                del waiting[j]
+                advance(j, w[0])
+
+        for j in range(len(jobs)):
+            advance(j, None)
+        if self.n == 1:
+            while queue:
+                _, _, j, slot, spec = heapq.heappop(queue)
+                deliver(j, slot, _task(spec))
+            return out
+        with ProcessPoolExecutor(self.n, mp_context=self.context) as pool:
+            running: dict = {}
+            while queue or running:
+                while queue and len(running) < self.n:
+                    _, _, j, slot, spec = heapq.heappop(queue)
+                    running[pool.submit(_task, spec)] = (j, slot)
+                done, _ = wait(running, return_when=FIRST_COMPLETED)
+                for fut in done:
+                    j, slot = running.pop(fut)
+                    deliver(j, slot, fut.result())
+        return out
+
+
+def default_workers() -> int:
+    """Processes for dry replays: every core this process may use, at most `MAX_WORKERS`."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        cores = os.cpu_count() or 1
+    return max(1, min(MAX_WORKERS, cores))
 
 
 # ---------------------------------------------------------------------- PyTorch baselines
@@ -545,17 +784,23 @@ def torch_baselines(trace: Trace, capacity: int, *,
 
 
 # ---------------------------------------------------------------------- report
-def format_table(results: list[ReplayResult], skipped: list[dict]) -> str:
-    """A plain-text table of the results, then one line per skipped allocator."""
+RECORDED = "PyTorch (recorded)"
+
+
+def format_table(results: list[ReplayResult], skipped: list[dict], recorded=None) -> str:
+    """A plain-text table of the results (with a "PyTorch (recorded)" row when `recorded`, a
+    `defrag.traces.snapshot.RecordedReserved`, is given), then one line per skipped allocator."""
     head = ["allocator", "peak live", "peak reserved", "reserved/live", "OOMs", "compactions", "moved",
             "min capacity", "seconds"]
     rows = []
+    if recorded is not None:
+        rows.append([RECORDED, "-", format_bytes(recorded.peak_bytes), "-", "-", "-", "-", "-", "-"])
     for r in results:
         mc = r.min_capacity
         if mc is None:
             mcap = "-"
         elif mc.bytes is None:
-            mcap = "not found"
+            mcap = "not found" + (f" (> {format_bytes(mc.failed_below)})" if mc.failed_below else "")
         elif mc.exact or mc.failed_below is None:
             mcap = format_bytes(mc.bytes)
         else:
@@ -570,7 +815,7 @@ def format_table(results: list[ReplayResult], skipped: list[dict]) -> str:
     widths = [max(len(h), *(len(row[i]) for row in rows)) if rows else len(h) for i, h in enumerate(head)]
     lines = ["  ".join(h.ljust(w) for h, w in zip(head, widths)),
              "  ".join("-" * w for w in widths)]
-    lines += ["  ".join(c.ljust(w) for c, w in zip(row, widths)) for row in rows]
+    lines += ["  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in rows]
     for r in results:
         if r.error:
             lines.append(f"{r.allocator}: stopped: {r.error}")
@@ -581,52 +826,335 @@ def format_table(results: list[ReplayResult], skipped: list[dict]) -> str:
     return "\n".join(lines)
 
 
+@dataclass
+class DeviceReport:
+    """One device's replays: the results at its capacity, what PyTorch recorded, each recorded OOM explained.
+
+    ``device`` is the snapshot's device index (None for a defrag trace).
+    ``capacity_source`` says where the capacity came from. ``recorded`` is a
+    `defrag.traces.snapshot.RecordedReserved` (None without segment entries);
+    ``ooms`` one dict per recorded OOM (see `explain_oom`).
+    """
+
+    device: int | None
+    trace: Trace
+    capacity: int
+    capacity_source: str
+    results: list
+    skipped: list
+    recorded: object = None
+    ooms: list = field(default_factory=list)
+    live_series: tuple | None = field(default=None, repr=False)
+
+    def result(self, allocator: str) -> ReplayResult | None:
+        return next((r for r in self.results if r.allocator == allocator), None)
+
+    def recorded_vs_models(self) -> dict:
+        """Each torch model's peak reserved over PyTorch's recorded peak (1.0: the same), at this capacity."""
+        if self.recorded is None or not self.recorded.peak_bytes:
+            return {}
+        return {r.allocator: r.peak_reserved_bytes / self.recorded.peak_bytes
+                for r in self.results if r.allocator in TORCH_MODELS}
+
+    def as_dict(self) -> dict:
+        return {
+            "device": self.device, "capacity": self.capacity, "capacity_source": self.capacity_source,
+            "trace": {"name": self.trace.name, "stats": self.trace.stats().as_dict(), "meta": self.trace.meta},
+            "results": [r.as_dict() for r in self.results], "skipped": self.skipped,
+            "recorded": None if self.recorded is None else {k: v for k, v in self.recorded.as_dict().items()},
+            "recorded_note": None if self.recorded is not None or self.device is None else NO_SEGMENT_ENTRIES,
+            "models_over_recorded_peak_reserved": self.recorded_vs_models(),
+            "ooms": self.ooms,
+        }
+
+
+NO_SEGMENT_ENTRIES = ("the trace has no segment entries (segment_alloc/free/map/unmap): what PyTorch reserved "
+                      "over time is not recorded")
+
+
+def snapshot_capacity(recorded, ooms: list, trace: Trace, page: int = DEFAULT_PAGE) -> tuple[int, str]:
+    """The capacity a snapshot's device implies, and where it comes from.
+
+    At a recorded OOM: PyTorch's reserved bytes + the device's free bytes
+    there (the most over the OOMs), what this process could hold on that GPU.
+    Otherwise PyTorch's recorded peak reserved. Without segment entries:
+    the reserved bytes at the end (``segments``) or the peak live bytes
+    rounded up to a page, whichever is more. Never less than one page.
+    """
+    known = [(o.capacity, o) for o in ooms if o.capacity is not None]
+    if known:
+        cap, o = max(known, key=lambda x: x[0])
+        return max(cap, page), (f"the GPU at the OOM at event {o.event}: PyTorch's reserved "
+                                f"{format_bytes(o.reserved_bytes)} + the device's free {format_bytes(o.device_free)}")
+    if recorded is not None:
+        return max(recorded.peak_bytes, page), "PyTorch's recorded peak reserved"
+    live = -(-trace.stats().peak_live_bytes // page) * page
+    end = trace.meta.get("reserved_bytes_at_snapshot") or 0
+    if end >= live:
+        return max(end, page), "no segment entries: PyTorch's reserved bytes at the end of the trace (segments)"
+    return max(live, page), "no segment entries: the peak live bytes, rounded up to a page"
+
+
+def explain_oom(oom, defrag_completes: bool | None, expandable_completes: bool | None) -> dict:
+    """A recorded OOM as a dict: the request, live, reserved and free bytes then, the GPU's capacity
+    (reserved + free), the verdict, and whether defrag / the expandable-segments model complete the
+    workload with the refused request served there (None: not tried)."""
+    return {"event": oom.event, "size": oom.size, "live_bytes": oom.live_bytes,
+            "reserved_bytes": oom.reserved_bytes, "device_free": oom.device_free, "capacity": oom.capacity,
+            "verdict": oom.verdict, "defrag_completes": defrag_completes,
+            "expandable_completes": expandable_completes}
+
+
+def _oom_job(key, oom, capacity: int):
+    cap = max(oom.capacity or capacity, DEFAULT_PAGE)
+    a, b = yield [("oom", key, "defrag", cap, DEFAULT_PAGE, oom.event, oom.size),
+                  ("oom", key, "torch-expandable (model)", cap, MODEL_PAGE, oom.event, oom.size)]
+    return explain_oom(oom, a, b)
+
+
+def _allocator_job(key, allocator: str, capacity: int, peak_live: int, *, dry: bool, device, page_size,
+                   progress, series: bool, budget_s, split: int):
+    """A generator: the replay at `capacity`, then the search for the smallest capacity; returns [result]."""
+    _, page = _allocator_and_page(allocator, True, None if allocator in TORCH_MODELS else page_size)
+    if dry or allocator in TORCH_MODELS:
+        (r,) = yield [("replay", key, allocator, capacity, page, series)]
+    else:
+        r = replay(_SHARED[key], capacity, device=device, dry=False, compaction=allocator == "defrag",
+                   page_size=page, progress=progress)
+    r.min_capacity = yield from _search_job(
+        key, allocator, page, peak_live, known_good=r.capacity if r.completed else None,
+        known_bad=None if r.completed else r.capacity, hint=r.peak_reserved_bytes if r.completed else None,
+        max_steps=MIN_CAPACITY_MAX_STEPS, budget_s=budget_s, split=split, gallop=allocator in POOLS)
+    return [r]
+
+
+def _pools_without_phases_job(key, capacity: int, peak_live: int, *, page_size, series: bool, budget_s):
+    """Both pools on a trace without phase markers (dry); returns [defrag, defrag-no-compaction].
+
+    Without phase markers the two run the same code until a placement
+    fails: compaction runs only in the rescue that follows. So a capacity at
+    which the pool without compaction completes is one at which the pool
+    with it completes, with the same figures: the no-compaction pool goes
+    first and the compacting pool's search starts from its answer. Each
+    round probes two capacities, one per core, since this chain is the
+    longest work of such a trace.
+    """
+    (plain,) = yield from _allocator_job(key, "defrag-no-compaction", capacity, peak_live, dry=True, device=None,
+                                         page_size=page_size, progress=False, series=series, budget_s=budget_s,
+                                         split=2)
+    _, page = _allocator_and_page("defrag", True, page_size)
+    if plain.completed:
+        r = ReplayResult(**{**{f: getattr(plain, f) for f in plain.__dataclass_fields__}, "allocator": "defrag",
+                            "notes": [], "min_capacity": None})
+        r.notes.append("the same replay as defrag-no-compaction's (no phase markers and no failed placement: "
+                       "compaction never ran)")
+    else:
+        (r,) = yield [("replay", key, "defrag", capacity, page, series)]
+    good = r.capacity if r.completed else None
+    mc = plain.min_capacity
+    if mc is not None and mc.bytes is not None:
+        good = mc.bytes if good is None else min(good, mc.bytes)
+    r.min_capacity = yield from _search_job(
+        key, "defrag", page, peak_live, known_good=good, known_bad=None if r.completed else r.capacity,
+        hint=r.peak_reserved_bytes if r.completed else None, max_steps=MIN_CAPACITY_MAX_STEPS,
+        budget_s=budget_s, split=2, gallop=True)
+    return [r, plain]
+
+
+def replay_devices(items: list, capacity: int | None = None, *, dry: bool = False, device=None, page_size=None,
+                   baselines: bool = True, models: bool = True, progress: bool | None = None,
+                   search_budget_s: float | None = SEARCH_BUDGET_S, workers: int | None = None,
+                   series: bool = False) -> list[DeviceReport]:
+    """Replay each of `items` (`SnapshotDevice`s, or (None, Trace) pairs) and explain its recorded OOMs.
+
+    Each device runs at `capacity`, or (None) the capacity its snapshot
+    implies (`snapshot_capacity`). Per device: the pool with and without
+    compaction, the models of PyTorch's allocator (``models``), each with its
+    smallest capacity, and for every recorded OOM whether the pool and the
+    expandable-segments model complete with the refused request served.
+    Dry replays and searches run on ``workers`` processes (default: both
+    cores of this machine); the figures do not depend on how many. PyTorch
+    on a GPU (``baselines``) runs after them, in this process's children.
+    """
+    workers = default_workers() if workers is None else workers
+    plans, jobs = [], []
+    try:
+        for item in items:
+            dev, trace = (item.device, item.trace) if hasattr(item, "trace") else item
+            recorded, ooms = getattr(item, "recorded", None), list(getattr(item, "ooms", []) or [])
+            if capacity is not None:
+                cap, source = capacity, "--capacity"
+            elif dev is not None:
+                cap, source = snapshot_capacity(recorded, ooms, trace)
+            else:
+                raise ValueError("a capacity is needed for a trace that is not a snapshot")
+            key = _share(trace)
+            st = trace.stats()
+            first = len(jobs)
+            if dry and st.phases == 0:
+                jobs.append(((0, len(plans)), _pools_without_phases_job(
+                    key, cap, st.peak_live_bytes, page_size=page_size, series=series, budget_s=search_budget_s)))
+            else:
+                for name in POOLS:
+                    # The pool with compaction is the slowest replay: first in line, and its search probes
+                    # two capacities per round so both cores can share it.
+                    jobs.append(((0 if name == "defrag" else 1, len(plans)), _allocator_job(
+                        key, name, cap, st.peak_live_bytes, dry=dry, device=device, page_size=page_size,
+                        progress=progress, series=series, budget_s=search_budget_s,
+                        split=2 if name == "defrag" else 1)))
+            for name in TORCH_MODELS if models else ():
+                jobs.append(((3, len(plans)), _allocator_job(
+                    key, name, cap, st.peak_live_bytes, dry=True, device=None, page_size=None, progress=False,
+                    series=series, budget_s=search_budget_s, split=1)))
+            n_results = len(jobs) - first
+            for oom in ooms:
+                jobs.append(((2, len(plans)), _oom_job(key, oom, cap)))
+            plans.append((dev, trace, cap, source, recorded, first, n_results, len(ooms)))
+        # Real replays run in this process (their devices are not for forked children).
+        done = _Workers(workers if dry else 1).run(jobs)
+    finally:
+        for item in items:
+            _SHARED.pop(id(item.trace if hasattr(item, "trace") else item[1]), None)
+    reports = []
+    for dev, trace, cap, source, recorded, first, n, n_ooms in plans:
+        results = [r for job in done[first:first + n] for r in job]
+        skipped: list[dict] = []
+        if baselines:
+            extra, skipped = torch_baselines(trace, cap)
+            results += extra
+        reports.append(DeviceReport(dev, trace, cap, source, results, skipped, recorded,
+                                    done[first + n:first + n + n_ooms],
+                                    live_series=live_series(trace) if series else None))
+    return reports
+
+
+def live_series(trace: Trace) -> tuple[list, list]:
+    """(event indices, bytes) of the bytes live over the trace (sizes as recorded), at most
+    `SERIES_POINTS` points, each the most in its stretch."""
+    import numpy as np
+
+    sizes: dict = {}
+    delta = np.zeros(len(trace.events), dtype=np.int64)
+    for i, ev in enumerate(trace.events):
+        if ev[0] == ALLOC:
+            sizes[ev[1]] = delta[i] = ev[2]
+        elif ev[0] == FREE:
+            delta[i] = -sizes.pop(ev[1])
+    return _window_max(np.cumsum(delta), len(delta))
+
+
 def run_all(trace: Trace, capacity: int, *, dry: bool = False, device=None, page_size=None,
             baselines: bool = True, progress: bool | None = None,
             search_budget_s: float | None = SEARCH_BUDGET_S,
-            models: bool = True) -> tuple[list[ReplayResult], list[dict]]:
+            models: bool = True, workers: int | None = None) -> tuple[list[ReplayResult], list[dict]]:
     """(a) and (b) at `capacity` plus their smallest capacities; (d) the models of PyTorch's allocator
     (``models``), with theirs; (c) when a GPU is present (``baselines``).
 
     Each smallest-capacity search gets ``search_budget_s`` seconds (None: no
-    limit; the step cap still applies).
+    limit; the step cap still applies). Dry work runs on ``workers``
+    processes (see `replay_devices`).
     """
-    results = []
-    for compaction in (True, False):
-        r = replay(trace, capacity, device=device, dry=dry, compaction=compaction, page_size=page_size,
-                   progress=progress)
-        good = r.capacity if r.completed else None
-        bad = r.capacity if not r.completed else None
-        r.min_capacity = min_capacity(trace, compaction=compaction, page_size=r.page_size, known_good=good,
-                                      known_bad=bad, hint=r.peak_reserved_bytes if r.completed else None,
-                                      budget_s=search_budget_s)
-        results.append(r)
-    if models:
-        for name, expandable in TORCH_MODELS.items():
-            r = replay_model(trace, capacity, expandable=expandable, progress=progress)
-            # A model replay takes a fraction of a second: search to one page (2 MiB).
-            r.min_capacity = min_capacity(trace, allocator=name, known_good=r.capacity if r.completed else None,
-                                          known_bad=None if r.completed else r.capacity,
-                                          hint=r.peak_reserved_bytes if r.completed else None,
-                                          max_steps=2 * MIN_CAPACITY_STEPS, tolerance=0.0, budget_s=search_budget_s)
-            results.append(r)
-    skipped: list[dict] = []
-    if baselines:
-        extra, skipped = torch_baselines(trace, capacity)
-        results += extra
-    return results, skipped
+    (report,) = replay_devices([(None, trace)], capacity, dry=dry, device=device, page_size=page_size,
+                               baselines=baselines, models=models, progress=progress,
+                               search_budget_s=search_budget_s, workers=workers)
+    return report.results, report.skipped
 
 
 def _goal_line(r: ReplayResult) -> str:
-    """The goal (compaction on): peak reserved <= 1.02 x peak live + one page, at --capacity and at the smallest."""
+    """The goal (compaction on): peak reserved <= 1.02 x peak live + one page, at --capacity and at the smallest.
+
+    A replay with failed allocations is "not met", whatever its ratio: the memory it could not place is
+    not in its peaks.
+    """
+    if r.completed:
+        verdict = "met" if r.meets_goal() else "not met"
+    else:
+        verdict = (f"not met: {r.ooms} allocation{'s' if r.ooms != 1 else ''} failed" if r.ooms
+                   else "not met: the replay stopped") + ", so the ratio leaves out what could not be placed"
     text = (f"goal, compaction on (peak reserved <= 1.02 x peak live + one page): at {format_bytes(r.capacity)} "
-            f"reserved/live = {r.reserved_over_live:.4f} ({'met' if r.meets_goal() else 'not met'})")
+            f"reserved/live = {r.reserved_over_live:.4f} ({verdict})")
     mc = r.min_capacity
     if mc is not None and mc.bytes is not None and r.peak_live_bytes:
         met = mc.bytes <= 1.02 * r.peak_live_bytes + r.page_size
         text += (f"; smallest capacity that completes {'' if mc.exact else '<= '}{format_bytes(mc.bytes)} = "
                  f"{mc.bytes / r.peak_live_bytes:.4f} x peak live ({'met' if met else 'not met'})")
     return text
+
+
+def _recorded_line(report: DeviceReport) -> str:
+    rec = report.recorded
+    if rec is None:
+        end = report.trace.meta.get("reserved_bytes_at_snapshot")
+        return (f"{RECORDED}: {NO_SEGMENT_ENTRIES}" + (f"; reserved at the end {format_bytes(end)} (segments)"
+                                                      if end else ""))
+    text = (f"{RECORDED}: reserved at the start {format_bytes(rec.start_bytes)}, peak {format_bytes(rec.peak_bytes)}, "
+            f"end {format_bytes(rec.end_bytes)} ({len(rec.event) - 1} changes"
+            f"{'' if rec.end_from_segments else '; no segments list: the start is the least level that fits'})")
+    diffs = [f"{name} {ratio - 1:+.1%}" for name, ratio in report.recorded_vs_models().items()]
+    if diffs:
+        text += "; peak reserved against it: " + ", ".join(diffs)
+    return text
+
+
+def _oom_lines(report: DeviceReport) -> list[str]:
+    lines = []
+    for i, o in enumerate(report.ooms, 1):
+        fb = format_bytes
+        where = (f"OOM {i} at event {o['event']}: request {fb(o['size'])}, live {fb(o['live_bytes'])}, "
+                 f"reserved {'unknown' if o['reserved_bytes'] is None else fb(o['reserved_bytes'])}, "
+                 f"device free {'unknown' if o['device_free'] is None else fb(o['device_free'])}")
+        if o["capacity"] is None:
+            why = "unknown (the GPU's capacity then is not recorded)"
+        else:
+            need = o["live_bytes"] + o["size"]
+            why = (f"{o['verdict']} (live + request = {fb(need)} {'<=' if need <= o['capacity'] else '>'} "
+                   f"{fb(o['capacity'])} = reserved + free)")
+
+        def yes(v):
+            return "not tried" if v is None else ("yes" if v else "no")
+
+        lines.append(f"  {where} -> {why}; with it served there, defrag completes: {yes(o['defrag_completes'])}, "
+                     f"torch-expandable (model) completes: {yes(o['expandable_completes'])}")
+    return lines
+
+
+def plot_devices(reports: list[DeviceReport], path) -> None:
+    """One panel per device: live bytes and each allocator's reserved bytes over the trace, PyTorch's
+    recorded reserved bytes, and the recorded OOMs as vertical lines. Needs the reports' series."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    GiB = float(1 << 30)
+    fig, axes = plt.subplots(len(reports), 1, figsize=(11, 3.6 * len(reports)), squeeze=False)
+    for ax, rep in zip(axes[:, 0], reports):
+        if rep.live_series is not None:
+            x, y = rep.live_series
+            ax.plot(x, [v / GiB for v in y], color="black", lw=1.2, label="live")
+        if rep.recorded is not None:
+            rec = rep.recorded
+            xs = list(rec.event) + [len(rep.trace.events)]
+            ax.step(xs, [v / GiB for v in rec.reserved] + [rec.reserved[-1] / GiB], where="post", lw=1.6,
+                    color="tab:red", label=f"{RECORDED}: reserved")
+        for r in rep.results:
+            if r.series is None:
+                continue
+            x, y = r.series
+            ax.step(x, [v / GiB for v in y], where="post", lw=1, label=f"{r.allocator}: reserved"
+                    + ("" if r.completed else f" ({r.ooms} OOMs)"))
+        for i, o in enumerate(rep.ooms):
+            ax.axvline(o["event"], color="tab:red", ls=":", lw=1, label="recorded OOM" if i == 0 else None)
+        ax.axhline(rep.capacity / GiB, color="grey", ls="--", lw=0.8, label="capacity")
+        title = rep.trace.name if rep.device is None else f"{rep.trace.name}: device {rep.device}"
+        ax.set_title(f"{title} ({len(rep.trace.events):,} events)", fontsize=10)
+        ax.set_xlabel("trace event")
+        ax.set_ylabel("GiB")
+        ax.legend(fontsize=7, loc="upper left", ncol=2)
+        ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
 
 
 def _check_real_pool(capacity: int, device) -> None:
@@ -637,7 +1165,7 @@ def _check_real_pool(capacity: int, device) -> None:
 
     try:
         pool, own_driver = _open_real_pool(capacity, DEFAULT_PAGE, device, True)
-    except (CudaError, OSError) as exc:
+    except (CudaError, OSError, ValueError) as exc:  # ValueError: the pool's own refusal, e.g. of its reservation
         raise pool_open_error(exc, capacity, hint=", or --dry (the pool's own code over a memory-less device) for capacities this "
                                                   "large") from None
     pool.close()
@@ -645,57 +1173,110 @@ def _check_real_pool(capacity: int, device) -> None:
         own_driver.close()
 
 
+def load_input(path, *, snapshot_device: int | None = None) -> tuple[str, list]:
+    """("trace", [(None, Trace)]) or ("snapshot", [SnapshotDevice, ...]) from a file, told apart by content.
+
+    TraceError (naming the file) for anything that is neither; ``snapshot_device`` picks one device of a
+    snapshot (TraceError if it has no such device) and is an error for a trace.
+    """
+    from .traces.snapshot import load_snapshot_devices, read_pickle
+
+    body = _read_body(path)
+    if _is_pickle(body):
+        data = read_pickle(body, path=path)
+        return "snapshot", load_snapshot_devices(data, device=snapshot_device, name=Path(path).name)
+    trace, kind = _parse_body(body, path)
+    if snapshot_device is not None:
+        raise TraceError("--snapshot-device applies to PyTorch memory snapshots; this is a defrag trace", path=path)
+    return kind, [(None, trace)]
+
+
 def main(args) -> int:
-    """The `defrag replay` command: load, replay, print a table, write --json.
+    """The `defrag replay` command: load, replay every device, print a section per device, write --json/--plot.
 
     Bad input (arguments, a file that is not a trace) raises `defrag.cli.UsageError`:
-    one line on stderr, exit code 2.
+    one line on stderr, exit code 2. Exit code 1 when the compacting pool
+    fails an allocation (or stops) at its capacity on some device; 0 when
+    it completes on every device.
     """
     from .arguments import UsageError, device_arg, device_label, out_file_arg, size_arg
 
-    capacity = size_arg(args.capacity, "--capacity", at_least=DEFAULT_PAGE,
-                        at_least_what=f"one page ({format_bytes(DEFAULT_PAGE)})")
-    if args.json:
-        out_file_arg(args.json, "--json")
+    capacity = None
+    if args.capacity is not None:
+        capacity = size_arg(args.capacity, "--capacity", at_least=DEFAULT_PAGE,
+                            at_least_what=f"one page ({format_bytes(DEFAULT_PAGE)})")
+    for flag, value in (("--json", args.json), ("--plot", getattr(args, "plot", None))):
+        if value:
+            out_file_arg(value, flag)
+    snapshot_device = getattr(args, "snapshot_device", None)
+    if snapshot_device is not None and snapshot_device < 0:
+        raise UsageError(f"--snapshot-device {snapshot_device}: a device index is 0 or more")
     try:
-        trace, kind = load_any(args.path)
+        kind, items = load_input(args.path, snapshot_device=snapshot_device)
     except TraceError as exc:
-        raise UsageError(str(exc)) from None
+        hint = "" if capacity is not None else " (see defrag replay --help)"
+        raise UsageError(f"{exc}{hint}") from None
+    if kind == "trace" and capacity is None:
+        raise UsageError(f"--capacity is required for a defrag trace ({args.path} is not a snapshot, which "
+                         "records its GPU); e.g. --capacity 80GiB (see defrag replay --help)")
     device = args.device
     if not args.dry:
         # A device that cannot work is the user's input, like a bad path.
         device = device_label(device_arg(args.device))
-        _check_real_pool(capacity, device)
-    st = trace.stats()
-    print(f"{kind} {trace.name!r} ({args.path}): {st.events} events, {st.allocs} allocs, {st.phases} phase "
-          f"markers, peak live {format_bytes(st.peak_live_bytes)}; capacity {format_bytes(capacity)}"
-          f"{', dry (memory-less device)' if args.dry else ''}")
-    if kind == "snapshot":
-        m = trace.meta
-        print(f"  snapshot device {m['device']}: {m['entries']} recorded actions, {m['initial_allocs']} blocks live "
-              f"before the first ({m['pre_trace_frees']} seen only as frees: ring buffer truncation), "
-              f"{m['skipped_entries']} entries skipped")
+        if capacity is not None:
+            _check_real_pool(capacity, device)
     t0 = time.perf_counter()
+    first = items[0].trace if kind == "snapshot" else items[0][1]
+    print(f"{kind} {first.name!r} ({args.path}): {len(items)} device{'s' if len(items) != 1 else ''} to replay"
+          f"{', dry (memory-less device)' if args.dry else ''}")
     try:
-        results, skipped = run_all(trace, capacity, dry=args.dry, device=device)
+        reports = replay_devices(items, capacity, dry=args.dry, device=device, series=bool(getattr(args, "plot", None)))
     except ReplayError as exc:
         raise UsageError(str(exc)) from None
-    print(format_table(results, skipped))
-    for r in results:
-        if r.allocator == "defrag":
+    for rep in reports:
+        st = rep.trace.stats()
+        head = "" if rep.device is None else f"== device {rep.device}: "
+        print(f"\n{head}{st.events} events, {st.allocs} allocs, {st.phases} phase markers, peak live "
+              f"{format_bytes(st.peak_live_bytes)}; capacity {format_bytes(rep.capacity)}"
+              + ("" if rep.capacity_source == "--capacity" else f" ({rep.capacity_source})"))
+        if rep.device is not None:
+            m = rep.trace.meta
+            print(f"  {m['entries']} recorded actions, {m['initial_allocs']} blocks live before the first "
+                  f"({m['pre_trace_frees']} seen only as frees: ring buffer truncation), {m['skipped_entries']} "
+                  f"entries skipped, {m['recorded_ooms']} OOMs recorded")
+        print(format_table(rep.results, rep.skipped, rep.recorded))
+        if rep.device is not None:
+            print(_recorded_line(rep))
+        if rep.ooms:
+            print("recorded OOMs (capacity = PyTorch's reserved + the device's free bytes at each):")
+            print("\n".join(_oom_lines(rep)))
+        r = rep.result("defrag")
+        if r is not None:
             print(_goal_line(r))
+    seconds = time.perf_counter() - t0
+    print(f"\n{len(reports)} device{'s' if len(reports) != 1 else ''} replayed in {seconds:.1f} s")
+    if getattr(args, "plot", None):
+        try:
+            plot_devices(reports, args.plot)
+        except OSError as exc:
+            raise UsageError(f"cannot write --plot {args.plot}: {exc.strerror or exc}") from None
+        print(f"wrote {args.plot}")
     if args.json:
+        first_rep = reports[0]
         payload = {
-            "trace": {"name": trace.name, "path": str(args.path), "kind": kind, "stats": st.as_dict(),
-                      "meta": trace.meta},
-            "capacity": capacity, "dry": bool(args.dry), "device": args.device,
-            "results": [r.as_dict() for r in results], "skipped": skipped,
-            "seconds": time.perf_counter() - t0,
+            "trace": {"name": first.name, "path": str(args.path), "kind": kind, "stats": first.stats().as_dict(),
+                      "meta": first.meta},
+            "capacity": capacity if capacity is not None else first_rep.capacity, "dry": bool(args.dry),
+            "device": args.device,
+            "devices": [rep.as_dict() for rep in reports],
+            # The first device's results, where readers of a single-device replay look for them.
+            "results": [r.as_dict() for r in first_rep.results], "skipped": first_rep.skipped,
+            "seconds": seconds,
         }
         try:
             Path(args.json).write_text(json.dumps(payload, indent=2, default=str) + "\n")
         except OSError as exc:  # checked up front; the folder can still go away during a long replay
             raise UsageError(f"cannot write --json {args.json}: {exc.strerror or exc}") from None
         print(f"wrote {args.json}")
-    return 0
-
+    failed = [rep for rep in reports if (r := rep.result("defrag")) is not None and not r.completed]
+    return 1 if failed else 0
