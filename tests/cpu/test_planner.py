@@ -1,10 +1,15 @@
-"""Tests for defrag.planner: plans are safe (checked by executing them on bytes), honest, and good."""
+"""Tests for defrag.planner: plans are safe (checked by executing them on bytes), honest, and good.
+
+Every test drives the array entry points the compactor runs (`plan_arrays`, `plan_conveyor`,
+`plan_hole_arrays`, `plan_window_arrays`) and `validate_arrays`. A layout is parallel arrays of live
+blocks; a block's key is its index, as in the compactor.
+"""
 from __future__ import annotations
 
 import dataclasses
 import hashlib
 import random
-from contextlib import nullcontext
+from typing import NamedTuple
 
 import numpy as np
 import pytest
@@ -14,19 +19,11 @@ from hypothesis import strategies as st
 import defrag.planner as planner
 from defrag.planner import (
     ArrayPlan,
-    LiveBlock,
-    Move,
-    Plan,
     PlanError,
-    lower_bound_pages,
     plan_arrays,
-    plan_compaction,
-    plan_hole,
     plan_hole_arrays,
     plan_window_arrays,
-    touched_pages,
     validate_arrays,
-    validate_plan,
 )
 
 A = 512  # alignment
@@ -34,8 +31,35 @@ SETTINGS = settings(deadline=None, max_examples=250, suppress_health_check=[Heal
 
 
 # --------------------------------------------------------------------------
-# Layout generators
+# Layouts
 # --------------------------------------------------------------------------
+
+
+class Layout(NamedTuple):
+    """Live blocks as the compactor gives them to the planner: block ``i`` is
+    ``[offsets[i], offsets[i] + sizes[i])``, movable iff ``movable[i]``."""
+
+    offsets: np.ndarray
+    sizes: np.ndarray
+    movable: np.ndarray
+    span: int
+
+    def plan(self, page: int, **kwargs) -> ArrayPlan:
+        return plan_arrays(self.offsets, self.sizes, self.movable, page_size=page, span=self.span, **kwargs)
+
+    def permuted(self, perm: np.ndarray) -> "Layout":
+        return Layout(self.offsets[perm], self.sizes[perm], self.movable[perm], self.span)
+
+
+def layout_of(rows, span: int) -> Layout:
+    """``(offset, size, movable)`` rows as a :class:`Layout`."""
+    rows = list(rows)
+    return Layout(
+        np.array([o for o, _, _ in rows], np.int64).reshape(-1),
+        np.array([s for _, s, _ in rows], np.int64).reshape(-1),
+        np.array([m for _, _, m in rows], bool).reshape(-1),
+        span,
+    )
 
 
 def make_layout(
@@ -48,10 +72,10 @@ def make_layout(
     pinned: float = 0.0,
     large: float = 0.0,
     tail: int = 0,
-) -> tuple[list[LiveBlock], int]:
+) -> Layout:
     """Blocks allocated back to back over ``pages - tail`` pages (blocks of a page
     or more start on a page boundary, smaller ones may straddle), then a random
-    ``keep`` fraction of them kept live. Returns (blocks, span)."""
+    ``keep`` fraction of them kept live, in random order."""
     r = random.Random(seed)
     g = page // A
     limit = (pages - tail) * page
@@ -78,21 +102,17 @@ def make_layout(
             continue
         out.append((off, size))
         off += size
-    blocks = [
-        LiveBlock(("blk", i), o, s, movable=r.random() >= pinned)
-        for i, (o, s) in enumerate(out)
-        if r.random() < keep
-    ]
-    r.shuffle(blocks)  # the planner must not rely on input order
-    return blocks, pages * page
+    rows = [(o, s, r.random() >= pinned) for o, s in out if r.random() < keep]
+    r.shuffle(rows)  # the planner must not rely on input order
+    return layout_of(rows, pages * page)
 
 
-def canonical(seed: int, *, page: int, pages: int, per_page: int, live_per_page: int) -> list[LiveBlock]:
+def canonical(seed: int, *, page: int, pages: int, per_page: int, live_per_page: int) -> Layout:
     """Every page held ``per_page`` equal blocks; all but ``live_per_page`` of each were freed."""
     r = random.Random(seed)
     size = page // per_page
     slots = [(p, slot) for p in range(pages) for slot in sorted(r.sample(range(per_page), live_per_page))]
-    return [LiveBlock(i, p * page + slot * size, size, True) for i, (p, slot) in enumerate(slots)]
+    return layout_of([(p * page + slot * size, size, True) for p, slot in slots], pages * page)
 
 
 layout_params = st.fixed_dictionaries(
@@ -108,6 +128,33 @@ layout_params = st.fixed_dictionaries(
     }
 ).map(lambda p: {**p, "tail": min(p["tail"], p["pages"] - 1)})
 
+params_with_budget = layout_params.flatmap(
+    lambda p: st.sampled_from([None, 0, 1, 3]).map(lambda mnp: (p, mnp))
+)
+
+
+# --------------------------------------------------------------------------
+# Brute-force references
+# --------------------------------------------------------------------------
+
+
+def pages_of(offsets, sizes, page: int) -> set[int]:
+    """Pages touched by the blocks ``(offsets[i], sizes[i])``, one page at a time."""
+    return {p for o, s in zip(offsets, sizes) if s for p in range(o // page, (o + s - 1) // page + 1)}
+
+
+def final_offsets(lay: Layout, plan: ArrayPlan) -> np.ndarray:
+    final = lay.offsets.copy()
+    final[plan.index] = plan.dst
+    return final
+
+
+def lower_bound(lay: Layout, page: int) -> int:
+    """``max(|F|, ceil(live / page))``, ``F`` the pages of the blocks that never move (pinned, a page or more)."""
+    fixed = ~lay.movable | (lay.sizes >= page)
+    forced = pages_of(lay.offsets[fixed].tolist(), lay.sizes[fixed].tolist(), page)
+    return max(len(forced), -(-int(lay.sizes.sum()) // page))
+
 
 # --------------------------------------------------------------------------
 # Executing a plan on bytes
@@ -120,7 +167,7 @@ def pattern(i: int, size: int) -> np.ndarray:
     return words.view(np.uint8)
 
 
-def execute(blocks: list[LiveBlock], plan: Plan, span: int, *, mode: str) -> None:
+def execute(lay: Layout, plan: ArrayPlan, *, mode: str) -> None:
     """Run ``plan`` on a region filled with per-block patterns; check every block's bytes.
 
     ``mode="wave"``: per wave, read every source first, then write every
@@ -128,402 +175,36 @@ def execute(blocks: list[LiveBlock], plan: Plan, span: int, *, mode: str) -> Non
     memmove per move, in plan order. Sources are poisoned once read, so a
     later read of a vacated range is caught too.
     """
-    mem = np.full(span, 0xEE, np.uint8)
-    index = {b.key: i for i, b in enumerate(blocks)}
-    for i, b in enumerate(blocks):
-        mem[b.offset:b.offset + b.size] = pattern(i, b.size)
-    for wave in plan.waves:
+    mem = np.full(lay.span, 0xEE, np.uint8)
+    for i, (o, s) in enumerate(zip(lay.offsets.tolist(), lay.sizes.tolist())):
+        mem[o:o + s] = pattern(i, s)
+    moves = list(zip(plan.src.tolist(), plan.dst.tolist(), plan.size.tolist()))
+    for w in sorted(set(plan.wave.tolist())):
+        wave = [m for m, x in zip(moves, plan.wave.tolist()) if x == w]
         if mode == "wave":
-            data = [mem[m.src:m.src + m.size].copy() for m in wave]
-            for m in wave:
-                mem[m.src:m.src + m.size] = 0xDD
-            for m, d in zip(wave, data):
-                mem[m.dst:m.dst + m.size] = d
+            data = [mem[s:s + n].copy() for s, _, n in wave]
+            for s, _, n in wave:
+                mem[s:s + n] = 0xDD
+            for (_, d, n), b in zip(wave, data):
+                mem[d:d + n] = b
         else:
-            for m in wave:
-                d = mem[m.src:m.src + m.size].copy()
-                mem[m.src:m.src + m.size] = 0xDD
-                mem[m.dst:m.dst + m.size] = d
-    final = {b.key: b.offset for b in blocks}
-    final.update({m.key: m.dst for m in plan.moves})
-    for b in blocks:
-        got = mem[final[b.key]:final[b.key] + b.size]
-        assert np.array_equal(got, pattern(index[b.key], b.size)), f"{mode}: bytes of {b.key!r} lost"
-
-
-def final_layout(blocks: list[LiveBlock], plan: Plan) -> list[tuple[int, int]]:
-    dst = {m.key: m.dst for m in plan.moves}
-    return [(dst.get(b.key, b.offset), b.size) for b in blocks]
-
-
-def check_plan(blocks: list[LiveBlock], plan: Plan, span: int) -> None:
-    """Everything any plan must satisfy, checked independently of validate_plan."""
-    validate_plan(blocks, plan, span=span)
-    execute(blocks, plan, span, mode="wave")
-    execute(blocks, plan, span, mode="sequential")
-    page = plan.page_size
-    assert plan.pages_before == touched_pages([(b.offset, b.size) for b in blocks], page)
-    assert plan.pages_after == touched_pages(final_layout(blocks, plan), page)
-    assert plan.pages_after <= plan.pages_before
-    assert plan.pages_after >= lower_bound_pages(blocks, page_size=page) == plan.pages_lower_bound
-    assert plan.moved_bytes == sum(m.size for m in plan.moves)
-    by_key = {b.key: b for b in blocks}
-    for m in plan.moves:
-        b = by_key[m.key]
-        assert b.movable and b.size < page, "pinned and large blocks never move"
-        assert (m.src, m.size) == (b.offset, b.size)
-    assert plan.empty == (not plan.moves)
-    assert all(plan.waves), "no empty waves"
-    if plan.empty:
-        assert plan.pages_after == plan.pages_before
-
-
-# --------------------------------------------------------------------------
-# Properties on random layouts
-# --------------------------------------------------------------------------
-
-
-@SETTINGS
-@given(layout_params)
-def test_random_layouts_give_safe_plans(params):
-    blocks, span = make_layout(**params)
-    plan = plan_compaction(blocks, page_size=params["page"], span=span)
-    check_plan(blocks, plan, span)
-
-
-@SETTINGS
-@given(layout_params)
-def test_without_unmapped_pages_destinations_stay_in_touched_pages(params):
-    blocks, span = make_layout(**params)
-    page = params["page"]
-    plan = plan_compaction(blocks, page_size=page, span=span, max_new_pages=0)
-    check_plan(blocks, plan, span)
-    before = {p for b in blocks for p in range(b.offset // page, (b.offset + b.size - 1) // page + 1)}
-    for m in plan.moves:
-        assert {m.dst // page, (m.dst + m.size - 1) // page} <= before
-
-
-@SETTINGS
-@given(layout_params)
-def test_planning_is_deterministic_and_ignores_input_order(params):
-    blocks, span = make_layout(**params)
-    page = params["page"]
-    a = plan_compaction(blocks, page_size=page, span=span)
-    b = plan_compaction(sorted(blocks, key=lambda b: b.offset), page_size=page, span=span)
-    assert a == b
-
-
-# --------------------------------------------------------------------------
-# Reaching the lower bound
-# --------------------------------------------------------------------------
-
-
-@pytest.mark.parametrize("pages, page", [(4, 2 << 20), (64, 65536), (1000, 16384)])
-def test_canonical_fragmentation_reaches_ceil_live_over_page(pages, page):
-    blocks = canonical(7, page=page, pages=pages, per_page=4, live_per_page=1)
-    span = pages * page
-    plan = plan_compaction(blocks, page_size=page, span=span)
-    check_plan(blocks, plan, span)
-    live = sum(b.size for b in blocks)
-    assert plan.pages_before == pages
-    assert plan.pages_after == -(-live // page) == -(-pages // 4)
-    # Holes of kept pages are free now: one wave, and only the evacuated blocks move.
-    assert len(plan.waves) == 1
-    assert plan.moved_bytes == (pages - plan.pages_after) * (page // 4)
-
-
-@SETTINGS
-@given(
-    seed=st.integers(0, 2**32 - 1),
-    page=st.sampled_from([4096, 16384, 65536]),
-    pages=st.integers(1, 80),
-    per_page=st.sampled_from([2, 4, 8]),
-    data=st.data(),
-)
-def test_canonical_family_reaches_lower_bound(seed, page, pages, per_page, data):
-    live_per_page = data.draw(st.integers(1, per_page - 1))
-    blocks = canonical(seed, page=page, pages=pages, per_page=per_page, live_per_page=live_per_page)
-    span = pages * page
-    plan = plan_compaction(blocks, page_size=page, span=span)
-    check_plan(blocks, plan, span)
-    assert plan.pages_after == -(-sum(b.size for b in blocks) // page)
-
-
-@SETTINGS
-@given(
-    seed=st.integers(0, 2**32 - 1),
-    page=st.sampled_from([4096, 8192, 16384, 65536]),
-    pages=st.integers(1, 64),
-    keep=st.floats(0.02, 1.0),
-    large=st.sampled_from([0.0, 0.05, 0.2]),
-    tail=st.integers(0, 3),
-)
-def test_sizes_dividing_the_page_reach_lower_bound(seed, page, pages, keep, large, tail):
-    # Blocks of one size page/2^k (down to 512 B) and whole-page large blocks,
-    # packed then freed at random: every hole is a multiple of that size.
-    blocks, span = make_layout(
-        seed, page=page, pages=pages + tail, style="divisor", keep=keep, large=large, tail=tail
-    )
-    plan = plan_compaction(blocks, page_size=page, span=span)
-    check_plan(blocks, plan, span)
-    assert plan.pages_after == lower_bound_pages(blocks, page_size=page)
-
-
-@SETTINGS
-@given(seed=st.integers(0, 2**32 - 1), pages=st.integers(1, 64), keep=st.floats(0.02, 1.0))
-def test_uniform_tiny_blocks_reach_lower_bound(seed, pages, keep):
-    r = random.Random(seed)
-    page = 8192
-    blocks = [LiveBlock(i, i * A, A, True) for i in range(pages * page // A) if r.random() < keep]
-    plan = plan_compaction(blocks, page_size=page, span=pages * page)
-    check_plan(blocks, plan, pages * page)
-    assert plan.pages_after == -(-len(blocks) * A // page)
-
-
-def test_pinned_pages_are_kept_and_filled_first():
-    page = 8192
-    # Page 0 holds one pinned block; pages 1..3 hold one movable block each.
-    blocks = [LiveBlock("pin", 0, A, False)] + [LiveBlock(i, i * page, A, True) for i in (1, 2, 3)]
-    plan = plan_compaction(blocks, page_size=page, span=4 * page)
-    check_plan(blocks, plan, 4 * page)
-    assert plan.pages_after == 1
-    assert all(m.dst < page for m in plan.moves)
-
-
-# --------------------------------------------------------------------------
-# Small cases and objectives
-# --------------------------------------------------------------------------
-
-
-def test_empty_and_already_compact_layouts_give_empty_plans():
-    page = 4096
-    assert plan_compaction([], page_size=page, span=0).empty
-    blocks = [LiveBlock(i, i * 1024, 1024, True) for i in range(10)]  # 2.5 pages, packed
-    plan = plan_compaction(blocks, page_size=page, span=8 * page)
-    assert plan.empty and plan.pages_before == plan.pages_after == 3 and plan.moves == ()
-
-
-def test_no_plan_when_no_page_can_be_freed():
-    page = 4096
-    # Every page has a pinned block: nothing can be released.
-    blocks = [LiveBlock(("p", i), i * page, A, False) for i in range(4)]
-    blocks += [LiveBlock(("m", i), i * page + 2048, A, True) for i in range(4)]
-    plan = plan_compaction(blocks, page_size=page, span=8 * page)
-    assert plan.empty and plan.pages_after == plan.pages_before == 4
-
-
-def test_large_blocks_stay_and_their_tails_take_small_blocks():
-    page = 4096
-    blocks = [
-        LiveBlock("big", 0, page + 2048, True),  # tail: [6144, 8192)
-        LiveBlock("a", 3 * page, 1024, True),
-        LiveBlock("b", 5 * page + 1024, 1024, True),
-    ]
-    plan = plan_compaction(blocks, page_size=page, span=8 * page)
-    check_plan(blocks, plan, 8 * page)
-    assert plan.pages_after == 2
-    assert {m.key for m in plan.moves} == {"a", "b"}
-    assert all(page + 2048 <= m.dst < 2 * page for m in plan.moves)
-
-
-def test_straddling_block_is_moved_off_an_evacuated_page():
-    page = 4096
-    blocks = [
-        LiveBlock("dense", 0, 3072, True),
-        LiveBlock("straddle", 2 * page - 1024, 2048, True),  # pages 1 and 2
-    ]
-    plan = plan_compaction(blocks, page_size=page, span=4 * page)
-    check_plan(blocks, plan, 4 * page)
-    assert plan.pages_after == 2 and plan.pages_before == 3
-
-
-def test_moves_are_plain_move_values():
-    page = 4096
-    blocks = [LiveBlock("k", 3 * page, 1024, True), LiveBlock("j", 0, 1024, True)]
-    plan = plan_compaction(blocks, page_size=page, span=4 * page)
-    (m,) = plan.moves
-    assert m == Move("k", 3 * page, m.dst, 1024) and hash(m) == hash(Move("k", 3 * page, m.dst, 1024))
-    with pytest.raises(dataclasses.FrozenInstanceError):
-        m.dst = 0  # type: ignore[misc]
-    assert plan.moves == tuple(x for w in plan.waves for x in w)
-
-
-def test_later_waves_reuse_space_vacated_by_earlier_ones():
-    # Without unmapped pages, blocks that fit no hole that is free now wait
-    # for pages (or parts of kept pages) that earlier waves emptied.
-    multi = 0
-    for seed in range(40):
-        blocks, span = make_layout(seed, page=16384, pages=24, style="coarse", keep=0.5)
-        plan = plan_compaction(blocks, page_size=16384, span=span, max_new_pages=0)
-        check_plan(blocks, plan, span)
-        multi += len(plan.waves) > 1
-    assert multi  # the wave machinery was exercised
-
-
-# --------------------------------------------------------------------------
-# Bad input
-# --------------------------------------------------------------------------
-
-
-BAD_INPUTS = [
-    ([LiveBlock(1, 0, 1024, True), LiveBlock(2, 512, 512, True)], {}),  # overlap
-    ([LiveBlock(1, 256, 512, True)], {}),  # misaligned offset
-    ([LiveBlock(1, 0, 700, True)], {}),  # misaligned size
-    ([LiveBlock(1, 0, 0, True)], {}),  # empty block
-    ([LiveBlock(1, -512, 512, True)], {}),  # before the region
-    ([LiveBlock(1, 16384 - 512, 1024, True)], {}),  # past the span
-    ([LiveBlock(1, 0, 512, True), LiveBlock(1, 1024, 512, True)], {}),  # duplicate key
-    ([], {"page_size": 1000}),  # page not a multiple of the alignment
-    ([], {"span": 4096 * 3 + 512}),  # span not a multiple of the page
-    ([], {"alignment": 0}),
-    ([], {"max_new_pages": -1}),
-]
-
-
-@pytest.mark.parametrize("blocks, kwargs", BAD_INPUTS)
-def test_bad_input_raises_plan_error(blocks, kwargs):
-    args = {"page_size": 4096, "span": 16384, **kwargs}
-    with pytest.raises(PlanError):
-        plan_compaction(blocks, **args)
-    # validate_plan checks its input the same way.
-    args.pop("max_new_pages", None)
-    page = args.pop("page_size")
-    with pytest.raises(PlanError) if "max_new_pages" not in kwargs else nullcontext():
-        validate_plan(blocks, Plan((), page, 0, 0, 0), **args)
-
-
-# --------------------------------------------------------------------------
-# validate_plan catches unsafe plans
-# --------------------------------------------------------------------------
-
-PAGE = 4096
-BLOCKS = [
-    LiveBlock("a", 0, 1024, True),
-    LiveBlock("b", 1024, 1024, True),
-    LiveBlock("pin", 2048, 1024, False),
-    LiveBlock("c", PAGE, 1024, True),
-    LiveBlock("d", 2 * PAGE, 1024, True),
-    LiveBlock("big", 4 * PAGE, PAGE, True),
-]
-SPAN = 8 * PAGE
-
-
-def plan_of(*waves: list[tuple], before=None, after=None, moved=None) -> Plan:
-    by_key = {b.key: b for b in BLOCKS}
-    ws = tuple(tuple(Move(k, by_key[k].offset, d, by_key[k].size) for k, d in w) for w in waves)
-    layout = {b.key: (b.offset, b.size) for b in BLOCKS}
-    for w in ws:
-        for m in w:
-            layout[m.key] = (m.dst, m.size)
-    return Plan(
-        ws,
-        PAGE,
-        touched_pages([(b.offset, b.size) for b in BLOCKS], PAGE) if before is None else before,
-        touched_pages(layout.values(), PAGE) if after is None else after,
-        sum(m.size for w in ws for m in w) if moved is None else moved,
-    )
-
-
-def test_validate_accepts_a_safe_hand_written_plan():
-    # c -> hole of page 0 (wave 1); d -> where c was (wave 2).
-    validate_plan(BLOCKS, plan_of([("c", 3072)], [("d", PAGE)]), span=SPAN)
-
-
-UNSAFE_PLANS = [
-    (plan_of([("pin", 3072)]), "pinned block moves"),
-    (plan_of([("c", 3072)], [("c", PAGE + 2048)]), "block moves twice"),
-    (plan_of([("c", 3072), ("d", 3072)]), "two destinations overlap"),
-    (plan_of([("c", 2048)]), "lands on a pinned block"),
-    (plan_of([("d", PAGE)]), "lands on a block that never moves"),
-    (plan_of([("d", PAGE)], [("c", 3072)]), "lands on a block that moves only later"),
-    (plan_of([("c", 3072), ("d", PAGE)]), "destination overlaps a source of the same wave"),
-    (plan_of([("c", PAGE + 512)]), "overlaps its own source"),
-    (plan_of([("c", 3072 + 256)]), "misaligned destination"),
-    (plan_of([("big", 5 * PAGE + 512)]), "large block off a page boundary"),
-    (plan_of([("d", SPAN - 512)]), "past the span"),
-    (plan_of([("c", -1024)]), "before the region"),
-    (plan_of([("c", 3072)], []), "empty wave"),
-    (plan_of([("c", 3072)], after=4), "wrong pages_after"),
-    (plan_of([("c", 3072)], moved=0), "wrong moved_bytes"),
-    (Plan(((Move("zzz", 0, 3072, 1024),),), PAGE, 4, 4, 1024), "unknown block"),
-    (Plan(((Move("c", PAGE, 3072, 512),),), PAGE, 4, 3, 512), "wrong size"),
-    (Plan(((Move("c", 0, 3072, 1024),),), PAGE, 4, 3, 1024), "wrong source"),
-]
-
-
-@pytest.mark.parametrize("plan, why", UNSAFE_PLANS)
-def test_validate_rejects_unsafe_plans(plan, why):
-    with pytest.raises(PlanError):
-        validate_plan(BLOCKS, plan, span=SPAN)
-
-
-# --------------------------------------------------------------------------
-# Helpers
-# --------------------------------------------------------------------------
-
-
-@SETTINGS
-@given(
-    st.lists(st.tuples(st.integers(0, 10_000), st.integers(0, 3000)), max_size=30),
-    st.sampled_from([512, 1000, 4096]),
-)
-def test_touched_pages_matches_brute_force(layout, page):
-    expect = {p for o, s in layout if s for p in range(o // page, (o + s - 1) // page + 1)}
-    assert touched_pages(layout, page) == len(expect)
-
-
-def test_lower_bound_counts_forced_pages_and_live_bytes():
-    page = 4096
-    pinned_everywhere = [LiveBlock(i, i * page, A, False) for i in range(5)]
-    assert lower_bound_pages(pinned_everywhere, page_size=page) == 5
-    packed = [LiveBlock(i, i * 2048, 2048, True) for i in range(5)]  # 10 KiB
-    assert lower_bound_pages(packed, page_size=page) == 3
-
-
-def test_plan_hole_merges_two_free_ranges_with_one_move():
-    page = 64 * 1024
-    # One page: blocks of 1 KiB everywhere except two 1 KiB holes around the block at 2 KiB,
-    # and a 1 KiB hole at the end where that block can go.
-    offsets = [o for o in range(0, page, 1024) if o not in (1024, 3072, page - 1024)]
-    blocks = [LiveBlock(o, o, 1024, True) for o in offsets]
-    free = [(1024, 1024), (3072, 1024), (page - 1024, 1024)]
-    plan = plan_hole(blocks, free, 3072, page_size=page, span=page)
-    assert plan is not None and len(plan.moves) == 1
-    move = plan.moves[0]
-    assert (move.src, move.dst, move.size) == (2048, page - 1024, 1024)
-    assert plan.pages_after == plan.pages_before == 1
-    # Pinned in the middle, or holes too small together: no plan.
-    pinned = [LiveBlock(b.key, b.offset, b.size, b.offset != 2048) for b in blocks]
-    assert plan_hole(pinned, free, 3072, page_size=page, span=page) is None
-    assert plan_hole(blocks, free, 3584, page_size=page, span=page) is None
-
-
-# --------------------------------------------------------------------------
-# The array form: plan_arrays / ArrayPlan / validate_arrays / plan_hole_arrays
-# --------------------------------------------------------------------------
-
-
-def arrays_of(blocks: list[LiveBlock]) -> tuple[list, np.ndarray, np.ndarray, np.ndarray]:
-    """Keys and the parallel arrays of ``blocks`` (index i = blocks[i])."""
-    return (
-        [b.key for b in blocks],
-        np.array([b.offset for b in blocks], np.int64),
-        np.array([b.size for b in blocks], np.int64),
-        np.array([b.movable for b in blocks], bool),
-    )
-
-
-def check_arrays(off: np.ndarray, size: np.ndarray, movable: np.ndarray, plan: ArrayPlan, span: int) -> None:
-    """What every planner-made ArrayPlan promises, checked independently of validate_arrays."""
-    validate_arrays(off, size, movable, plan, span=span)
+            for s, d, n in wave:
+                b = mem[s:s + n].copy()
+                mem[s:s + n] = 0xDD
+                mem[d:d + n] = b
+    for i, (o, s) in enumerate(zip(final_offsets(lay, plan).tolist(), lay.sizes.tolist())):
+        assert np.array_equal(mem[o:o + s], pattern(i, s)), f"{mode}: bytes of block {i} lost"
+
+
+def check_structure(lay: Layout, plan: ArrayPlan) -> None:
+    """What every planner-made ArrayPlan promises about its arrays, checked independently of validate_arrays."""
     n = len(plan)
     for name in ("index", "src", "dst", "size", "wave"):
         a = getattr(plan, name)
         assert a.dtype == np.int64 and a.shape == (n,) and not a.flags.writeable
     assert plan.empty == (n == 0) and plan.moved_bytes == int(plan.size.sum())
-    assert len(set(plan.index.tolist())) == n
-    assert np.array_equal(plan.src, off[plan.index]) and np.array_equal(plan.size, size[plan.index])
-    assert movable[plan.index].all() and (plan.size < plan.page_size).all()
+    assert len(set(plan.index.tolist())) == n, "each block moves at most once"
+    assert np.array_equal(plan.src, lay.offsets[plan.index]) and np.array_equal(plan.size, lay.sizes[plan.index])
     # Sorted by wave, then destination; waves 1..waves, none empty.
     assert np.array_equal(np.lexsort((plan.dst, plan.wave)), np.arange(n))
     assert sorted(set(plan.wave.tolist())) == list(range(1, plan.waves + 1))
@@ -540,32 +221,201 @@ def check_arrays(off: np.ndarray, size: np.ndarray, movable: np.ndarray, plan: A
         assert not (s[np.minimum(first, s.size - 1)] < e)[first < s.size].any()
 
 
-params_with_budget = layout_params.flatmap(
-    lambda p: st.sampled_from([None, 0, 1, 3]).map(lambda mnp: (p, mnp))
-)
+def check_plan(lay: Layout, plan: ArrayPlan) -> None:
+    """Everything a plan_arrays plan must satisfy: validate_arrays, and the same independently, on bytes."""
+    validate_arrays(lay.offsets, lay.sizes, lay.movable, plan, span=lay.span)
+    check_structure(lay, plan)
+    execute(lay, plan, mode="wave")
+    execute(lay, plan, mode="sequential")
+    page = plan.page_size
+    assert plan.pages_before == len(pages_of(lay.offsets.tolist(), lay.sizes.tolist(), page))
+    assert plan.pages_after == len(pages_of(final_offsets(lay, plan).tolist(), lay.sizes.tolist(), page))
+    assert plan.pages_after <= plan.pages_before
+    assert plan.pages_after >= lower_bound(lay, page) == plan.pages_lower_bound
+    assert lay.movable[plan.index].all() and (plan.size < page).all(), "pinned and large blocks never move"
+    if plan.empty:
+        assert plan.pages_after == plan.pages_before
+
+
+# --------------------------------------------------------------------------
+# Properties on random layouts
+# --------------------------------------------------------------------------
+
+
+@SETTINGS
+@given(params_with_budget)
+def test_random_layouts_give_safe_plans(pm):
+    params, max_new_pages = pm
+    lay = make_layout(**params)
+    check_plan(lay, lay.plan(params["page"], max_new_pages=max_new_pages))
+
+
+@SETTINGS
+@given(layout_params)
+def test_without_unmapped_pages_destinations_stay_in_touched_pages(params):
+    lay = make_layout(**params)
+    page = params["page"]
+    plan = lay.plan(page, max_new_pages=0)
+    check_plan(lay, plan)
+    before = pages_of(lay.offsets.tolist(), lay.sizes.tolist(), page)
+    assert pages_of(plan.dst.tolist(), plan.size.tolist(), page) <= before
 
 
 @SETTINGS
 @given(params_with_budget, st.randoms(use_true_random=False))
-def test_array_plan_is_the_object_plan(pm, rnd):
+def test_planning_is_deterministic_and_ignores_input_order(pm, rnd):
     params, max_new_pages = pm
-    blocks, span = make_layout(**params)
+    lay = make_layout(**params)
     page = params["page"]
-    keys, off, size, movable = arrays_of(blocks)
-    arrays = plan_arrays(off, size, movable, page_size=page, span=span, max_new_pages=max_new_pages)
-    plan = plan_compaction(blocks, page_size=page, span=span, max_new_pages=max_new_pages)
-    assert arrays.to_plan(keys) == plan
-    assert (len(arrays), arrays.waves, arrays.empty) == (len(plan.moves), len(plan.waves), plan.empty)
-    assert [b - a for a, b in arrays.wave_slices()] == [len(w) for w in plan.waves]
-    assert arrays.pages_lower_bound == plan.pages_lower_bound == lower_bound_pages(blocks, page_size=page)
-    check_arrays(off, size, movable, arrays, span)
-    validate_plan(blocks, arrays, span=span)
-    # Input order does not matter: the keys follow their blocks.
-    perm = np.array(rnd.sample(range(len(blocks)), len(blocks)), np.int64)
-    shuffled = plan_arrays(off[perm], size[perm], movable[perm], page_size=page, span=span,
-                           max_new_pages=max_new_pages)
-    assert np.array_equal(perm[shuffled.index], arrays.index)
-    assert dataclasses.replace(shuffled, index=arrays.index) == arrays
+    plan = lay.plan(page, max_new_pages=max_new_pages)
+    assert lay.plan(page, max_new_pages=max_new_pages) == plan
+    # Shuffled input: the same moves, each naming its block's new position.
+    n = lay.offsets.size
+    perm = np.array(rnd.sample(range(n), n), np.int64)
+    shuffled = lay.permuted(perm).plan(page, max_new_pages=max_new_pages)
+    assert np.array_equal(perm[shuffled.index], plan.index)
+    assert dataclasses.replace(shuffled, index=plan.index) == plan
+
+
+# --------------------------------------------------------------------------
+# Reaching the lower bound
+# --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("pages, page", [(4, 2 << 20), (64, 65536), (1000, 16384)])
+def test_canonical_fragmentation_reaches_ceil_live_over_page(pages, page):
+    lay = canonical(7, page=page, pages=pages, per_page=4, live_per_page=1)
+    plan = lay.plan(page)
+    check_plan(lay, plan)
+    live = int(lay.sizes.sum())
+    assert plan.pages_before == pages
+    assert plan.pages_after == -(-live // page) == -(-pages // 4)
+    # Holes of kept pages are free now: one wave, and only the evacuated blocks move.
+    assert plan.waves == 1
+    assert plan.moved_bytes == (pages - plan.pages_after) * (page // 4)
+
+
+@SETTINGS
+@given(
+    seed=st.integers(0, 2**32 - 1),
+    page=st.sampled_from([4096, 16384, 65536]),
+    pages=st.integers(1, 80),
+    per_page=st.sampled_from([2, 4, 8]),
+    data=st.data(),
+)
+def test_canonical_family_reaches_lower_bound(seed, page, pages, per_page, data):
+    live_per_page = data.draw(st.integers(1, per_page - 1))
+    lay = canonical(seed, page=page, pages=pages, per_page=per_page, live_per_page=live_per_page)
+    plan = lay.plan(page)
+    check_plan(lay, plan)
+    assert plan.pages_after == -(-int(lay.sizes.sum()) // page)
+
+
+@SETTINGS
+@given(
+    seed=st.integers(0, 2**32 - 1),
+    page=st.sampled_from([4096, 8192, 16384, 65536]),
+    pages=st.integers(1, 64),
+    keep=st.floats(0.02, 1.0),
+    large=st.sampled_from([0.0, 0.05, 0.2]),
+    tail=st.integers(0, 3),
+)
+def test_sizes_dividing_the_page_reach_lower_bound(seed, page, pages, keep, large, tail):
+    # Blocks of one size page/2^k (down to 512 B) and whole-page large blocks,
+    # packed then freed at random: every hole is a multiple of that size.
+    lay = make_layout(seed, page=page, pages=pages + tail, style="divisor", keep=keep, large=large, tail=tail)
+    plan = lay.plan(page)
+    check_plan(lay, plan)
+    assert plan.pages_after == lower_bound(lay, page)
+
+
+@SETTINGS
+@given(seed=st.integers(0, 2**32 - 1), pages=st.integers(1, 64), keep=st.floats(0.02, 1.0))
+def test_uniform_tiny_blocks_reach_lower_bound(seed, pages, keep):
+    r = random.Random(seed)
+    page = 8192
+    lay = layout_of([(i * A, A, True) for i in range(pages * page // A) if r.random() < keep], pages * page)
+    plan = lay.plan(page)
+    check_plan(lay, plan)
+    assert plan.pages_after == -(-lay.offsets.size * A // page)
+
+
+def test_pinned_pages_are_kept_and_filled_first():
+    page = 8192
+    # Page 0 holds one pinned block; pages 1..3 hold one movable block each.
+    lay = layout_of([(0, A, False)] + [(i * page, A, True) for i in (1, 2, 3)], 4 * page)
+    plan = lay.plan(page)
+    check_plan(lay, plan)
+    assert plan.pages_after == 1
+    assert (plan.dst < page).all()
+
+
+# --------------------------------------------------------------------------
+# Small cases and objectives
+# --------------------------------------------------------------------------
+
+
+def test_empty_and_already_compact_layouts_give_empty_plans():
+    page = 4096
+    assert layout_of([], 0).plan(page).empty
+    packed = layout_of([(i * 1024, 1024, True) for i in range(10)], 8 * page)  # 2.5 pages, packed
+    plan = packed.plan(page)
+    assert plan.empty and plan.pages_before == plan.pages_after == 3 and len(plan) == 0
+
+
+def test_no_plan_when_no_page_can_be_freed():
+    page = 4096
+    # Every page has a pinned block: nothing can be released.
+    lay = layout_of([(i * page, A, False) for i in range(4)] + [(i * page + 2048, A, True) for i in range(4)],
+                    8 * page)
+    plan = lay.plan(page)
+    assert plan.empty and plan.pages_after == plan.pages_before == 4
+
+
+def test_lower_bound_counts_forced_pages_and_live_bytes():
+    page = 4096
+    pinned_everywhere = layout_of([(i * page, A, False) for i in range(5)], 8 * page)
+    assert pinned_everywhere.plan(page).pages_lower_bound == 5
+    packed = layout_of([(i * 2048, 2048, True) for i in range(5)], 8 * page)  # 10 KiB
+    assert packed.plan(page).pages_lower_bound == 3
+
+
+def test_large_blocks_stay_and_their_tails_take_small_blocks():
+    page = 4096
+    names = ["big", "a", "b"]
+    lay = layout_of([
+        (0, page + 2048, True),  # tail: [6144, 8192)
+        (3 * page, 1024, True),
+        (5 * page + 1024, 1024, True),
+    ], 8 * page)
+    plan = lay.plan(page)
+    check_plan(lay, plan)
+    assert plan.pages_after == 2
+    assert {names[i] for i in plan.index.tolist()} == {"a", "b"}
+    assert ((page + 2048 <= plan.dst) & (plan.dst < 2 * page)).all()
+
+
+def test_straddling_block_is_moved_off_an_evacuated_page():
+    page = 4096
+    lay = layout_of([
+        (0, 3072, True),  # dense
+        (2 * page - 1024, 2048, True),  # straddles pages 1 and 2
+    ], 4 * page)
+    plan = lay.plan(page)
+    check_plan(lay, plan)
+    assert plan.pages_after == 2 and plan.pages_before == 3
+
+
+def test_later_waves_reuse_space_vacated_by_earlier_ones():
+    # Without unmapped pages, blocks that fit no hole that is free now wait
+    # for pages (or parts of kept pages) that earlier waves emptied.
+    multi = 0
+    for seed in range(40):
+        lay = make_layout(seed, page=16384, pages=24, style="coarse", keep=0.5)
+        plan = lay.plan(16384, max_new_pages=0)
+        check_plan(lay, plan)
+        multi += plan.waves > 1
+    assert multi  # the wave machinery was exercised
 
 
 @SETTINGS
@@ -574,26 +424,24 @@ def test_page_tables_and_binary_search_make_the_same_plan(pm):
     # Regions much sparser than their blocks use binary search instead of
     # per-page tables; force that path and compare.
     params, max_new_pages = pm
-    blocks, span = make_layout(**params)
-    _, off, size, movable = arrays_of(blocks)
-    args = dict(page_size=params["page"], span=span, max_new_pages=max_new_pages)
-    expect = plan_arrays(off, size, movable, **args)
+    lay = make_layout(**params)
+    expect = lay.plan(params["page"], max_new_pages=max_new_pages)
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(planner, "_TABLE_RATIO", 0)
         mp.setattr(planner, "_TABLE_MIN", 0)
-        assert plan_arrays(off, size, movable, **args) == expect
+        assert lay.plan(params["page"], max_new_pages=max_new_pages) == expect
 
 
-def test_arrays_plan_a_sparse_region_without_page_tables():
+def test_a_sparse_region_is_planned_without_page_tables():
     page = 4096
     span = page << 30  # 4 TiB, 2^30 pages: too many for a page table
-    blocks = [LiveBlock(i, (i * 7919 % 4096) * (page << 16) + 512 * (i % 4), 512, True) for i in range(64)]
-    blocks += [LiveBlock(("x", i), i * page, 1024, True) for i in range(1, 9)]
-    keys, off, size, movable = arrays_of(blocks)
-    plan = plan_arrays(off, size, movable, page_size=page, span=span)
-    check_arrays(off, size, movable, plan, span)
+    rows = [((i * 7919 % 4096) * (page << 16) + 512 * (i % 4), 512, True) for i in range(64)]
+    rows += [(i * page, 1024, True) for i in range(1, 9)]
+    lay = layout_of(rows, span)
+    plan = lay.plan(page)
+    validate_arrays(lay.offsets, lay.sizes, lay.movable, plan, span=span)
+    check_structure(lay, plan)
     assert plan.pages_after < plan.pages_before
-    assert plan.to_plan(keys) == plan_compaction(blocks, page_size=page, span=span)
 
 
 def _digest(plan: ArrayPlan) -> tuple:
@@ -602,11 +450,11 @@ def _digest(plan: ArrayPlan) -> tuple:
             hashlib.sha256(np.ascontiguousarray(rows, np.int64).tobytes()).hexdigest()[:16])
 
 
-#: Plans of the planner before it worked on arrays (the object planner of
-#: issue 12), on fixed layouts: (pages before, after, bytes moved, moves,
-#: waves, sha256 of the (index, src, dst, size, wave) rows). The array
-#: planner must make exactly these plans.
-OLD_PLANS = [
+#: Exact plans on fixed layouts: (pages before, after, bytes moved, moves,
+#: waves, sha256 of the (index, src, dst, size, wave) rows). These are what
+#: compaction runs; a change to the planner that changes any of them changes
+#: the moves a compaction makes, and must say so here.
+PINNED_PLANS = [
     (("layout", 0, "coarse"), None, (25, 13, 107008, 13, 2, "e0920fa9b63a60dc")),
     (("layout", 0, "coarse"), 0, (25, 13, 151040, 16, 2, "de286c2b00f963c8")),
     (("layout", 1, "mixed"), None, (25, 16, 65024, 21, 1, "9862c322215782d6")),
@@ -624,91 +472,56 @@ OLD_PLANS = [
 ]
 
 
-@pytest.mark.parametrize("case, max_new_pages, expect", OLD_PLANS)
-def test_array_planner_makes_the_old_planners_plans(case, max_new_pages, expect):
+@pytest.mark.parametrize("case, max_new_pages, expect", PINNED_PLANS)
+def test_the_planner_makes_the_pinned_plans(case, max_new_pages, expect):
     if case[0] == "layout":
         _, seed, style = case
         page = 16384
-        blocks, span = make_layout(seed, page=page, pages=40, style=style, keep=0.5, pinned=0.05, large=0.05, tail=3)
-        keys, off, size, movable = arrays_of(blocks)
+        lay = make_layout(seed, page=page, pages=40, style=style, keep=0.5, pinned=0.05, large=0.05, tail=3)
     else:
         from defrag.benchmarks.bench_planner import PAGE as page, fragmented_arrays
 
         _, n, seed = case
-        keys, off, size, movable, span = fragmented_arrays(n, seed)
-    plan = plan_arrays(off, size, movable, page_size=page, span=span, max_new_pages=max_new_pages)
-    check_arrays(off, size, movable, plan, span)
+        _, off, size, movable, span = fragmented_arrays(n, seed)
+        lay = Layout(off, size, movable, span)
+    plan = lay.plan(page, max_new_pages=max_new_pages)
+    validate_arrays(lay.offsets, lay.sizes, lay.movable, plan, span=lay.span)
+    check_structure(lay, plan)
     assert _digest(plan) == expect
 
 
-# ArrayPlan and validate_arrays
+# --------------------------------------------------------------------------
+# Bad input
+# --------------------------------------------------------------------------
 
 
-def arrays_plan_of(plan: Plan, blocks=BLOCKS) -> ArrayPlan:
-    """``plan`` in array form (unknown keys get index 99)."""
-    pos = {b.key: i for i, b in enumerate(blocks)}
-    rows = [(pos.get(m.key, 99), m.src, m.dst, m.size, w) for w, wave in enumerate(plan.waves, 1) for m in wave]
-    a = np.array(rows, np.int64).reshape(-1, 5).T
-    return ArrayPlan(*a, plan.page_size, plan.pages_before, plan.pages_after, plan.moved_bytes)
+BAD_INPUTS = [
+    ([(0, 1024, True), (512, 512, True)], {}),  # overlap
+    ([(256, 512, True)], {}),  # misaligned offset
+    ([(0, 700, True)], {}),  # misaligned size
+    ([(0, 0, True)], {}),  # empty block
+    ([(-512, 512, True)], {}),  # before the region
+    ([(16384 - 512, 1024, True)], {}),  # past the span
+    ([], {"page_size": 1000}),  # page not a multiple of the alignment
+    ([], {"span": 4096 * 3 + 512}),  # span not a multiple of the page
+    ([], {"alignment": 0}),
+    ([], {"max_new_pages": -1}),
+]
 
 
-def test_validate_arrays_accepts_a_safe_hand_written_plan():
-    plan = arrays_plan_of(plan_of([("c", 3072)], [("d", PAGE)]))
-    _, off, size, movable = arrays_of(BLOCKS)
-    validate_arrays(off, size, movable, plan, span=SPAN)
-    validate_plan(BLOCKS, plan, span=SPAN)
-    assert plan.wave_slices() == [(0, 1), (1, 2)] and plan.waves == 2 and len(plan) == 2
-    assert plan.to_plan([b.key for b in BLOCKS]) == plan_of([("c", 3072)], [("d", PAGE)])
-
-
-def _unsafe_array_plans():
-    for plan, why in UNSAFE_PLANS:
-        if why != "empty wave":  # an array plan has no way to spell an empty last wave
-            yield pytest.param(arrays_plan_of(plan), None, id=why)
-    good = arrays_plan_of(plan_of([("c", 3072)], [("d", PAGE)]))
-    yield pytest.param(dataclasses.replace(good, wave=np.array([2, 1])), "wave order", id="waves out of order")
-    yield pytest.param(dataclasses.replace(good, wave=np.array([2, 2])), "wave 1 is empty", id="wave 1 empty")
-    yield pytest.param(dataclasses.replace(good, wave=np.array([1, 3])), "wave 2 is empty", id="wave 2 empty")
-    yield pytest.param(dataclasses.replace(good, index=np.array([3, -1])), "unknown block", id="negative index")
-    yield pytest.param(dataclasses.replace(good, index=np.array([3, 3])), "moves twice", id="index repeats")
-
-
-@pytest.mark.parametrize("plan, match", list(_unsafe_array_plans()))
-def test_validate_arrays_rejects_unsafe_plans(plan, match):
-    _, off, size, movable = arrays_of(BLOCKS)
-    with pytest.raises(PlanError, match=match):
-        validate_arrays(off, size, movable, plan, span=SPAN)
-    with pytest.raises(PlanError, match=match):
-        validate_plan(BLOCKS, plan, span=SPAN)
-
-
-def test_array_plan_values():
+@pytest.mark.parametrize("rows, kwargs", BAD_INPUTS)
+def test_bad_input_raises_plan_error(rows, kwargs):
+    args = {"page_size": 4096, "span": 16384, **kwargs}
+    lay = layout_of(rows, args["span"])
+    with pytest.raises(PlanError):
+        plan_arrays(lay.offsets, lay.sizes, lay.movable, **args)
+    if "max_new_pages" in kwargs:
+        return
+    # validate_arrays checks its input the same way.
+    page = args.pop("page_size")
     e = np.empty(0, np.int64)
-    empty = ArrayPlan(e, e, e, e, e, 4096, 3, 3, 0)
-    assert empty.empty and not empty and empty.waves == 0 and empty.wave_slices() == [] and empty.pages_freed == 0
-    assert empty.to_plan() == Plan((), 4096, 3, 3, 0)
-    one = ArrayPlan([0], [4096], [0], [512], [1], 4096, 2, 1, 512, 1)
-    assert one == ArrayPlan(np.array([0]), [4096], [0], [512], [1], 4096, 2, 1, 512, 1) != empty
-    assert one.to_plan(["k"]) == Plan(((Move("k", 4096, 0, 512),),), 4096, 2, 1, 512, 1)
-    assert one.to_plan().moves == (Move(0, 4096, 0, 512),)
-    with pytest.raises(ValueError):
-        one.dst[0] = 512  # read-only
-    with pytest.raises(dataclasses.FrozenInstanceError):
-        one.pages_after = 0  # type: ignore[misc]
     with pytest.raises(PlanError):
-        ArrayPlan([0, 1], [0], [0], [512], [1], 4096, 1, 1, 512)  # lengths differ
-    with pytest.raises(PlanError):
-        ArrayPlan([0], [0.5], [0], [512], [1], 4096, 1, 1, 512)  # not integers
-
-
-@pytest.mark.parametrize(
-    "blocks, kwargs",
-    [c for c in BAD_INPUTS if len({b.key for b in c[0]}) == len(c[0])],  # arrays have no duplicate keys
-)
-def test_bad_array_input_raises_plan_error(blocks, kwargs):
-    _, off, size, movable = arrays_of(blocks)
-    with pytest.raises(PlanError):
-        plan_arrays(off, size, movable, **{"page_size": 4096, "span": 16384, **kwargs})
+        validate_arrays(lay.offsets, lay.sizes, lay.movable, ArrayPlan(e, e, e, e, e, page, 0, 0, 0), **args)
 
 
 @pytest.mark.parametrize(
@@ -725,75 +538,217 @@ def test_malformed_arrays_raise_plan_error(arrays):
         plan_arrays(*(np.array(a) for a in arrays), page_size=4096, span=16384)
 
 
-# plan_hole in both forms
+# --------------------------------------------------------------------------
+# validate_arrays catches unsafe plans
+# --------------------------------------------------------------------------
+
+PAGE = 4096
+NAMES = ["a", "b", "pin", "c", "d", "big"]
+BLOCKS = layout_of([
+    (0, 1024, True),
+    (1024, 1024, True),
+    (2048, 1024, False),
+    (PAGE, 1024, True),
+    (2 * PAGE, 1024, True),
+    (4 * PAGE, PAGE, True),
+], 8 * PAGE)
+SPAN = BLOCKS.span
 
 
-def reference_plan_hole(blocks, free, size, page):
-    """The hole planner of issue 12 as one loop (key, src, dst) or None, plus:
-    a block of a page or more needs a free range starting on a page boundary."""
-    by_offset = {b.offset: b for b in blocks}
+def plan_of(*waves: list[tuple], before=None, after=None, moved=None) -> ArrayPlan:
+    """Moves ``(name, dst)`` of ``BLOCKS``, one list per wave, with honest page counts unless given."""
+    rows = []
+    for w, wave in enumerate(waves, start=1):
+        for name, d in wave:
+            i = NAMES.index(name)
+            rows.append((i, int(BLOCKS.offsets[i]), d, int(BLOCKS.sizes[i]), w))
+    a = np.array(rows, np.int64).reshape(-1, 5).T
+    final = BLOCKS.offsets.copy()
+    final[a[0]] = a[2]
+    sizes = BLOCKS.sizes.tolist()
+    return ArrayPlan(
+        *a,
+        PAGE,
+        len(pages_of(BLOCKS.offsets.tolist(), sizes, PAGE)) if before is None else before,
+        len(pages_of(final.tolist(), sizes, PAGE)) if after is None else after,
+        int(a[3].sum()) if moved is None else moved,
+    )
+
+
+def test_validate_accepts_a_safe_hand_written_plan():
+    # c -> hole of page 0 (wave 1); d -> where c was (wave 2).
+    plan = plan_of([("c", 3072)], [("d", PAGE)])
+    validate_arrays(BLOCKS.offsets, BLOCKS.sizes, BLOCKS.movable, plan, span=SPAN)
+    assert plan.wave_slices() == [(0, 1), (1, 2)] and plan.waves == 2 and len(plan) == 2
+
+
+def _unsafe_plans():
+    c = NAMES.index("c")
+    cases = [
+        (plan_of([("pin", 3072)]), "pinned block moves"),
+        (plan_of([("c", 3072)], [("c", PAGE + 2048)]), "block moves twice"),
+        (plan_of([("c", 3072), ("d", 3072)]), "two destinations overlap"),
+        (plan_of([("c", 2048)]), "lands on a pinned block"),
+        (plan_of([("d", PAGE)]), "lands on a block that never moves"),
+        (plan_of([("d", PAGE)], [("c", 3072)]), "lands on a block that moves only later"),
+        (plan_of([("c", 3072), ("d", PAGE)]), "destination overlaps a source of the same wave"),
+        (plan_of([("c", PAGE + 512)]), "overlaps its own source"),
+        (plan_of([("c", 3072 + 256)]), "misaligned destination"),
+        (plan_of([("big", 5 * PAGE + 512)]), "large block off a page boundary"),
+        (plan_of([("d", SPAN - 512)]), "past the span"),
+        (plan_of([("c", -1024)]), "before the region"),
+        (plan_of([("c", 3072)], after=4), "wrong pages_after"),
+        (plan_of([("c", 3072)], moved=0), "wrong moved_bytes"),
+        (ArrayPlan([99], [0], [3072], [1024], [1], PAGE, 4, 4, 1024), "unknown block"),
+        (ArrayPlan([c], [PAGE], [3072], [512], [1], PAGE, 4, 3, 512), "wrong size"),
+        (ArrayPlan([c], [0], [3072], [1024], [1], PAGE, 4, 3, 1024), "wrong source"),
+    ]
+    for plan, why in cases:
+        yield pytest.param(plan, None, id=why)
+    good = plan_of([("c", 3072)], [("d", PAGE)])
+    yield pytest.param(dataclasses.replace(good, wave=np.array([2, 1])), "wave order", id="waves out of order")
+    yield pytest.param(dataclasses.replace(good, wave=np.array([2, 2])), "wave 1 is empty", id="wave 1 empty")
+    yield pytest.param(dataclasses.replace(good, wave=np.array([1, 3])), "wave 2 is empty", id="wave 2 empty")
+    yield pytest.param(dataclasses.replace(good, index=np.array([3, -1])), "unknown block", id="negative index")
+    yield pytest.param(dataclasses.replace(good, index=np.array([3, 3])), "moves twice", id="index repeats")
+
+
+@pytest.mark.parametrize("plan, match", list(_unsafe_plans()))
+def test_validate_rejects_unsafe_plans(plan, match):
+    with pytest.raises(PlanError, match=match):
+        validate_arrays(BLOCKS.offsets, BLOCKS.sizes, BLOCKS.movable, plan, span=SPAN)
+
+
+def test_array_plan_values():
+    e = np.empty(0, np.int64)
+    empty = ArrayPlan(e, e, e, e, e, 4096, 3, 3, 0)
+    assert empty.empty and not empty and empty.waves == 0 and empty.wave_slices() == [] and empty.pages_freed == 0
+    one = ArrayPlan([0], [4096], [0], [512], [1], 4096, 2, 1, 512, 1)
+    assert one == ArrayPlan(np.array([0]), [4096], [0], [512], [1], 4096, 2, 1, 512, 1) != empty
+    assert one.pages_freed == 1 and one.wave_slices() == [(0, 1)]
+    with pytest.raises(ValueError):
+        one.dst[0] = 512  # read-only
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        one.pages_after = 0  # type: ignore[misc]
+    with pytest.raises(PlanError):
+        ArrayPlan([0, 1], [0], [0], [512], [1], 4096, 1, 1, 512)  # lengths differ
+    with pytest.raises(PlanError):
+        ArrayPlan([0], [0.5], [0], [512], [1], 4096, 1, 1, 512)  # not integers
+
+
+@SETTINGS
+@given(
+    st.lists(st.tuples(st.integers(0, 10_000), st.integers(1, 3000)), max_size=30),
+    st.sampled_from([512, 1000, 4096]),
+)
+def test_page_union_count_matches_brute_force(layout, page):
+    # validate_arrays and the hole and window plans count pages with it.
+    first = np.array([o // page for o, _ in layout], np.int64)
+    last = np.array([(o + s - 1) // page for o, s in layout], np.int64)
+    assert planner._page_union_count(first, last) == len(pages_of(*zip(*layout), page) if layout else ())
+
+
+# --------------------------------------------------------------------------
+# One move that merges two free ranges
+# --------------------------------------------------------------------------
+
+
+def free_ranges(lay: Layout) -> list[tuple[int, int]]:
+    """``(offset, size)`` of the space between the blocks, in address order."""
+    out, pos = [], 0
+    for o, s in sorted(zip(lay.offsets.tolist(), lay.sizes.tolist())):
+        if o > pos:
+            out.append((pos, o - pos))
+        pos = o + s
+    return out + ([(pos, lay.span - pos)] if pos < lay.span else [])
+
+
+def plan_hole(lay: Layout, free: list[tuple[int, int]], size: int, page: int) -> ArrayPlan | None:
+    fo = np.array([o for o, _ in free], np.int64)
+    fs = np.array([s for _, s in free], np.int64)
+    return plan_hole_arrays(lay.offsets, lay.sizes, lay.movable, fo, fs, size, page_size=page, span=lay.span)
+
+
+def reference_plan_hole(lay: Layout, free, size, page):
+    """plan_hole_arrays' rule as one loop, ``(index, src, dst)`` or None: of the movable blocks lying
+    exactly between two free ranges that together reach ``size``, the shortest (ties: the first pair)
+    moves to the shortest other free range that holds it (ties: lowest address), which must start on a
+    page boundary for a block of a page or more."""
+    by_offset = {o: i for i, o in enumerate(lay.offsets.tolist())}
     best = None
     for (a_off, a_sz), (b_off, b_sz) in zip(free, free[1:]):
-        blk = by_offset.get(a_off + a_sz)
-        if blk is None or not blk.movable or a_off + a_sz + blk.size != b_off or a_sz + blk.size + b_sz < size:
+        i = by_offset.get(a_off + a_sz)
+        if i is None:
             continue
-        if best is not None and blk.size >= best[0]:
+        n = int(lay.sizes[i])
+        if not lay.movable[i] or a_off + a_sz + n != b_off or a_sz + n + b_sz < size:
             continue
-        fits = sorted((sz, o) for o, sz in free if sz >= blk.size and o not in (a_off, b_off)
-                      and (blk.size < page or o % page == 0))
+        if best is not None and n >= best[0]:
+            continue
+        fits = sorted((sz, o) for o, sz in free if sz >= n and o not in (a_off, b_off) and (n < page or o % page == 0))
         if fits:
-            best = (blk.size, blk, fits[0][1])
-    return None if best is None else (best[1].key, best[1].offset, best[2])
+            best = (n, i, fits[0][1])
+    return None if best is None else (best[1], int(lay.offsets[best[1]]), best[2])
 
 
-def free_ranges(blocks, span):
-    out, pos = [], 0
-    for b in sorted(blocks, key=lambda b: b.offset):
-        if b.offset > pos:
-            out.append((pos, b.offset - pos))
-        pos = b.offset + b.size
-    return out + ([(pos, span - pos)] if pos < span else [])
+def test_plan_hole_merges_two_free_ranges_with_one_move():
+    page = 64 * 1024
+    # One page: blocks of 1 KiB everywhere except two 1 KiB holes around the block at 2 KiB,
+    # and a 1 KiB hole at the end where that block can go.
+    offsets = [o for o in range(0, page, 1024) if o not in (1024, 3072, page - 1024)]
+    lay = layout_of([(o, 1024, True) for o in offsets], page)
+    free = [(1024, 1024), (3072, 1024), (page - 1024, 1024)]
+    plan = plan_hole(lay, free, 3072, page)
+    assert plan is not None and len(plan) == 1 and plan.waves == 1
+    assert (plan.src[0], plan.dst[0], plan.size[0]) == (2048, page - 1024, 1024)
+    assert plan.index[0] == offsets.index(2048)
+    assert plan.pages_after == plan.pages_before == 1
+    # Pinned in the middle, or holes too small together: no plan.
+    pinned = lay._replace(movable=lay.offsets != 2048)
+    assert plan_hole(pinned, free, 3072, page) is None
+    assert plan_hole(lay, free, 3584, page) is None
 
 
 @SETTINGS
 @given(layout_params, st.sampled_from([512, 1024, 2048, 4096, 8192, 32768]))
-def test_plan_hole_forms_agree_with_the_reference(params, size):
+def test_plan_hole_agrees_with_the_reference(params, size):
     params = {**params, "tail": 0, "keep": max(params["keep"], 0.3)}
-    blocks, span = make_layout(**params)
+    lay = make_layout(**params)
     page = params["page"]
-    free = free_ranges(blocks, span)
-    plan = plan_hole(blocks, free, size, page_size=page, span=span)
-    expect = reference_plan_hole(blocks, free, size, page)
-    keys, off, sz, movable = arrays_of(blocks)
-    fo = np.array([o for o, _ in free], np.int64)
-    fs = np.array([s for _, s in free], np.int64)
-    arrays = plan_hole_arrays(off, sz, movable, fo, fs, size, page_size=page, span=span)
+    free = free_ranges(lay)
+    plan = plan_hole(lay, free, size, page)
+    expect = reference_plan_hole(lay, free, size, page)
     if expect is None:
-        assert plan is None and arrays is None
+        assert plan is None
         return
-    (m,) = plan.moves
-    assert (m.key, m.src, m.dst) == expect and len(plan.waves) == 1
-    assert arrays.to_plan(keys) == plan
-    validate_plan(blocks, plan, span=span)  # pages_after may exceed pages_before: the free range may be on a new page
-    execute(blocks, plan, span, mode="wave")
-    validate_arrays(off, sz, movable, arrays, span=span)
+    assert (len(plan), plan.waves) == (1, 1)
+    assert (int(plan.index[0]), int(plan.src[0]), int(plan.dst[0])) == expect
+    # pages_after may exceed pages_before: the free range may be on a new page.
+    validate_arrays(lay.offsets, lay.sizes, lay.movable, plan, span=lay.span)
+    check_structure(lay, plan)
+    execute(lay, plan, mode="wave")
 
 
 def test_plan_hole_moves_a_large_block_only_to_a_page_boundary():
     page = 4096
-    big = LiveBlock("big", page + 1024, page, True)  # between [page, +1024) and [2 * page + 1024, +1024)
-    blocks = [LiveBlock("a", 0, page, False), big, LiveBlock("b", 2 * page + 2048, 2048, False),
-              LiveBlock("c", 3 * page + 512, 512, False)]
+    # a, b, c pinned; big movable between [page, +1024) and [2 * page + 1024, +1024).
+    lay = layout_of([(0, page, False), (page + 1024, page, True), (2 * page + 2048, 2048, False),
+                     (3 * page + 512, 512, False)], 8 * page)
     # Free: [page, +1024), [2 * page + 1024, +1024), [3 * page, +512), [3 * page + 1024, ...)
-    free = free_ranges(blocks, 8 * page)
+    free = free_ranges(lay)
     assert free[3] == (3 * page + 1024, 5 * page - 1024)
-    # The best-fitting free range [3 * page + 1024, ...) holds the block but not
-    # on a page boundary: no plan (the planner of issue 12 raised PlanError).
-    assert plan_hole(blocks, free, 3 * 1024, page_size=page, span=8 * page) is None
+    # The best-fitting free range [3 * page + 1024, ...) holds the block but not on a page boundary: no plan.
+    assert plan_hole(lay, free, 3 * 1024, page) is None
     # With a free page boundary at 4 * page it goes there.
     free = free[:3] + [(3 * page + 1024, page - 1024), (4 * page, 4 * page)]
-    plan = plan_hole(blocks, free, 3 * 1024, page_size=page, span=8 * page)
-    assert plan.moves == (Move("big", page + 1024, 4 * page, page),)
+    plan = plan_hole(lay, free, 3 * 1024, page)
+    assert (plan.index.tolist(), plan.src.tolist(), plan.dst.tolist(), plan.size.tolist()) == (
+        [1], [page + 1024], [4 * page], [page])
+
+
+# --------------------------------------------------------------------------
+# The mapped-pages hint
+# --------------------------------------------------------------------------
 
 
 def test_mapped_untouched_pages_receive_destinations_before_unmapped_ones():
@@ -929,7 +884,7 @@ def _window(blocks, size, *, pages, mapped_pages, spare=0, page=2 << 20, movable
     mov = np.ones(len(blocks), bool) if movable is None else np.array(movable, bool)
     mapped = np.zeros(pages, bool)
     mapped[list(mapped_pages)] = True
-    free = [(o, n) for o, n in free_ranges([LiveBlock(i, o, s, True) for i, (o, s) in enumerate(blocks)], span)]
+    free = free_ranges(Layout(off, sz, mov, span))
     # Free ranges lie in mapped pages: cut them at page granularity.
     pieces = []
     for o, n in free:
