@@ -30,9 +30,10 @@ It is an emulation of the mechanism, not a mock of the results:
   device.
 
 It enforces the rules a GPU enforces and answers with the error a GPU answers:
-granularity alignment of sizes, addresses and offsets (and, with
-`zero_map_offset`, a `cuMemMap` offset of zero, the only one CUDA accepts
-today); mapping only inside one
+granularity alignment of sizes and addresses; a `cuMemMap` offset of zero,
+the only one CUDA accepts ("currently must be zero": a mapping always starts at
+its handle's first byte, so a part of an allocation is mapped by giving it a
+handle of its own); mapping only inside one
 reservation and never over a mapped range; unmapping only whole mappings;
 access only on mapped ranges; a device capacity beyond which `cuMemCreate`
 returns CUDA_ERROR_OUT_OF_MEMORY; aliasing (one handle mapped at two addresses
@@ -197,10 +198,6 @@ class EmulatedCuda:
         self.host_numa_attributes = bool(host_numa_attributes)
         self._pinned: dict[int, int] = {}  # cuMemAllocHost base -> size
         self.capturing = False  # tests flip this to emulate CUDA graph capture
-        # cuMemMap's offset "currently must be zero" (CUDA driver API). True refuses any other offset
-        # with CUDA_ERROR_INVALID_VALUE, as CUDA does (the GPU rehearsal's devices); False also maps
-        # granularity-aligned offsets into a handle, which older tests of the emulation rely on.
-        self.zero_map_offset = False
         self._lock = threading.RLock()
         self._initialized = False
         self._handles: dict[int, _Physical] = {}
@@ -545,8 +542,8 @@ class EmulatedCuda:
         with self._lock:
             phys = self._handles.get(handle)
             if (phys is None or phys.released or size <= 0 or int(flags) != 0
-                    or (offset != 0 and self.zero_map_offset)
-                    or not self._aligned(ptr, size, offset) or offset + size > phys.size
+                    or offset != 0  # CUDA: "offset currently must be zero"
+                    or not self._aligned(ptr, size) or size > phys.size
                     or self._reservation_of(ptr, size) is None or self._mappings_in(ptr, size)):
                 return (R.CUDA_ERROR_INVALID_VALUE,)
             self._host_map(ptr, size, phys.fd, offset)

@@ -91,11 +91,11 @@ def memfd_map_count() -> int:
         return sum(MEMFD_NAME in line for line in f)
 
 
-def mapped_rw(d: Driver, size: int, offset_pages: int = 0, handle_size: int | None = None):
+def mapped_rw(d: Driver, size: int):
     """Create a handle, reserve `size`, map, grant access; returns (handle, va)."""
-    h = d.create(handle_size or size)
+    h = d.create(size)
     va = d.reserve(size)
-    d.map(va, size, h, offset_pages * G)
+    d.map(va, size, h)
     d.set_access(va, size)
     return h, va
 
@@ -175,13 +175,20 @@ def test_bytes_survive_remap_to_another_reservation(drv):
 
 
 def test_remap_of_a_slice_reads_that_slice(drv):
+    """CUDA maps a handle only from its first byte (offset 0), so the slices of a range are handles of
+    their own: one per page, written in order, then remapped in another order."""
     data = pattern(4 * G, seed=2)
-    h, va = mapped_rw(drv, 4 * G)
+    hs = [drv.create(G) for _ in range(4)]
+    va = drv.reserve(4 * G)
+    for i, h in enumerate(hs):
+        drv.map(va + i * G, G, h)
+    drv.set_access(va, 4 * G)
     write(va, data)
     drv.unmap(va, 4 * G)
-    # Map pages 2..3 of the handle at the start of the same range, page 0 after them.
-    drv.map(va, 2 * G, h, 2 * G)
-    drv.map(va + 2 * G, G, h, 0)
+    # Map pages 2..3 at the start of the same range, page 0 after them.
+    drv.map(va, G, hs[2])
+    drv.map(va + G, G, hs[3])
+    drv.map(va + 2 * G, G, hs[0])
     drv.set_access(va, 3 * G)
     assert read(va, 2 * G) == data[2 * G:4 * G]
     assert read(va + 2 * G, G) == data[:G]
@@ -270,23 +277,22 @@ def test_map_rejects_misaligned_address_size_and_offset(drv):
     expect_error(drv, drv.map, va + 4096, G, h, call="cuMemMap")
     expect_error(drv, drv.map, va, G + 4096, h, call="cuMemMap")
     expect_error(drv, drv.map, va, G, h, 4096, call="cuMemMap")
+    expect_error(drv, drv.map, va, G, h, G, call="cuMemMap")  # aligned, but CUDA's offset "must be zero"
     expect_error(drv, drv.map, va, 0, h, call="cuMemMap")
-    drv.map(va, G, h, G)  # the aligned form of the same call works
+    drv.map(va, 2 * G, h)  # the aligned, zero-offset form works
 
 
-def test_map_rejects_offset_plus_size_beyond_handle(drv):
+def test_map_rejects_size_beyond_handle(drv):
     h = drv.create(2 * G)
     va = drv.reserve(4 * G)
     expect_error(drv, drv.map, va, 3 * G, h, call="cuMemMap")
-    expect_error(drv, drv.map, va, 2 * G, h, G, call="cuMemMap")
-    expect_error(drv, drv.map, va, G, h, 2 * G, call="cuMemMap")
-    drv.map(va, G, h, G)
+    expect_error(drv, drv.map, va, 4 * G, h, call="cuMemMap")
+    drv.map(va, 2 * G, h)  # exactly the handle maps
 
 
-def test_zero_map_offset_refuses_any_nonzero_offset_like_cuda(drv):
-    """cuMemMap's offset "currently must be zero": with `zero_map_offset` (the GPU rehearsal's devices)
-    the emulation answers CUDA_ERROR_INVALID_VALUE, through the driver layer's CudaError, and maps nothing."""
-    drv.api.zero_map_offset = True
+def test_map_refuses_any_nonzero_offset_like_cuda(drv):
+    """cuMemMap's offset "currently must be zero": the emulation answers CUDA_ERROR_INVALID_VALUE,
+    through the driver layer's CudaError, and maps nothing."""
     h = drv.create(4 * G)
     va = drv.reserve(4 * G)
     expect_error(drv, drv.map, va, G, h, G, call="cuMemMap")          # aligned, inside the handle
@@ -367,8 +373,9 @@ def test_map_rejects_an_already_mapped_range(drv):
     expect_error(drv, drv.map, va, 2 * G, h2, call="cuMemMap")       # overlaps its start
     expect_error(drv, drv.map, va + 2 * G, 2 * G, h2, call="cuMemMap")  # overlaps its end
     expect_error(drv, drv.map, va + 2 * G, G, h2, call="cuMemMap")   # inside it
-    drv.map(va, G, h2)                                               # the free pages still map
-    drv.map(va + 3 * G, G, h2, G)
+    h3, h4 = drv.create(G), drv.create(G)
+    drv.map(va, G, h3)                                               # the free pages still map
+    drv.map(va + 3 * G, G, h4)
 
 
 def test_map_rejects_unknown_and_released_handles(drv):
@@ -622,12 +629,12 @@ def test_injected_out_of_memory_raises_the_oom_subclass_and_opens_no_memfd(drv):
 
 
 def test_faults_count_calls_per_function(drv):
-    h = drv.create(2 * G)
+    h1, h2 = drv.create(G), drv.create(G)
     va = drv.reserve(2 * G)
     drv.faults.inject("cuMemUnmap", R.CUDA_ERROR_INVALID_VALUE, nth=2)
     drv.faults.inject("cuMemSetAccess", R.CUDA_ERROR_INVALID_VALUE, nth=1)
-    drv.map(va, G, h)
-    drv.map(va + G, G, h, G)            # maps do not advance the unmap fault
+    drv.map(va, G, h1)
+    drv.map(va + G, G, h2)              # maps do not advance the unmap fault
     expect_error(drv, drv.set_access, va, 2 * G, call="cuMemSetAccess")
     assert not drv.api.is_accessible(va, 2 * G)
     drv.unmap(va, G)
@@ -680,20 +687,20 @@ def test_explicit_teardown_and_close_leave_nothing_behind():
     d = new_driver()
     h1, va1 = mapped_rw(d, 2 * G)
     h2 = d.create(G)
-    va2 = d.reserve(2 * G)
+    va2 = d.reserve(3 * G)
     d.map(va2, G, h2)
-    d.map(va2 + G, G, h1, G)                   # alias of h1's second page
-    d.set_access(va2, 2 * G)
+    d.map(va2 + G, 2 * G, h1)                  # alias of h1
+    d.set_access(va2, 3 * G)
     write(va1, pattern(2 * G))
     assert memfd_count() == fds + 2
     assert memfd_map_count() > maps
     d.release(h1)                              # deferred: still mapped twice
     d.unmap(va1, 2 * G)
     assert memfd_count() == fds + 2
-    d.unmap(va2, 2 * G)                        # two whole mappings in one call
+    d.unmap(va2, 3 * G)                        # two whole mappings in one call
     d.release(h2)
     d.free_address(va1, 2 * G)
-    d.free_address(va2, 2 * G)
+    d.free_address(va2, 3 * G)
     assert memfd_count() == fds and memfd_map_count() == maps
     assert d.api.state() == {"handles": 0, "mappings": 0, "reservations": 0, "used_bytes": 0}
     d.api.close()
@@ -773,21 +780,21 @@ def recorded():
 
 def _exercise(d: Driver) -> None:
     hs = [d.create(G) for _ in range(3)]
-    va = d.reserve(4 * G, 0)
+    va = d.reserve(5 * G, 0)
     for i, h in enumerate(hs):
         d.map(va + i * G, G, h)
     big = d.create(2 * G)
-    d.map(va + 3 * G, G, big, G)
-    d.set_access(va, 4 * G)
+    d.map(va + 3 * G, 2 * G, big)
+    d.set_access(va, 5 * G)
     d.memset(va, 7, G, stream=0)
     d.copy(va + G, va, G)
     d.mem_info()
     d.is_capturing()
     d.synchronize()
-    d.unmap(va, 4 * G)
+    d.unmap(va, 5 * G)
     for h in hs + [big]:
         d.release(h)
-    d.free_address(va, 4 * G)
+    d.free_address(va, 5 * G)
 
 
 def _location_is_device0(loc) -> bool:
@@ -837,13 +844,18 @@ def test_map_and_reserve_pass_arguments_in_driver_order(recorded):
     d, rec = recorded
     h = d.create(4 * G)
     va = d.reserve(8 * G, 4 * G)
-    d.map(va + G, 2 * G, h, 2 * G)
+    # A non-zero offset tells offset from flags in the recorded call; CUDA refuses it, as the device does.
+    expect_error(d, d.map, va + G, 2 * G, h, 2 * G, call="cuMemMap")
+    d.map(va + G, 4 * G, h)
     (rsize, align, hint, rflags), = rec.args("cuMemAddressReserve")
     assert (rsize, align, int(hint), rflags) == (8 * G, 4 * G, 0, 0)
-    (ptr, size, offset, handle, flags), = rec.args("cuMemMap")
+    refused, mapped = rec.args("cuMemMap")
+    (ptr, size, offset, handle, flags) = refused
     assert (int(ptr), size, offset, int(handle), flags) == (va + G, 2 * G, 2 * G, h, 0)
-    d.unmap(va + G, 2 * G)
-    assert [tuple(map(int, a)) for a in rec.args("cuMemUnmap")] == [(va + G, 2 * G)]
+    (ptr, size, offset, handle, flags) = mapped
+    assert (int(ptr), size, offset, int(handle), flags) == (va + G, 4 * G, 0, h, 0)
+    d.unmap(va + G, 4 * G)
+    assert [tuple(map(int, a)) for a in rec.args("cuMemUnmap")] == [(va + G, 4 * G)]
     d.free_address(va, 8 * G)
     assert [tuple(map(int, a)) for a in rec.args("cuMemAddressFree")] == [(va, 8 * G)]
 

@@ -119,11 +119,9 @@ def sync(pool_or_device=None) -> None:
 def emulated_device(capacity: int) -> Driver:
     """A fresh emulated device with the GPU's 2 MiB pages and room for `capacity` plus slack.
 
-    Like CUDA, it refuses a non-zero `cuMemMap` offset (`zero_map_offset`).
+    Like CUDA (and every emulated device), it refuses a non-zero `cuMemMap` offset.
     """
-    d = Driver.emulated(capacity=2 * int(capacity) + 16 * GPU_PAGE, granularity=GPU_PAGE)
-    d.api.zero_map_offset = True
-    return d
+    return Driver.emulated(capacity=2 * int(capacity) + 16 * GPU_PAGE, granularity=GPU_PAGE)
 
 
 @pytest.fixture
@@ -160,8 +158,6 @@ def make_pool():
 def gpu_driver():
     """The GPU's driver (`Driver.cuda(0)`), or in a rehearsal an emulated device with 2 MiB pages (1 GiB)."""
     d = Driver.cuda(0) if MODE == "cuda" else Driver.emulated(capacity=1 << 30, granularity=GPU_PAGE)
-    if d.kind == "emulated":
-        d.api.zero_map_offset = True  # CUDA's rule: cuMemMap's offset must be 0
     yield d
     if d.kind == "emulated":
         d.api.close()
