@@ -2,24 +2,22 @@
 
 Pure: integers and numpy only, no torch, no driver. The pool calls the
 planner once per contiguous virtual region and the compactor executes what it
-returns. Two forms of the same planner:
+returns. A layout is parallel arrays (``offsets``, ``sizes``, ``movable``;
+a block's key is its index) and a plan is an :class:`ArrayPlan`: int64
+arrays ``index``, ``src``, ``dst``, ``size`` and ``wave``, one entry per
+move, sorted by wave then destination, so each wave is one contiguous slice
+(:meth:`ArrayPlan.wave_slices`). No Python object per block or per move.
+What the compactor runs:
 
-- Arrays (for the compactor): :func:`plan_arrays` takes the layout as
-  parallel arrays (``offsets``, ``sizes``, ``movable``; a block's key is its
-  index) and returns an :class:`ArrayPlan`: int64 arrays ``index``, ``src``,
-  ``dst``, ``size`` and ``wave``, one entry per move, sorted by wave then
-  destination, so each wave is one contiguous slice
-  (:meth:`ArrayPlan.wave_slices`). No Python object per block or per move.
-  :func:`plan_hole_arrays` and :func:`validate_arrays` are the array forms of
-  :func:`plan_hole` and :func:`validate_plan`. :func:`plan_window_arrays`
-  (array form only) evacuates a window for a request of a page or more.
-- Objects: :func:`plan_compaction` takes :class:`LiveBlock` values with any
-  hashable keys and returns a :class:`Plan` of :class:`Move` values. It is a
-  thin wrapper over :func:`plan_arrays` and makes exactly the same decisions
-  (``plan_arrays(...).to_plan(keys)``).
+- :func:`plan_arrays`: a compaction; the algorithm below.
 - :func:`plan_conveyor`: the blocks :func:`plan_arrays` never moves (a page
   or more), packed end to end into a zone of free pages, one wave, when
   that frees pages. The compactor runs it before :func:`plan_arrays`.
+- :func:`plan_hole_arrays`: the automatic rescue of a sub-page request, one
+  move that merges two free ranges into a hole.
+- :func:`plan_window_arrays`: the automatic rescue of a request of a page
+  or more, the evacuation of a window.
+- :func:`validate_arrays`: checks that a plan is safe and honest.
 
 Model
 -----
@@ -33,8 +31,8 @@ a page boundary, or starting in a free page tail), so moving one rarely lowers
 the page count and always costs bytes. The pages touched by fixed blocks are the *forced* pages ``F``.
 
 Lower bound: any final layout touches ``F`` and at least ``ceil(live/page)``
-pages, so ``pages_after >= max(|F|, ceil(live / page_size))``
-(:func:`lower_bound_pages`).
+pages, so ``pages_after >= max(|F|, ceil(live / page_size))`` (a plan's
+``pages_lower_bound``).
 
 Algorithm (evacuation, as in Mesh and G1)
 -----------------------------------------
@@ -82,8 +80,7 @@ placed with one prefix sum per hole, and runs of equal blocks a hole (or a
 bucket of equal holes) at a time. Measured on the synthetic layout of
 ``benchmarks/bench_planner.py`` (every page about half full, 2 MiB pages, one
 shared 2-core machine): :func:`plan_arrays` ~0.08 s for 10^5 blocks and
-~0.9 s for 10^6 (7 * 10^5 moves); :func:`plan_compaction`, which also reads
-the ``LiveBlock`` objects and builds one ``Move`` per move, ~0.16 s and ~1.9 s.
+~0.9 s for 10^6 (7 * 10^5 moves).
 
 Guarantees of every plan
 ------------------------
@@ -99,7 +96,7 @@ Guarantees of every plan
 - The final layout does not overlap; ``pages_after <= pages_before``; and
   ``pages_before``, ``pages_after`` and ``moved_bytes`` are exact.
 - Deterministic: the same layout gives the same plan, in any input order.
-  (:func:`validate_plan` / :func:`validate_arrays` check all but the last.)
+  (:func:`validate_arrays` checks all but the last.)
 
 What it does not guarantee
 --------------------------
@@ -122,30 +119,20 @@ What it does not guarantee
 from __future__ import annotations
 
 import collections
-import gc
 from bisect import bisect_left, bisect_right
-from contextlib import contextmanager
 from dataclasses import dataclass
-from operator import attrgetter, neg
-from typing import Callable, Hashable, Iterable, Sequence
+from operator import neg
 
 import numpy as np
 
 __all__ = [
     "ArrayPlan",
-    "LiveBlock",
-    "Move",
-    "Plan",
     "PlanError",
-    "lower_bound_pages",
     "plan_arrays",
-    "plan_compaction",
-    "plan_hole",
+    "plan_conveyor",
     "plan_hole_arrays",
     "plan_window_arrays",
-    "touched_pages",
     "validate_arrays",
-    "validate_plan",
 ]
 
 
@@ -153,63 +140,7 @@ _INT64 = np.dtype(np.int64)
 
 
 class PlanError(ValueError):
-    """Bad planner input (overlap, misalignment, out of span, duplicate key) or an unsafe plan."""
-
-
-@dataclass(frozen=True)
-class LiveBlock:
-    """One live block of the region: ``[offset, offset + size)``."""
-
-    key: Hashable
-    offset: int
-    size: int
-    movable: bool  # False: pinned, or not provably rewritable; never moves
-
-
-@dataclass(frozen=True)
-class Move:
-    """Copy ``size`` bytes of block ``key`` from ``src`` to ``dst`` (region offsets)."""
-
-    key: Hashable
-    src: int
-    dst: int
-    size: int
-
-
-@dataclass(frozen=True)
-class Plan:
-    """Waves of moves; each wave is one kernel launch, waves run in order.
-
-    Within a wave no destination overlaps any source or other destination, so
-    a wave may be executed as "read all sources, then write" or as in-order
-    memmoves with the same result. A planner-made plan lists each wave's
-    moves by destination and has no empty wave. :meth:`ArrayPlan.to_plan`
-    makes one from the array form.
-    """
-
-    waves: tuple[tuple[Move, ...], ...]
-    page_size: int
-    pages_before: int
-    pages_after: int
-    moved_bytes: int
-    #: ``max(forced pages, ceil(live / page))`` as computed by the planner;
-    #: ``None`` for a plan built by hand.
-    pages_lower_bound: int | None = None
-
-    @property
-    def moves(self) -> tuple[Move, ...]:
-        """All moves, in wave order."""
-        return tuple(m for wave in self.waves for m in wave)
-
-    @property
-    def empty(self) -> bool:
-        """True when the plan moves nothing."""
-        return not any(self.waves)
-
-    @property
-    def pages_freed(self) -> int:
-        """Pages the region stops touching once the plan has run."""
-        return self.pages_before - self.pages_after
+    """Bad planner input (overlap, misalignment, out of span) or an unsafe plan."""
 
 
 _MOVE_ARRAYS = ("index", "src", "dst", "size", "wave")
@@ -316,33 +247,6 @@ class ArrayPlan:
         b = self.wave.searchsorted(np.arange(1, int(self.wave[-1]) + 2)).tolist()
         return list(zip(b[:-1], b[1:]))
 
-    def to_plan(self, keys: Sequence[Hashable] | None = None) -> Plan:
-        """The same plan as :class:`Move` objects, one tuple per wave, in array order.
-
-        ``keys[i]`` names input block ``i`` (default: ``i`` itself). Costs
-        about a microsecond per move.
-        """
-        with _gc_paused():
-            idx = self.index.tolist()
-            names = idx if keys is None else list(map(keys.__getitem__, idx))
-            moves: list[Move] = []
-            add = moves.append
-            new = object.__new__
-            for k, s, d, z in zip(names, self.src.tolist(), self.dst.tolist(), self.size.tolist()):
-                # Same object as Move(k, s, d, z), built ~2.5x faster: a frozen
-                # dataclass __init__ goes through object.__setattr__ per field.
-                m = new(Move)
-                f = m.__dict__
-                f["key"] = k
-                f["src"] = s
-                f["dst"] = d
-                f["size"] = z
-                add(m)
-            waves = tuple(tuple(moves[a:b]) for a, b in self.wave_slices())
-        return Plan(waves, self.page_size, self.pages_before, self.pages_after, self.moved_bytes,
-                    self.pages_lower_bound)
-
-
 def _empty_arrays(page_size: int, pages: int, lower_bound: int | None) -> ArrayPlan:
     e = np.empty(0, np.int64)
     return ArrayPlan(e, e, e, e, e, page_size, pages, pages, 0, lower_bound)
@@ -367,22 +271,6 @@ def _page_union_count(first: np.ndarray, last: np.ndarray) -> int:
     # Count pages each range adds beyond what earlier ranges covered.
     added = np.maximum(0, l_ - covered_before)
     return int(added.sum())
-
-
-def touched_pages(layout: Iterable[tuple[int, int]], page_size: int) -> int:
-    """Number of distinct pages touched by ``(offset, size)`` intervals.
-
-    Zero-size intervals touch nothing. Intervals may overlap.
-    """
-    if page_size <= 0:
-        raise PlanError(f"page_size must be positive, got {page_size}")
-    pairs = [(int(o), int(s)) for o, s in layout if int(s) > 0]
-    if not pairs:
-        return 0
-    arr = np.array(pairs, dtype=np.int64)
-    first = arr[:, 0] // page_size
-    last = (arr[:, 0] + arr[:, 1] - 1) // page_size
-    return _page_union_count(first, last)
 
 
 # --------------------------------------------------------------------------
@@ -433,13 +321,8 @@ def _layout_arrays(offsets, sizes, movable) -> tuple[np.ndarray, np.ndarray, np.
     return off, size, mov
 
 
-def _index_name(i: int) -> str:
-    return str(i)
-
-
-def _layout(off: np.ndarray, size: np.ndarray, movable: np.ndarray, *, span: int, alignment: int,
-            name: Callable[[int], str] = _index_name) -> _Layout:
-    """Check a layout (input order) and sort it by offset. ``name(i)`` names input block ``i`` in errors."""
+def _layout(off: np.ndarray, size: np.ndarray, movable: np.ndarray, *, span: int, alignment: int) -> _Layout:
+    """Check a layout (input order) and sort it by offset; errors name blocks by input index."""
     n = off.size
     if alignment & (alignment - 1):
         bad = (size <= 0) | (off < 0) | (off % alignment != 0) | (size % alignment != 0) | (off > span - size)
@@ -449,7 +332,7 @@ def _layout(off: np.ndarray, size: np.ndarray, movable: np.ndarray, *, span: int
     if np.count_nonzero(bad):
         i = int(bad.nonzero()[0][0])
         raise PlanError(
-            f"block {name(i)} [{off[i]}, +{size[i]}) must have positive size, be "
+            f"block {i} [{off[i]}, +{size[i]}) must have positive size, be "
             f"{alignment}-aligned and lie inside [0, {span})"
         )
     order = None
@@ -462,41 +345,9 @@ def _layout(off: np.ndarray, size: np.ndarray, movable: np.ndarray, *, span: int
             i = int(clash[0])
             a, b = (i, i + 1) if order is None else (int(order[i]), int(order[i + 1]))
             raise PlanError(
-                f"blocks {name(a)} [{off[i]}, +{size[i]}) and {name(b)} [{off[i + 1]}, +{size[i + 1]}) overlap"
+                f"blocks {a} [{off[i]}, +{size[i]}) and {b} [{off[i + 1]}, +{size[i + 1]}) overlap"
             )
     return _Layout(order, off, size, movable)
-
-
-def _block_arrays(blocks: Sequence[LiveBlock]) -> tuple[list, np.ndarray, np.ndarray, np.ndarray]:
-    """Keys, offsets, sizes and movable flags of ``blocks``; raises on a duplicate key."""
-    blocks = blocks if isinstance(blocks, (list, tuple)) else list(blocks)
-    n = len(blocks)
-    keys = list(map(attrgetter("key"), blocks))
-    if len(set(keys)) != n:
-        seen: set = set()
-        dup = next(k for k in keys if k in seen or seen.add(k))
-        raise PlanError(f"duplicate block key {dup!r}")
-    off = np.fromiter(map(attrgetter("offset"), blocks), dtype=np.int64, count=n)
-    size = np.fromiter(map(attrgetter("size"), blocks), dtype=np.int64, count=n)
-    movable = np.fromiter(map(bool, map(attrgetter("movable"), blocks)), dtype=bool, count=n)
-    return keys, off, size, movable
-
-
-def _key_namer(keys: list) -> Callable[[int], str]:
-    return lambda i: repr(keys[i])
-
-
-def lower_bound_pages(blocks: Sequence[LiveBlock], *, page_size: int) -> int:
-    """``max(|F|, ceil(live / page_size))``: no plan can touch fewer pages.
-
-    ``F`` is the set of pages touched by fixed blocks (pinned, or a page or
-    longer). Not always reachable: holes can be too fragmented to pack.
-    """
-    if page_size <= 0:
-        raise PlanError(f"page_size must be positive, got {page_size}")
-    live = sum(int(b.size) for b in blocks)
-    fixed = [(b.offset, b.size) for b in blocks if not b.movable or b.size >= page_size]
-    return max(touched_pages(fixed, page_size), -(-live // page_size))
 
 
 # --------------------------------------------------------------------------
@@ -1193,19 +1044,6 @@ class _Planner:
         return by_dst[by_wave], wave[by_wave]
 
 
-@contextmanager
-def _gc_paused():
-    """Pause the cyclic GC: building ~10^5 small objects otherwise triggers full
-    collections that scan the caller's whole heap and can double planning time."""
-    was = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if was:
-            gc.enable()
-
-
 def plan_arrays(
     offsets: np.ndarray,
     sizes: np.ndarray,
@@ -1217,7 +1055,7 @@ def plan_arrays(
     max_new_pages: int | None = None,
     mapped: np.ndarray | None = None,
 ) -> ArrayPlan:
-    """Plan moves that leave the live blocks on as few pages as possible (array form).
+    """Plan moves that leave the live blocks on as few pages as possible.
 
     Block ``i`` is ``[offsets[i], offsets[i] + sizes[i])``, movable iff
     ``movable[i]``; the arrays are parallel (integers and booleans, any
@@ -1237,10 +1075,9 @@ def plan_arrays(
     sorted by wave then destination (each wave a contiguous slice), has
     ``pages_after <= pages_before``, and is empty when no page can be freed;
     within a wave no destination overlaps any source or other destination
-    (see :class:`ArrayPlan` for all it guarantees). Exactly the plan of
-    :func:`plan_compaction` on the same blocks, whatever their order. See
-    the module docstring for the algorithm and for what it does not
-    guarantee (optimality).
+    (see :class:`ArrayPlan` for all it guarantees). The same blocks in any
+    order give the same plan. See the module docstring for the algorithm and
+    for what it does not guarantee (optimality).
     """
     off, size, mov = _layout_arrays(offsets, sizes, movable)
     _check_geometry(page_size, span, alignment)
@@ -1262,34 +1099,6 @@ def plan_arrays(
         if plain.pages_after < plan.pages_after:
             plan = plain
     return plan
-
-
-def plan_compaction(
-    blocks: Sequence[LiveBlock],
-    *,
-    page_size: int,
-    span: int,
-    alignment: int = 512,
-    max_new_pages: int | None = None,
-) -> Plan:
-    """Plan moves that leave the live blocks on as few pages as possible.
-
-    The object form of :func:`plan_arrays` (same decisions; ``max_new_pages``
-    as there): ``plan_arrays(offsets, sizes, movable, ...).to_plan(keys)``.
-    Costs about a microsecond per block and per move more than the array
-    form.
-
-    Raises :class:`PlanError` on bad input (including a duplicate key). The
-    plan passes :func:`validate_plan`, lists each wave's moves by
-    destination, has ``pages_after <= pages_before``, and is empty when no
-    page can be freed.
-    """
-    _check_geometry(page_size, span, alignment)
-    if max_new_pages is not None and max_new_pages < 0:
-        raise PlanError(f"max_new_pages must be >= 0 or None, got {max_new_pages}")
-    keys, off, size, mov = _block_arrays(blocks)
-    lay = _layout(off, size, mov, span=span, alignment=alignment, name=_key_namer(keys))
-    return _plan(lay, page_size, span, alignment, max_new_pages).to_plan(keys)
 
 
 def _plan(lay: _Layout, page_size: int, span: int, alignment: int, max_new_pages: int | None,
@@ -1429,64 +1238,30 @@ def plan_conveyor(
 # --------------------------------------------------------------------------
 
 
-def validate_plan(
-    blocks: Sequence[LiveBlock], plan: Plan | ArrayPlan, *, span: int, alignment: int = 512
-) -> None:
-    """Raise :class:`PlanError` unless ``plan`` is safe to run on ``blocks``.
-
-    Checks: the input is valid; every move names a live block by key with its
-    current offset and size, each block moves at most once and only if
-    movable; destinations are aligned (page-aligned for blocks of a page or
-    more) and inside ``[0, span)``; no wave is empty; within a wave no
-    destination overlaps a source or another destination; a destination is
-    free when its wave runs (nothing that has not left in an earlier wave is
-    there); the final layout does not overlap; and the plan's
-    ``pages_before``, ``pages_after`` and ``moved_bytes`` are right.
-    Does not check that the plan is good, only that it is safe and honest.
-
-    ``plan`` may be an :class:`ArrayPlan` whose ``index`` counts positions
-    in ``blocks`` (see :func:`validate_arrays`).
-    """
-    _check_geometry(plan.page_size, span, alignment)
-    keys, off, size, mov = _block_arrays(blocks)
-    name = _key_namer(keys)
-    lay = _layout(off, size, mov, span=span, alignment=alignment, name=name)
-    if isinstance(plan, ArrayPlan):
-        _validate(lay, plan, span=span, alignment=alignment, name=name)
-        return
-    pos = {k: i for i, k in enumerate(keys)}
-    rows: list[tuple[int, int, int, int, int]] = []
-    for w, wave in enumerate(plan.waves, start=1):
-        if not wave:
-            raise PlanError(f"wave {w} is empty")
-        for m in wave:
-            i = pos.get(m.key)
-            if i is None:
-                raise PlanError(f"move of unknown block {m.key!r}")
-            rows.append((i, m.src, m.dst, m.size, w))
-    a = np.array(rows, np.int64).reshape(-1, 5)
-    arrays = ArrayPlan(a[:, 0], a[:, 1], a[:, 2], a[:, 3], a[:, 4], plan.page_size, plan.pages_before,
-                       plan.pages_after, plan.moved_bytes, plan.pages_lower_bound)
-    _validate(lay, arrays, span=span, alignment=alignment, name=name)
-
-
 def validate_arrays(
     offsets: np.ndarray, sizes: np.ndarray, movable: np.ndarray, plan: ArrayPlan, *, span: int,
     alignment: int = 512,
 ) -> None:
-    """Raise :class:`PlanError` unless ``plan`` is safe to run on the layout (array form).
+    """Raise :class:`PlanError` unless ``plan`` is safe to run on the layout.
 
-    The checks of :func:`validate_plan`, with blocks named by index into the
-    arrays, plus: waves are numbered ``1 .. waves`` with none empty and the
-    moves are in wave order (what :meth:`ArrayPlan.wave_slices` needs).
+    Checks: the input is valid; every move names a live block by index with
+    its current offset and size, each block moves at most once and only if
+    movable; destinations are aligned (page-aligned for blocks of a page or
+    more) and inside ``[0, span)``; waves are numbered ``1 .. waves`` with
+    none empty and the moves are in wave order (what
+    :meth:`ArrayPlan.wave_slices` needs); within a wave no destination
+    overlaps a source or another destination; a destination is free when its
+    wave runs (nothing that has not left in an earlier wave is there); the
+    final layout does not overlap; and the plan's ``pages_before``,
+    ``pages_after`` and ``moved_bytes`` are right. Does not check that the
+    plan is good, only that it is safe and honest.
     """
     off, size, mov = _layout_arrays(offsets, sizes, movable)
     _check_geometry(plan.page_size, span, alignment)
     _validate(_layout(off, size, mov, span=span, alignment=alignment), plan, span=span, alignment=alignment)
 
 
-def _validate(lay: _Layout, plan: ArrayPlan, *, span: int, alignment: int,
-              name: Callable[[int], str] = _index_name, large_on_pages: bool = True) -> None:
+def _validate(lay: _Layout, plan: ArrayPlan, *, span: int, alignment: int, large_on_pages: bool = True) -> None:
     """The checks of :func:`validate_arrays`. ``large_on_pages=False`` lets a block of a page or more land
     off a page boundary (:func:`plan_window_arrays` puts such blocks into free page tails, as the pool's own
     placement does)."""
@@ -1518,18 +1293,18 @@ def _validate(lay: _Layout, plan: ArrayPlan, *, span: int, alignment: int,
         twice = np.flatnonzero(mv[o][1:] == mv[o][:-1])
         if twice.size:
             j1, j2 = int(o[twice[0]]), int(o[twice[0] + 1])
-            raise PlanError(f"block {name(int(plan.index[j1]))} moves twice (waves {wv[j1]} and {wv[j2]})")
+            raise PlanError(f"block {int(plan.index[j1])} moves twice (waves {wv[j1]} and {wv[j2]})")
     for j in np.flatnonzero((plan.src != off[mv]) | (plan.size != size[mv]))[:1].tolist():
         i = int(mv[j])
-        raise PlanError(f"move of {name(int(plan.index[j]))} says [{plan.src[j]}, +{plan.size[j]}) "
+        raise PlanError(f"move of {int(plan.index[j])} says [{plan.src[j]}, +{plan.size[j]}) "
                         f"but the block is [{off[i]}, +{size[i]})")
     for j in np.flatnonzero(~movable[mv])[:1].tolist():
-        raise PlanError(f"block {name(int(plan.index[j]))} is pinned but moves")
+        raise PlanError(f"block {int(plan.index[j])} is pinned but moves")
     d, sz = plan.dst, plan.size
     for j in np.flatnonzero((d < 0) | (d > span - sz) | (d % alignment != 0))[:1].tolist():
-        raise PlanError(f"move of {name(int(plan.index[j]))} to {d[j]} is misaligned or outside [0, {span})")
+        raise PlanError(f"move of {int(plan.index[j])} to {d[j]} is misaligned or outside [0, {span})")
     for j in np.flatnonzero((sz >= P) & (d % P != 0) & large_on_pages)[:1].tolist():
-        raise PlanError(f"block {name(int(plan.index[j]))} of {sz[j]} bytes must land on a page boundary, "
+        raise PlanError(f"block {int(plan.index[j])} of {sz[j]} bytes must land on a page boundary, "
                         f"not {d[j]}")
     leave[mv] = wv
     dst = off.copy()
@@ -1562,9 +1337,9 @@ def _validate(lay: _Layout, plan: ArrayPlan, *, span: int, alignment: int,
                 j = int(idx[bad[0]])
                 blockers = still[lo[j]:hi[j]]
                 b = int(lo[j]) + int(np.flatnonzero(blockers >= wv[j])[0])
-                who = name(int(inp(np.array([b]))[0]))
+                who = int(inp(np.array([b]))[0])
                 raise PlanError(
-                    f"wave {wv[j]}: {name(int(plan.index[j]))} lands on [{d[j]}, {de[j]}) where "
+                    f"wave {wv[j]}: {int(plan.index[j])} lands on [{d[j]}, {de[j]}) where "
                     f"{who} still is (it {'never moves' if not leave[b] else f'moves in wave {leave[b]}'})"
                 )
 
@@ -1574,7 +1349,7 @@ def _validate(lay: _Layout, plan: ArrayPlan, *, span: int, alignment: int,
     if n > 1 and (fs[1:] < fe[:-1]).any():
         i = int(np.flatnonzero(fs[1:] < fe[:-1])[0])
         a, b = inp(o[i:i + 2])
-        raise PlanError(f"final layout: {name(int(a))} and {name(int(b))} overlap")
+        raise PlanError(f"final layout: {int(a)} and {int(b)} overlap")
 
     before = _page_union_count(off // P, (end - 1) // P) if n else 0
     after = _page_union_count(fs // P, (fe - 1) // P) if n else 0
@@ -1669,31 +1444,6 @@ def plan_hole_arrays(
                      page_size, before, after, moved_size, None)
     _validate(lay, plan, span=span, alignment=alignment)
     return plan
-
-
-def plan_hole(blocks: Sequence[LiveBlock], free: Sequence[tuple[int, int]], size: int, *,
-              page_size: int, span: int, alignment: int = 512) -> Plan | None:
-    """The cheapest single move that turns two free ranges into one hole of ``size`` bytes.
-
-    For a sub-page request when no page can be emptied (the live bytes need
-    every page) but the free bytes are split: a movable block lying exactly
-    between two free ranges, whose sum with it reaches ``size``, moves (best
-    fit) into a third free range. ``free`` are the free ranges (offset, size)
-    in address order, relative to the region like the blocks' offsets. One
-    wave; no page the blocks do not already touch is needed unless the chosen
-    free range lies on one. Returns None when no such block exists. Does not
-    consider moving two blocks, or blocks next to unmapped space. The object
-    form of :func:`plan_hole_arrays` (same decisions; raises
-    :class:`PlanError` on bad input, including a duplicate key).
-    """
-    _check_geometry(page_size, span, alignment)
-    keys, off, sz, mov = _block_arrays(blocks)
-    _layout(off, sz, mov, span=span, alignment=alignment, name=_key_namer(keys))  # errors name keys
-    free = list(free)
-    fo = np.fromiter((int(o) for o, _ in free), np.int64, len(free))
-    fs = np.fromiter((int(s) for _, s in free), np.int64, len(free))
-    plan = plan_hole_arrays(off, sz, mov, fo, fs, size, page_size=page_size, span=span, alignment=alignment)
-    return None if plan is None else plan.to_plan(keys)
 
 
 # --------------------------------------------------------------------------
