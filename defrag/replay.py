@@ -1060,11 +1060,12 @@ def run_all(trace: Trace, capacity: int, *, dry: bool = False, device=None, page
     return report.results, report.skipped
 
 
-def _goal_line(r: ReplayResult) -> str:
+def _goal_line(r: ReplayResult, peak_live: int | None = None) -> str:
     """The goal (compaction on): peak reserved <= 1.02 x peak live + one page, at --capacity and at the smallest.
 
     A replay with failed allocations is "not met", whatever its ratio: the memory it could not place is
-    not in its peaks.
+    not in its peaks. The smallest capacity is measured against `peak_live` (the trace's, 512-byte
+    rounding; default the replay's own), since a replay that failed saw less live memory than the trace has.
     """
     if r.completed:
         verdict = "met" if r.meets_goal() else "not met"
@@ -1074,10 +1075,11 @@ def _goal_line(r: ReplayResult) -> str:
     text = (f"goal, compaction on (peak reserved <= 1.02 x peak live + one page): at {format_bytes(r.capacity)} "
             f"reserved/live = {r.reserved_over_live:.4f} ({verdict})")
     mc = r.min_capacity
-    if mc is not None and mc.bytes is not None and r.peak_live_bytes:
-        met = mc.bytes <= 1.02 * r.peak_live_bytes + r.page_size
+    live = peak_live or r.peak_live_bytes
+    if mc is not None and mc.bytes is not None and live:
+        met = mc.bytes <= 1.02 * live + r.page_size
         text += (f"; smallest capacity that completes {'' if mc.exact else '<= '}{format_bytes(mc.bytes)} = "
-                 f"{mc.bytes / r.peak_live_bytes:.4f} x peak live ({'met' if met else 'not met'})")
+                 f"{mc.bytes / live:.4f} x peak live ({'met' if met else 'not met'})")
     return text
 
 
@@ -1088,7 +1090,7 @@ def _recorded_line(report: DeviceReport) -> str:
         return (f"{RECORDED}: {NO_SEGMENT_ENTRIES}" + (f"; reserved at the end {format_bytes(end)} (segments)"
                                                       if end else ""))
     text = (f"{RECORDED}: reserved at the start {format_bytes(rec.start_bytes)}, peak {format_bytes(rec.peak_bytes)}, "
-            f"end {format_bytes(rec.end_bytes)} ({len(rec.event) - 1} changes"
+            f"end {format_bytes(rec.end_bytes)} ({len(rec.event) - 1} change{'' if len(rec.event) == 2 else 's'}"
             f"{'' if rec.end_from_segments else '; no segments list: the start is the least level that fits'})")
     diffs = [f"{name} {ratio - 1:+.1%}" for name, ratio in report.recorded_vs_models().items()]
     if diffs:
@@ -1126,31 +1128,35 @@ def plot_devices(reports: list[DeviceReport], path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    GiB = float(1 << 30)
-    fig, axes = plt.subplots(len(reports), 1, figsize=(11, 3.6 * len(reports)), squeeze=False)
+    fig, axes = plt.subplots(len(reports), 1, figsize=(13, 3.6 * len(reports)), squeeze=False)
     for ax, rep in zip(axes[:, 0], reports):
+        top = max([rep.capacity] + ([rep.recorded.peak_bytes] if rep.recorded is not None else [])
+                  + [r.peak_reserved_bytes for r in rep.results])
+        unit, uname = (float(1 << 30), "GiB") if top >= 2 << 30 else (float(1 << 20), "MiB")
+        # x: events replayed so far. A replay's value after event i shows from i + 1; PyTorch's recorded
+        # level from event e on is what it held before e ran, so it shows from e.
         if rep.live_series is not None:
             x, y = rep.live_series
-            ax.plot(x, [v / GiB for v in y], color="black", lw=1.2, label="live")
+            ax.step([i + 1 for i in x], [v / unit for v in y], where="post", color="black", lw=1.2, label="live")
         if rep.recorded is not None:
             rec = rep.recorded
             xs = list(rec.event) + [len(rep.trace.events)]
-            ax.step(xs, [v / GiB for v in rec.reserved] + [rec.reserved[-1] / GiB], where="post", lw=1.6,
+            ax.step(xs, [v / unit for v in rec.reserved] + [rec.reserved[-1] / unit], where="post", lw=1.6,
                     color="tab:red", label=f"{RECORDED}: reserved")
         for r in rep.results:
             if r.series is None:
                 continue
             x, y = r.series
-            ax.step(x, [v / GiB for v in y], where="post", lw=1, label=f"{r.allocator}: reserved"
-                    + ("" if r.completed else f" ({r.ooms} OOMs)"))
+            ax.step([i + 1 for i in x], [v / unit for v in y], where="post", lw=1,
+                    label=f"{r.allocator}: reserved" + ("" if r.completed else f" ({r.ooms} OOMs)"))
         for i, o in enumerate(rep.ooms):
             ax.axvline(o["event"], color="tab:red", ls=":", lw=1, label="recorded OOM" if i == 0 else None)
-        ax.axhline(rep.capacity / GiB, color="grey", ls="--", lw=0.8, label="capacity")
+        ax.axhline(rep.capacity / unit, color="grey", ls="--", lw=0.8, label="capacity")
         title = rep.trace.name if rep.device is None else f"{rep.trace.name}: device {rep.device}"
         ax.set_title(f"{title} ({len(rep.trace.events):,} events)", fontsize=10)
-        ax.set_xlabel("trace event")
-        ax.set_ylabel("GiB")
-        ax.legend(fontsize=7, loc="upper left", ncol=2)
+        ax.set_xlabel("events replayed")
+        ax.set_ylabel(uname)
+        ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))  # beside the curves, not on them
         ax.grid(alpha=0.3)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -1252,7 +1258,7 @@ def main(args) -> int:
             print("\n".join(_oom_lines(rep)))
         r = rep.result("defrag")
         if r is not None:
-            print(_goal_line(r))
+            print(_goal_line(r, st.peak_live_bytes))
     seconds = time.perf_counter() - t0
     print(f"\n{len(reports)} device{'s' if len(reports) != 1 else ''} replayed in {seconds:.1f} s")
     if getattr(args, "plot", None):

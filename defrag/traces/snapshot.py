@@ -94,7 +94,9 @@ class RecordedReserved:
 
     ``event`` and ``reserved`` are parallel lists: from trace event
     ``event[i]`` on (an index into the imported trace's events), PyTorch had
-    ``reserved[i]`` bytes reserved; the first point is the start of the trace.
+    ``reserved[i]`` bytes reserved; the first point is the start of the trace,
+    and ``event`` never decreases (several changes between two events are
+    several points at one index: the last holds).
     ``segment_alloc`` / ``segment_map`` add their size, ``segment_free`` /
     ``segment_unmap`` take it away. The level at the start is the reserved
     bytes at the end (the ``segments`` list, when the snapshot has it) less
@@ -397,13 +399,10 @@ class _Parsed:
         start = self.end_reserved.get(device, 0) - level if from_segments else -lowest
         if start + lowest < 0:  # the end state and the history disagree: never below nothing
             start, from_segments = -lowest, False
-        event, reserved = [0], [start]
-        for ev, lv in points:
-            if event[-1] == ev:
-                reserved[-1] = start + lv  # several changes before one event: the last level holds
-            else:
-                event.append(ev)
-                reserved.append(start + lv)
+        # Several changes before one event keep a point each: the peak between them counts (PyTorch's
+        # reserved_bytes peak sees it), and `at` reads the last.
+        event = [0] + [ev for ev, _ in points]
+        reserved = [start] + [start + lv for _, lv in points]
         return RecordedReserved(start, max(reserved), reserved[-1], event, reserved, from_segments)
 
     @staticmethod
