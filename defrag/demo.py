@@ -222,7 +222,7 @@ def main(args) -> int:
     capacity_fits(capacity, driver, need=SCENARIO.fill, why=f"the demo (it fills {SCENARIO.fill:.0%} of the pool)")
     try:
         pool = Pool(device=driver, capacity=capacity, auto_compact=False)
-    except CudaError as exc:
+    except (CudaError, ValueError) as exc:  # ValueError: the pool's own refusal, e.g. of its reservation
         raise pool_open_error(exc, capacity) from None
     with pool:
         return _story(pool, out, seed=0, sc=SCENARIO)

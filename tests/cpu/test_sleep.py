@@ -117,14 +117,16 @@ def test_sleep_discard_skips_those_bytes_and_they_come_back_as_zeros(make_pool):
     pool.check_invariants()
 
 
-def test_a_tensor_touched_while_asleep_reads_zeros_and_is_reported_after_wake(make_pool):
+def test_a_tensor_touched_while_asleep_reads_zeros_and_is_reported_by_wake(make_pool):
     pool = make_pool("1MiB")
     t, = _fill(pool, [20_000])
     pool.sleep()
     assert int(t.count_nonzero()) == 0  # unmapped memory: the emulated device reads zeros (a GPU faults)
+    with pytest.raises(defrag.StaleAccessError, match="asleep"):
+        pool.wake()  # the first pool call after the access reports it, and changes nothing
+    assert pool.asleep
     pool.wake()
-    with pytest.raises(defrag.StaleAccessError):
-        pool.empty(10)
+    pool.empty(10)  # reported once
     assert check_pattern(t, 0)  # the read changed nothing
     pool.check_invariants()
 

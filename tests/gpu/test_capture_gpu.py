@@ -304,15 +304,19 @@ def test_backward_on_autograds_thread_is_not_routed(make_pool):
 
 INSTALL = """
     import json, torch, defrag
+    from defrag import fastpath
+    fastpath.wait()  # built (or loaded) first, as in every process after the first build
     pool = defrag.Pool(device="cuda:0", capacity="1GiB")
-    allocator = defrag.install(pool)
+    fast = pool._fast is not None
+    allocator = defrag.install(pool)  # a pool (with its fast path) must not have initialized torch's allocator
     assert defrag.install(pool) is allocator
     x = torch.randn(1024, 1024, device="cuda")
     y = x @ x
     torch.cuda.synchronize()
     segs = pool.segments()
     inside = lambda t: any(a <= t.data_ptr() < a + n for a, n in segs)
-    out = {"x": inside(x), "y": inside(y), "allocs": allocator.counters()["allocs"],
+    out = {"x": inside(x), "y": inside(y), "allocs": allocator.counters()["allocs"], "fast": fast,
+           "fast_status": fastpath.status(),
            "close": bool(torch.allclose(y.cpu(), x.cpu() @ x.cpu(), rtol=1e-3, atol=1e-2))}
     del x, y
     torch.cuda.synchronize()
@@ -341,6 +345,7 @@ def test_install_routes_every_allocation_in_a_fresh_process():
     proc = child(INSTALL)
     out = last_json(proc)
     assert out["x"] and out["y"] and out["close"], out
+    assert out["fast"] or out["fast_status"] != "ready", out  # the fast path attached before install
     assert out["allocs"] >= 2 and out["frees"] >= 2 and out["errors"] == 0, out
     assert "already PyTorch's allocator" in out["second"], out
     assert proc.returncode == 0, (f"the process died at exit (rc {proc.returncode}): PyTorch freeing tensors "
