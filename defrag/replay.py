@@ -1,7 +1,9 @@
-"""Replay an allocation trace (or a PyTorch memory snapshot) against allocators.
+"""Replay an allocation trace (or every device of a PyTorch memory snapshot) against allocators.
 
-``defrag replay PATH --capacity SIZE [--dry] [--json OUT] [--device DEV]``
-runs the trace against
+``defrag replay PATH [--capacity SIZE] [--dry] [--json OUT] [--plot PNG]
+[--snapshot-device N] [--device DEV]`` runs the trace (for a snapshot: each
+device's, at the capacity the snapshot implies unless ``--capacity`` says,
+beside what PyTorch really reserved, with each recorded OOM explained) against
 
 (a) a `defrag.Pool` that compacts at every phase marker and when an
     allocation fails (``auto_compact``);

@@ -24,6 +24,16 @@ of the trace:
 - an ``active_allocated`` (or pending-free) block in ``segments`` that the
   recorded history does not allocate (``meta["initial_from_segments"]``).
 
+What PyTorch really did is kept beside the trace (:func:`load_snapshot_devices`,
+one `SnapshotDevice` per device with recorded actions): its reserved bytes
+over the trace from the ``segment_*`` entries (`RecordedReserved`, levelled
+by the ``segments`` list at the end, so a truncated ring buffer still gives
+the right level), and each ``oom`` entry with the live, reserved and free
+bytes when it happened (`RecordedOOM`). It does not model what PyTorch did
+not record: memory outside the caching allocator, a
+``set_per_process_memory_fraction`` cap, or segments whose entries fell off
+the ring buffer (they are only in the start level).
+
 Missing keys are tolerated: entries without the fields they need are skipped
 and counted (``meta["skipped_entries"]``); a snapshot without
 ``device_traces`` yields its end state as allocations; a bare list is read
