@@ -50,12 +50,13 @@ Algorithm (evacuation, as in Mesh and G1)
    about ``kept - d + ceil((left over + their live bytes) / page)`` pages;
    ``d`` is the fewest drops that minimise this, capped so that the zone
    pages needed can be free soon. Blocks of dropped pages, and blocks placed
-   into them, go back to the left-overs; steps 3-4 repeat (4 times at most).
-5. Rounds after wave 1 (6 at most): left-over blocks go, best fit, into
-   kept-page space free by then (remnants; what earlier movers vacated) or
-   else into zone pages, each of which costs a page: unmapped pages (longest
-   runs first), then evacuated pages that earlier rounds emptied. A block
-   that fits nowhere stays where it is.
+   into them, go back to the left-overs; steps 3-4 repeat (``_MAX_DROP_STEPS``
+   + 1 times at most).
+5. Rounds after wave 1 (``_MAX_ROUNDS_AFTER_WAVE_1`` at most): left-over
+   blocks go, best fit, into kept-page space free by then (remnants; what
+   earlier movers vacated) or else into zone pages, each of which costs a
+   page: unmapped pages (longest runs first), then evacuated pages that
+   earlier rounds emptied. A block that fits nowhere stays where it is.
 6. Waves: each move runs one wave after the latest move whose old place its
    destination covers, wave 1 if none (acyclic: a destination only covers
    space vacated in an earlier round). A move into an unmapped page or a
@@ -63,9 +64,10 @@ Algorithm (evacuation, as in Mesh and G1)
 7. Retries while the result misses ``T``: "swap" keeps the pages of blocks
    that had to go to zone pages and stops keeping as many of the emptiest
    kept pages; "drop" stops keeping enough of the emptiest kept pages to
-   cover the excess. Up to 6 attempts, the best by (pages, bytes moved,
-   waves) wins. Retries stop once the attempts have handled 60k movers, so a
-   large region gets one attempt. A plan that frees no page becomes empty.
+   cover the excess. Up to ``_MAX_ATTEMPTS`` attempts, the best by (pages,
+   bytes moved, waves) wins. Retries stop once the attempts have handled
+   ``_RETRY_MAX_MOVERS`` movers, so a large region gets one attempt. A plan
+   that frees no page becomes empty.
 
 Complexity: sorting and interval arithmetic are numpy, ``O(n log n)`` for
 ``n`` blocks; per-page bookkeeping uses tables indexed by page number
@@ -111,7 +113,7 @@ What it does not guarantee
   greedy proxy.
 - It never moves a block only to merge holes inside kept pages, never moves
   fixed blocks (a large block that does not start on a page boundary keeps
-  its extra page), and uses at most 7 waves.
+  its extra page), and uses at most ``_MAX_ROUNDS_AFTER_WAVE_1 + 1`` waves.
 - Peak memory: destinations in unmapped pages need those pages mapped while
   the plan runs, before the evacuated ones are released;
   ``max_new_pages=0`` forbids them (then the plan may free fewer pages).
@@ -137,6 +139,59 @@ __all__ = [
 
 
 _INT64 = np.dtype(np.int64)
+
+# --------------------------------------------------------------------------
+# Bounds and tuning
+# --------------------------------------------------------------------------
+
+#: Default block alignment: the pool's (``heap.ALIGNMENT``, PyTorch's 512-byte rounding).
+ALIGNMENT = 512
+
+#: Placement rounds per attempt after wave 1, so at most this many waves plus one. Each may
+#: add a wave (one more launch and synchronisation) and has fewer blocks left to place.
+_MAX_ROUNDS_AFTER_WAVE_1 = 6
+#: Drop steps (step 4) per attempt: each re-places the blocks of the pages it stops keeping,
+#: so more of them trade planning time for pages rarely gained.
+_MAX_DROP_STEPS = 3
+#: Attempts with different kept sets (step 7), the first included: each retry costs as much
+#: planning time as the first attempt.
+_MAX_ATTEMPTS = 6
+#: Retries stop once the attempts together have handled this many movers, so that a large
+#: region gets one attempt and planning time stays about linear in its block count.
+_RETRY_MAX_MOVERS = 60_000
+#: Per-page tables (one int64 per page of the region) are used while the region has at most
+#: this many pages per touched page, plus _PAGE_TABLE_PAGES_ALWAYS: filling a sparser table
+#: costs more than the binary searches it saves.
+_PAGE_TABLE_PAGES_PER_TOUCHED = 8
+#: Pages for which a page table is always used: 2^16 entries are 512 KiB, filled in well
+#: under a millisecond.
+_PAGE_TABLE_PAGES_ALWAYS = 1 << 16
+#: _best_fit buckets at most this many holes in a Python loop: below that, numpy's fixed
+#: per-call cost exceeds the loop's.
+_PYTHON_BUCKETING_MAX_HOLES = 64
+#: _best_fit places items into a hole of a page or more with one prefix sum over at least
+#: this many items at a time (doubling with each run that fills them): fewer do not pay for
+#: the numpy calls.
+_PREFIX_RUN_MIN_ITEMS = 64
+#: _best_fit places items into a hole of a page or more one at a time when fewer than this
+#: many of the current item fit before the hole stops being a page or more: a prefix sum
+#: would place too few to pay for itself.
+_PREFIX_RUN_MIN_FIT = 32
+#: Sort keys below this fit uint16, and a stable argsort of 16-bit keys is a radix sort.
+_UINT16_KEYS = 1 << 16
+#: Sort keys below this fit uint8 (wave numbers: at most _MAX_ROUNDS_AFTER_WAVE_1 + 1).
+_UINT8_KEYS = 1 << 8
+#: plan_hole_arrays' destination search skips at most the two free ranges that are the
+#: moving block's neighbours (free ranges have distinct offsets).
+_HOLE_NEIGHBOURS = 2
+#: A conveyor moves at most this many pages' worth of bytes per page it gains (pages freed
+#: less zone pages used). With 4, llm_serving's smallest capacity is 1.046x its peak live
+#: bytes instead of 1.024x; the extra bytes are milliseconds of copying on a GPU.
+CONVEYOR_MAX_PAGES_MOVED_PER_PAGE_GAINED = 16
+#: plan_window_arrays packs at most this many candidate windows (cheapest by its bounds
+#: first) before giving up: each costs a Python loop over the window's blocks, and one that
+#: passes the bounds rarely fails to pack.
+MAX_WINDOW_TRIES = 64
 
 
 class PlanError(ValueError):
@@ -452,10 +507,6 @@ def _merge_intervals(a_s: np.ndarray, a_e: np.ndarray, b_s: np.ndarray, b_e: np.
 # --------------------------------------------------------------------------
 
 
-#: _best_fit buckets at most this many holes in Python rather than with numpy.
-_FEW_HOLES = 64
-
-
 def _best_fit(
     hole_s: np.ndarray, hole_e: np.ndarray, sizes: np.ndarray, unit: int, cap: int
 ) -> np.ndarray:
@@ -476,7 +527,7 @@ def _best_fit(
     buckets: collections.defaultdict[int, list[int]] = collections.defaultdict(list)  # only lengths seen
     words = [0] * ((cap + 63) >> 6)
     top = 0
-    if hole_s.size <= _FEW_HOLES:
+    if hole_s.size <= _PYTHON_BUCKETING_MAX_HOLES:
         # Few holes: bucket them in Python (same lists, same order); numpy's
         # per-call cost dominates here.
         big = []
@@ -504,7 +555,7 @@ def _best_fit(
         lens = hl[small]
         # Stable: each bucket lists its holes in the order given. (A stable
         # sort of 16-bit keys is a radix sort.)
-        o = (lens.astype(np.uint16) if cap <= 1 << 16 else lens).argsort(kind="stable")
+        o = (lens.astype(np.uint16) if cap <= _UINT16_KEYS else lens).argsort(kind="stable")
         lens, starts = lens[o], hs[small][o].tolist()
         first = np.concatenate(([0], (lens[1:] != lens[:-1]).nonzero()[0] + 1))  # where each length starts
         bounds = first.tolist() + [lens.size]
@@ -517,7 +568,7 @@ def _best_fit(
     # calls look at few items (they run out of holes), or place most of them
     # with the vectorised run below. Non-increasing: bisect on key=neg.
     units = memoryview(units_arr)
-    window = 64  # items looked at per run into a big hole (adapts)
+    window = _PREFIX_RUN_MIN_ITEMS  # items looked at per prefix sum into a big hole (adapts)
     out = _filled(n, -1, np.int64)
     at_i: list[int] = []  # placements one at a time: item, start
     at_s: list[int] = []
@@ -606,7 +657,7 @@ def _best_fit(
             continue
         # Into the first big hole, from its front.
         h = big[-1]
-        if h[1] - cap < 32 * g:  # few items fit before it stops being big: one
+        if h[1] - cap < _PREFIX_RUN_MIN_FIT * g:  # few items fit before it stops being big: one
             cnt = 1
             add_i(i)
             add_s(h[0])
@@ -626,7 +677,7 @@ def _best_fit(
             cnt = min(int(ends.searchsorted(h[1] - cap, side="right")) + 1, hi - i)
             used = int(ends[cnt - 1])
             out[i:i + cnt] = ends[:cnt] - units_arr[i:i + cnt] + h[0]
-            window = max(64, 2 * cnt)
+            window = max(_PREFIX_RUN_MIN_ITEMS, 2 * cnt)
         h[0] += used
         h[1] -= used
         if h[1] < cap:
@@ -659,21 +710,6 @@ def _runs_first(pages: np.ndarray) -> np.ndarray:
 # --------------------------------------------------------------------------
 # Planning
 # --------------------------------------------------------------------------
-
-#: Placement rounds per attempt after wave 1 (each may add a wave).
-_MAX_ROUNDS = 6
-#: Attempts with different kept sets; retries only while the movers placed
-#: by all attempts together stay under _RETRY_MOVERS, so that large regions
-#: get one attempt and planning time stays linear-ish in the block count.
-_MAX_ATTEMPTS = 6
-_RETRY_MOVERS = 60_000
-#: Drop steps per attempt.
-_MAX_DROPS = 3
-#: Page tables (one entry per page of the region) are used while the region
-#: has at most this many pages per touched page (plus a constant); sparser
-#: regions fall back to binary search.
-_TABLE_RATIO = 8
-_TABLE_MIN = 1 << 16
 
 
 @dataclass
@@ -739,7 +775,7 @@ class _Planner:
         # Page table: page id -> index into `touched` (-1: untouched).
         self.npages = span // P
         self.tpos = None
-        if self.npages <= _TABLE_RATIO * T + _TABLE_MIN:
+        if self.npages <= _PAGE_TABLE_PAGES_PER_TOUCHED * T + _PAGE_TABLE_PAGES_ALWAYS:
             self.tpos = _filled(self.npages, -1, np.int64)
             self.tpos[self.touched] = np.arange(T)
         # Non-forced touched pages, densest first (ties: lower address first).
@@ -822,7 +858,7 @@ class _Planner:
         """Distinct mover indices ``idx`` by size, largest first (ties: lower index first)."""
         size, n = self.lay.size, self.lay.off.size
         cap = self.P // self.A  # movers are shorter than a page: size // A < cap
-        if cap > 1 << 16:
+        if cap > _UINT16_KEYS:
             return idx[np.lexsort((idx, -size[idx]))]
         if idx.size > 1 and np.count_nonzero(idx[1:] < idx[:-1]):
             m = np.zeros(n, bool)
@@ -894,14 +930,14 @@ class _Planner:
         pending = self._largest_first(mover.nonzero()[0])
         movers = pending.size
 
-        # Steps 3-4, up to _MAX_DROPS + 1 times: best-fit pending blocks into
+        # Steps 3-4, up to _MAX_DROP_STEPS + 1 times: best-fit pending blocks into
         # kept-page holes that are free now (wave 1), then drop the kept pages
         # whose holes stayed emptiest: their contents, packed into contiguous
         # zone pages instead, waste (almost) nothing. Dropping a page turns the
         # blocks placed into it and those straddling into it into pending
         # blocks, which is why this repeats.
         gaps = self.src_gaps
-        for _ in range(_MAX_DROPS + 1):
+        for _ in range(_MAX_DROP_STEPS + 1):
             # Free space of kept pages: gaps between sources on kept pages (kept
             # only shrinks, so the last ones do), less where the placed blocks
             # go (all on kept pages: _drop undoes the others).
@@ -927,7 +963,7 @@ class _Planner:
         zone = np.empty(0, np.int64)
         fresh = self.fresh
         rounds = 1
-        for r in range(2, _MAX_ROUNDS + 2):
+        for r in range(2, _MAX_ROUNDS_AFTER_WAVE_1 + 2):
             if not pending.size:
                 break
             at = (~waiting).nonzero()[0]
@@ -1039,8 +1075,8 @@ class _Planner:
                 if not np.count_nonzero(new != wave):
                     break
                 wave = new
-        # A stable sort of 8-bit keys is a radix sort (at most 7 waves).
-        by_wave = (wave.astype(np.uint8) if wave.max() < 256 else wave).argsort(kind="stable")
+        # A stable sort of 8-bit keys is a radix sort.
+        by_wave = (wave.astype(np.uint8) if wave.max() < _UINT8_KEYS else wave).argsort(kind="stable")
         return by_dst[by_wave], wave[by_wave]
 
 
@@ -1051,7 +1087,7 @@ def plan_arrays(
     *,
     page_size: int,
     span: int,
-    alignment: int = 512,
+    alignment: int = ALIGNMENT,
     max_new_pages: int | None = None,
     mapped: np.ndarray | None = None,
 ) -> ArrayPlan:
@@ -1115,7 +1151,7 @@ def _plan(lay: _Layout, page_size: int, span: int, alignment: int, max_new_pages
     work, attempts = best.movers, 1
     tried = {best.kept.tobytes()}
     base, gens = best, [pl.swap, pl.drop]
-    while best.pages_after > target and gens and attempts < _MAX_ATTEMPTS and work <= _RETRY_MOVERS:
+    while best.pages_after > target and gens and attempts < _MAX_ATTEMPTS and work <= _RETRY_MAX_MOVERS:
         kept = gens.pop(0)(base, target)
         if kept is None or kept.tobytes() in tried:
             continue
@@ -1140,10 +1176,6 @@ def _plan(lay: _Layout, page_size: int, span: int, alignment: int, max_new_pages
 # The conveyor: blocks of a page or more, packed end to end
 # --------------------------------------------------------------------------
 
-#: A conveyor moves at most this many bytes per page it frees.
-CONVEYOR_BYTES_PER_PAGE = 16
-
-
 def plan_conveyor(
     offsets: np.ndarray,
     sizes: np.ndarray,
@@ -1153,7 +1185,7 @@ def plan_conveyor(
     span: int,
     zone_ok: np.ndarray,
     max_pages: int,
-    alignment: int = 512,
+    alignment: int = ALIGNMENT,
 ) -> ArrayPlan:
     """One wave that packs blocks of a page or more end to end into a free zone, when that frees pages.
 
@@ -1167,8 +1199,8 @@ def plan_conveyor(
     Pages that only moved blocks touched become free.
 
     Returns an empty plan unless the pages freed exceed the zone pages used
-    by at least one, and at most ``CONVEYOR_BYTES_PER_PAGE`` pages' worth of
-    bytes move per page gained. Destinations lie only in the zone, so the
+    by at least one, and at most ``CONVEYOR_MAX_PAGES_MOVED_PER_PAGE_GAINED``
+    pages' worth of bytes move per page gained. Destinations lie only in the zone, so the
     wave overlaps no source. Does not: move blocks shorter than a page (that
     is :func:`plan_arrays`' job), or chain zones (call it again after the
     wave: the pages it freed may form the next zone).
@@ -1224,7 +1256,7 @@ def plan_conveyor(
     used = -(-cursor // P)
     freed = int(alone[idx].sum())
     moved = int(size[idx].sum())
-    if freed - used < 1 or moved > CONVEYOR_BYTES_PER_PAGE * (freed - used) * P:
+    if freed - used < 1 or moved > CONVEYOR_MAX_PAGES_MOVED_PER_PAGE_GAINED * (freed - used) * P:
         return _empty_arrays(P, pages_before, None)
     dst = np.array(dst, np.int64)
     o = np.argsort(dst, kind="stable")
@@ -1240,7 +1272,7 @@ def plan_conveyor(
 
 def validate_arrays(
     offsets: np.ndarray, sizes: np.ndarray, movable: np.ndarray, plan: ArrayPlan, *, span: int,
-    alignment: int = 512,
+    alignment: int = ALIGNMENT,
 ) -> None:
     """Raise :class:`PlanError` unless ``plan`` is safe to run on the layout.
 
@@ -1369,7 +1401,7 @@ def _validate(lay: _Layout, plan: ArrayPlan, *, span: int, alignment: int, large
 def plan_hole_arrays(
     offsets: np.ndarray, sizes: np.ndarray, movable: np.ndarray,
     free_offsets: np.ndarray, free_sizes: np.ndarray, size: int, *,
-    page_size: int, span: int, alignment: int = 512,
+    page_size: int, span: int, alignment: int = ALIGNMENT,
 ) -> ArrayPlan | None:
     """The cheapest single move that turns two free ranges into one hole of ``size`` bytes (array form).
 
@@ -1415,7 +1447,7 @@ def plan_hole_arrays(
     pos = np.searchsorted(s_sz, need, side="left")
     nb_a, nb_b = a_off[pair], b_off[pair]
     slow = need >= page_size
-    for _ in range(3):  # distinct offsets: at most the two neighbours to skip
+    for _ in range(_HOLE_NEIGHBOURS + 1):  # distinct offsets: at most the neighbours to skip, then a check
         p = np.minimum(pos, m - 1)
         skip = (pos < m) & ((s_off[p] == nb_a) | (s_off[p] == nb_b))
         if not skip.any():
@@ -1450,14 +1482,10 @@ def plan_hole_arrays(
 # A window evacuated for a request of a page or more
 # --------------------------------------------------------------------------
 
-#: :func:`plan_window_arrays` packs at most this many candidate windows (cheapest first) before giving up.
-WINDOW_TRIES = 64
-
-
 def plan_window_arrays(
     offsets: np.ndarray, sizes: np.ndarray, movable: np.ndarray,
     free_offsets: np.ndarray, free_sizes: np.ndarray, size: int, *,
-    page_size: int, span: int, mapped: np.ndarray, spare_pages: int, alignment: int = 512,
+    page_size: int, span: int, mapped: np.ndarray, spare_pages: int, alignment: int = ALIGNMENT,
 ) -> ArrayPlan | None:
     """The cheapest evacuation (in bytes moved) of a window of ``size`` bytes, for a request of a page or more.
 
@@ -1481,7 +1509,7 @@ def plan_window_arrays(
     mapped pages outside it that no block touches then. Windows start where
     a block or free range ends or at a page boundary, or end where a block
     or free range starts or at a page boundary; the cheapest (bytes moved,
-    then unmapped pages, then address) of the first ``WINDOW_TRIES`` that
+    then unmapped pages, then address) of the first ``MAX_WINDOW_TRIES`` that
     pass cheap bounds wins.
 
     Returns an :class:`ArrayPlan` of one wave (destinations only in free
@@ -1570,7 +1598,7 @@ def plan_window_arrays(
     good = np.flatnonzero(ok)
     if not good.size:
         return None
-    good = good[np.lexsort((cand[good], unmapped_in[good], cost[good]))][:WINDOW_TRIES]
+    good = good[np.lexsort((cand[good], unmapped_in[good], cost[good]))][:MAX_WINDOW_TRIES]
     for c in good.tolist():
         w, a, b = int(cand[c]), int(lo[c]), int(hi[c])
         dst = _pack_window(o, z, fo, fe, count, mapped, w, w + size, a, b, P)

@@ -427,8 +427,8 @@ def test_page_tables_and_binary_search_make_the_same_plan(pm):
     lay = make_layout(**params)
     expect = lay.plan(params["page"], max_new_pages=max_new_pages)
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(planner, "_TABLE_RATIO", 0)
-        mp.setattr(planner, "_TABLE_MIN", 0)
+        mp.setattr(planner, "_PAGE_TABLE_PAGES_PER_TOUCHED", 0)
+        mp.setattr(planner, "_PAGE_TABLE_PAGES_ALWAYS", 0)
         assert lay.plan(params["page"], max_new_pages=max_new_pages) == expect
 
 
