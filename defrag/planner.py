@@ -507,23 +507,18 @@ def _merge_intervals(a_s: np.ndarray, a_e: np.ndarray, b_s: np.ndarray, b_e: np.
 # --------------------------------------------------------------------------
 
 
-def _best_fit(
-    hole_s: np.ndarray, hole_e: np.ndarray, sizes: np.ndarray, unit: int, cap: int
-) -> np.ndarray:
-    """Place ``sizes`` (non-increasing) into holes, best fit; -1 = no room.
+def _bucket_holes(hole_s: np.ndarray, hole_e: np.ndarray, unit: int, cap: int
+                  ) -> tuple[collections.defaultdict[int, list[int]], list[int], int, list[list[int]]]:
+    """The holes in units of ``unit``, as :func:`_best_fit` keeps them: ``(buckets, words, top, big)``.
 
-    Works in units of ``unit`` bytes. Holes of ``cap`` units or more share one
-    bucket: any of them fits any item shorter than ``cap``, and items are
-    carved from the front of the first such hole (in the order given) until
-    it shrinks below ``cap``, so long holes fill contiguously. Items of
-    ``cap`` units or more are never placed. Returns byte offsets.
-
-    Shorter holes are bucketed by length; the non-empty buckets are the set
-    bits of 64-bit ``words``, and ``top`` has bit ``w`` set iff ``words[w]``
-    is not zero, so the best bucket (the shortest that fits) is found with a
-    few operations on small integers.
+    Holes shorter than ``cap`` units: ``buckets[length]`` lists their starts
+    in the order given; bit ``length`` of the 64-bit ``words`` (bit
+    ``length & 63`` of ``words[length >> 6]``) is set iff that bucket is not
+    empty, and bit ``w`` of ``top`` iff ``words[w]`` is not zero. Holes of
+    ``cap`` units or more: ``big`` lists ``[start, length]``, last given
+    first (items are carved from the end of the list: first given, first
+    used). Empty holes are dropped.
     """
-    n = sizes.size
     buckets: collections.defaultdict[int, list[int]] = collections.defaultdict(list)  # only lengths seen
     words = [0] * ((cap + 63) >> 6)
     top = 0
@@ -542,16 +537,15 @@ def _best_fit(
                     words[ln >> 6] |= 1 << (ln & 63)
                     top |= 1 << (ln >> 6)
                 lst.append(s)
-        big.reverse()  # carve from the end of the list: first given, first used
-        small = None
-    else:
-        hs = hole_s // unit
-        hl = (hole_e - hole_s) // unit
-        is_big = hl >= cap
-        big = [[s, ln] for s, ln in zip(hs[is_big].tolist(), hl[is_big].tolist())]
-        big.reverse()  # carve from the end of the list: first given, first used
-        small = ~is_big & (hl > 0)
-    if small is not None and small.any():
+        big.reverse()
+        return buckets, words, top, big
+    hs = hole_s // unit
+    hl = (hole_e - hole_s) // unit
+    is_big = hl >= cap
+    big = [[s, ln] for s, ln in zip(hs[is_big].tolist(), hl[is_big].tolist())]
+    big.reverse()
+    small = ~is_big & (hl > 0)
+    if small.any():
         lens = hl[small]
         # Stable: each bucket lists its holes in the order given. (A stable
         # sort of 16-bit keys is a radix sort.)
@@ -563,6 +557,35 @@ def _best_fit(
             buckets[ln] = starts[bounds[j]:bounds[j + 1]]
             words[ln >> 6] |= 1 << (ln & 63)
             top |= 1 << (ln >> 6)
+    return buckets, words, top, big
+
+
+def _longest_small_hole(words: list[int], top: int) -> int:
+    """Length of the longest hole in the buckets (``top`` not zero)."""
+    w = top.bit_length() - 1
+    return (w << 6) + words[w].bit_length() - 1
+
+
+def _best_fit(
+    hole_s: np.ndarray, hole_e: np.ndarray, sizes: np.ndarray, unit: int, cap: int
+) -> np.ndarray:
+    """Place ``sizes`` (non-increasing) into holes, best fit; -1 = no room.
+
+    Works in units of ``unit`` bytes. Holes of ``cap`` units or more share one
+    bucket: any of them fits any item shorter than ``cap``, and items are
+    carved from the front of the first such hole (in the order given) until
+    it shrinks below ``cap``, so long holes fill contiguously. Items of
+    ``cap`` units or more are never placed. Returns byte offsets.
+
+    Shorter holes are bucketed by length (:func:`_bucket_holes`), so the best
+    bucket (the shortest that fits) is found with a few operations on small
+    integers. The loop below is the hot path: one item placed into a hole
+    shorter than ``cap``; runs of equal items (:func:`_carve_equal_run`) and
+    items going into a hole of ``cap`` or more (:func:`_fill_big_hole`) are
+    placed a run at a time.
+    """
+    n = sizes.size
+    buckets, words, top, big = _bucket_holes(hole_s, hole_e, unit, cap)
     units_arr = np.ascontiguousarray(sizes // unit, dtype=np.int64)
     # Item sizes as Python ints without converting them all up front: most
     # calls look at few items (they run out of holes), or place most of them
@@ -575,6 +598,7 @@ def _best_fit(
     add_i, add_s = at_i.append, at_s.append
     i = bisect_left(units, -(cap - 1), 0, key=neg)  # items of cap units or more never fit
     while i < n:
+        # The best bucket b: the shortest non-empty one of g units or more; cap: a big hole.
         g = units[i]
         w = g >> 6
         x = words[w] >> (g & 63)
@@ -592,107 +616,126 @@ def _best_fit(
                 # Nothing fits; neither does any item longer than the longest hole.
                 if not top:
                     break
-                w = top.bit_length() - 1
-                longest = (w << 6) + words[w].bit_length() - 1
-                i = max(i + 1, bisect_left(units, -longest, i, key=neg))
+                i = max(i + 1, bisect_left(units, -_longest_small_hole(words, top), i, key=neg))
                 continue
-        if b < cap:
-            lst = buckets[b]
-            start = lst.pop()
+        if b >= cap:
+            i, top, window = _fill_big_hole(units, units_arr, i, cap, big, buckets, words, top, window, out,
+                                            add_i, add_s)
+            continue
+        lst = buckets[b]
+        start = lst.pop()
+        if not lst:
+            w = b >> 6
+            x = words[w] ^ (1 << (b & 63))
+            words[w] = x
+            if not x:
+                top ^= 1 << w
+        r = b - g
+        if r:
+            if r >= g and i + 1 < n and units[i + 1] == g:
+                i, top = _carve_equal_run(units, i, b, start, lst, buckets, words, top, at_i, at_s)
+                continue
+            lst = buckets[r]
+            if not lst:
+                words[r >> 6] |= 1 << (r & 63)
+                top |= 1 << (r >> 6)
+            lst.append(start + g)
+        add_i(i)
+        add_s(start)
+        i += 1
+    if at_i:
+        out[at_i] = at_s
+    return np.where(out >= 0, out * unit, -1)
+
+
+def _carve_equal_run(units, i: int, b: int, start: int, lst: list[int], buckets, words: list[int], top: int,
+                     at_i: list[int], at_s: list[int]) -> tuple[int, int]:
+    """:func:`_best_fit` for a run of equal items from item ``i``, the first going into the hole of ``b``
+    units at ``start`` just popped from bucket ``lst``; returns the next item and ``top``.
+
+    Each next item of the run would take the remnant just made (the shortest
+    hole that fits, popped first), so as many as fit go into this hole at
+    once. When that fills the hole and the run goes on for a hole or more,
+    its next items take the next holes of this bucket (still the shortest
+    that fit: the remnants are shorter than an item), ``q`` per hole.
+    Placements are appended to ``at_i``/``at_s``.
+    """
+    n = len(units)
+    g = units[i]
+    q = b // g
+    j = bisect_right(units, -g, i + 1, min(n, i + q), key=neg)  # end of the run in the hole
+    at_i.extend(range(i, j))
+    at_s.extend(range(start, start + (j - i) * g, g))
+    r = b - (j - i) * g
+    if r:
+        rl = buckets[r]
+        if not rl:
+            words[r >> 6] |= 1 << (r & 63)
+            top |= 1 << (r >> 6)
+        rl.append(start + (j - i) * g)
+    i = j
+    if r < g and lst and i + q <= n and units[i + q - 1] == g:
+        m = (bisect_right(units, -g, i + q, min(n, i + q * len(lst)), key=neg) - i) // q
+        if m:
+            taken = lst[-m:]
+            del lst[-m:]
+            taken.reverse()  # popped last first
+            at_i.extend(range(i, i + m * q))
+            for st in taken:
+                at_s.extend(range(st, st + q * g, g))
+            if r:
+                rl.extend([st + q * g for st in taken])
             if not lst:
                 w = b >> 6
                 x = words[w] ^ (1 << (b & 63))
                 words[w] = x
                 if not x:
                     top ^= 1 << w
-            r = b - g
-            if r:
-                if r >= g and i + 1 < n and units[i + 1] == g:
-                    # A run of equal items: each next one would take the remnant
-                    # just made (the shortest hole that fits, popped first), so
-                    # carve as many as fit from this hole at once.
-                    q = b // g
-                    j = bisect_right(units, -g, i + 1, min(n, i + q), key=neg)  # end of the run in the hole
-                    at_i.extend(range(i, j))
-                    at_s.extend(range(start, start + (j - i) * g, g))
-                    r = b - (j - i) * g
-                    if r:
-                        rl = buckets[r]
-                        if not rl:
-                            words[r >> 6] |= 1 << (r & 63)
-                            top |= 1 << (r >> 6)
-                        rl.append(start + (j - i) * g)
-                    i = j
-                    if r < g and lst and i + q <= n and units[i + q - 1] == g:
-                        # The hole is full and the run goes on for a hole or more: its
-                        # next items take the next holes of this bucket (still the
-                        # shortest that fit: the remnants are shorter than an item), q
-                        # per hole.
-                        m = (bisect_right(units, -g, i + q, min(n, i + q * len(lst)), key=neg) - i) // q
-                        if m:
-                            taken = lst[-m:]
-                            del lst[-m:]
-                            taken.reverse()  # popped last first
-                            at_i.extend(range(i, i + m * q))
-                            for st in taken:
-                                at_s.extend(range(st, st + q * g, g))
-                            if r:
-                                rl.extend([st + q * g for st in taken])
-                            if not lst:
-                                w = b >> 6
-                                x = words[w] ^ (1 << (b & 63))
-                                words[w] = x
-                                if not x:
-                                    top ^= 1 << w
-                            i += m * q
-                    continue
-                lst = buckets[r]
-                if not lst:
-                    words[r >> 6] |= 1 << (r & 63)
-                    top |= 1 << (r >> 6)
-                lst.append(start + g)
-            add_i(i)
-            add_s(start)
-            i += 1
-            continue
-        # Into the first big hole, from its front.
-        h = big[-1]
-        if h[1] - cap < _PREFIX_RUN_MIN_FIT * g:  # few items fit before it stops being big: one
-            cnt = 1
-            add_i(i)
-            add_s(h[0])
-            used = g
-        else:
-            # So go the items after this one that fit no small hole either
-            # (longer than the longest) while the hole stays big before each:
-            # the buckets do not change until then. One prefix sum places them.
-            if top:
-                w = top.bit_length() - 1
-                longest = (w << 6) + words[w].bit_length() - 1
-                stop = bisect_left(units, -longest, i, key=neg)  # the first that fits a small hole
-            else:
-                stop = n
-            hi = min(stop, i + window)
-            ends = units_arr[i:hi].cumsum()  # hole used after each item
-            cnt = min(int(ends.searchsorted(h[1] - cap, side="right")) + 1, hi - i)
-            used = int(ends[cnt - 1])
-            out[i:i + cnt] = ends[:cnt] - units_arr[i:i + cnt] + h[0]
-            window = max(_PREFIX_RUN_MIN_ITEMS, 2 * cnt)
-        h[0] += used
-        h[1] -= used
-        if h[1] < cap:
-            big.pop()
-            r = h[1]
-            if r:
-                lst = buckets[r]
-                if not lst:
-                    words[r >> 6] |= 1 << (r & 63)
-                    top |= 1 << (r >> 6)
-                lst.append(h[0])
-        i += cnt
-    if at_i:
-        out[at_i] = at_s
-    return np.where(out >= 0, out * unit, -1)
+            i += m * q
+    return i, top
+
+
+def _fill_big_hole(units, units_arr: np.ndarray, i: int, cap: int, big: list[list[int]], buckets,
+                   words: list[int], top: int, window: int, out: np.ndarray, add_i, add_s
+                   ) -> tuple[int, int, int]:
+    """:func:`_best_fit` for item ``i`` and the items after it into the front of the first hole of ``cap``
+    units or more; returns the next item, ``top`` and the next ``window``.
+
+    When few items fit before the hole shrinks below ``cap``, item ``i``
+    alone (appended to ``add_i``/``add_s``). Else so go the items after it
+    that fit no small hole either (longer than the longest) while the hole
+    stays big before each, at most ``window``: the buckets do not change
+    until then, so one prefix sum places them (written to ``out``). A hole
+    that shrinks below ``cap`` goes to its bucket.
+    """
+    g = units[i]
+    h = big[-1]
+    if h[1] - cap < _PREFIX_RUN_MIN_FIT * g:
+        cnt = 1
+        add_i(i)
+        add_s(h[0])
+        used = g
+    else:
+        n = len(units)
+        stop = bisect_left(units, -_longest_small_hole(words, top), i, key=neg) if top else n  # fits a small hole
+        hi = min(stop, i + window)
+        ends = units_arr[i:hi].cumsum()  # hole used after each item
+        cnt = min(int(ends.searchsorted(h[1] - cap, side="right")) + 1, hi - i)
+        used = int(ends[cnt - 1])
+        out[i:i + cnt] = ends[:cnt] - units_arr[i:i + cnt] + h[0]
+        window = max(_PREFIX_RUN_MIN_ITEMS, 2 * cnt)
+    h[0] += used
+    h[1] -= used
+    if h[1] < cap:
+        big.pop()
+        r = h[1]
+        if r:
+            lst = buckets[r]
+            if not lst:
+                words[r >> 6] |= 1 << (r & 63)
+                top |= 1 << (r >> 6)
+            lst.append(h[0])
+    return i + cnt, top, window
 
 
 def _runs_first(pages: np.ndarray) -> np.ndarray:
