@@ -789,14 +789,18 @@ def torch_baselines(trace: Trace, capacity: int, *,
 RECORDED = "PyTorch (recorded)"
 
 
-def format_table(results: list[ReplayResult], skipped: list[dict], recorded=None) -> str:
+def format_table(results: list[ReplayResult], skipped: list[dict], recorded=None,
+                 recorded_missing: bool = False) -> str:
     """A plain-text table of the results (with a "PyTorch (recorded)" row when `recorded`, a
-    `defrag.traces.snapshot.RecordedReserved`, is given), then one line per skipped allocator."""
+    `defrag.traces.snapshot.RecordedReserved`, is given, or one saying "not recorded" with
+    `recorded_missing`), then one line per skipped allocator."""
     head = ["allocator", "peak live", "peak reserved", "reserved/live", "OOMs", "compactions", "moved",
             "min capacity", "seconds"]
     rows = []
     if recorded is not None:
         rows.append([RECORDED, "-", format_bytes(recorded.peak_bytes), "-", "-", "-", "-", "-", "-"])
+    elif recorded_missing:
+        rows.append([RECORDED, "-", "not recorded", "-", "-", "-", "-", "-", "-"])
     for r in results:
         mc = r.min_capacity
         if mc is None:
@@ -1094,7 +1098,9 @@ def _recorded_line(report: DeviceReport) -> str:
     text = (f"{RECORDED}: reserved at the start {format_bytes(rec.start_bytes)}, peak {format_bytes(rec.peak_bytes)}, "
             f"end {format_bytes(rec.end_bytes)} ({len(rec.event) - 1} change{'' if len(rec.event) == 2 else 's'}"
             f"{'' if rec.end_from_segments else '; no segments list: the start is the least level that fits'})")
-    diffs = [f"{name} {ratio - 1:+.1%}" for name, ratio in report.recorded_vs_models().items()]
+    ooms = {r.allocator: r.ooms for r in report.results}
+    diffs = [f"{name} {ratio - 1:+.1%}" + (f" ({ooms[name]} OOMs at this capacity)" if ooms.get(name) else "")
+             for name, ratio in report.recorded_vs_models().items()]
     if diffs:
         text += "; peak reserved against it: " + ", ".join(diffs)
     return text
@@ -1252,7 +1258,7 @@ def main(args) -> int:
             print(f"  {m['entries']} recorded actions, {m['initial_allocs']} blocks live before the first "
                   f"({m['pre_trace_frees']} seen only as frees: ring buffer truncation), {m['skipped_entries']} "
                   f"entries skipped, {m['recorded_ooms']} OOMs recorded")
-        print(format_table(rep.results, rep.skipped, rep.recorded))
+        print(format_table(rep.results, rep.skipped, rep.recorded, recorded_missing=rep.device is not None))
         if rep.device is not None:
             print(_recorded_line(rep))
         if rep.ooms:
