@@ -124,6 +124,7 @@ import collections
 from bisect import bisect_left, bisect_right
 from dataclasses import dataclass
 from operator import neg
+from typing import NamedTuple
 
 import numpy as np
 
@@ -374,6 +375,13 @@ def _layout_arrays(offsets, sizes, movable) -> tuple[np.ndarray, np.ndarray, np.
     if not off.size == size.size == mov.size:
         raise PlanError(f"offsets, sizes and movable differ in length ({off.size}, {size.size}, {mov.size})")
     return off, size, mov
+
+
+def _free_arrays(free_offsets, free_sizes) -> tuple[np.ndarray, np.ndarray]:
+    fo, fs = _int_array(free_offsets, "free_offsets"), _int_array(free_sizes, "free_sizes")
+    if fo.size != fs.size:
+        raise PlanError(f"free_offsets and free_sizes differ in length ({fo.size}, {fs.size})")
+    return fo, fs
 
 
 def _layout(off: np.ndarray, size: np.ndarray, movable: np.ndarray, *, span: int, alignment: int) -> _Layout:
@@ -1465,9 +1473,7 @@ def plan_hole_arrays(
     off, bsize, mov = _layout_arrays(offsets, sizes, movable)
     _check_geometry(page_size, span, alignment)
     lay = _layout(off, bsize, mov, span=span, alignment=alignment)
-    fo, fs = _int_array(free_offsets, "free_offsets"), _int_array(free_sizes, "free_sizes")
-    if fo.size != fs.size:
-        raise PlanError(f"free_offsets and free_sizes differ in length ({fo.size}, {fs.size})")
+    fo, fs = _free_arrays(free_offsets, free_sizes)
     n = lay.off.size
     if fo.size < 2 or not n:
         return None
@@ -1567,11 +1573,8 @@ def plan_window_arrays(
     off, bsize, mov = _layout_arrays(offsets, sizes, movable)
     _check_geometry(page_size, span, alignment)
     lay = _layout(off, bsize, mov, span=span, alignment=alignment)
-    fo, fs = _int_array(free_offsets, "free_offsets"), _int_array(free_sizes, "free_sizes")
-    if fo.size != fs.size:
-        raise PlanError(f"free_offsets and free_sizes differ in length ({fo.size}, {fs.size})")
-    P = page_size
-    npages = span // P
+    fo, fs = _free_arrays(free_offsets, free_sizes)
+    npages = span // page_size
     mapped = np.asarray(mapped, dtype=bool)
     if mapped.shape != (npages,):
         raise PlanError(f"mapped needs one entry per page of the span ({npages}), got shape {mapped.shape}")
@@ -1582,31 +1585,53 @@ def plan_window_arrays(
         return None
     keep = fs > 0
     fo, fs = fo[keep], fs[keep]
+    # Blocks touching each page (a difference array: no per-page expansion of large blocks).
+    depth = np.zeros(npages + 1, np.int64)
+    np.add.at(depth, lay.off // page_size, 1)
+    np.add.at(depth, (lay.off + lay.size - 1) // page_size + 1, -1)
+    count = np.cumsum(depth[:-1])
+    windows = _window_candidates(lay, fo, fs, mapped, count, size, page_size, spare_pages, alignment)
+    if windows is None:
+        return None
+    return _first_packable_window(lay, fo, fo + fs, mapped, count, windows, size, spare_pages, page_size, alignment)
+
+
+class _Windows(NamedTuple):
+    """Windows ``[start, start + size)`` that pass :func:`_window_candidates`' bounds, in the order to try."""
+
+    start: np.ndarray
+    lo: np.ndarray  # sorted blocks lo .. hi - 1 intersect the window
+    hi: np.ndarray
+    first_page: np.ndarray
+    last_page: np.ndarray
+    unmapped_pages: np.ndarray  # unmapped pages of the window
+    order: list[int]  # cheapest first (bytes moved, unmapped pages, address); at most MAX_WINDOW_TRIES
+
+
+def _window_candidates(lay: _Layout, fo: np.ndarray, fs: np.ndarray, mapped: np.ndarray, count: np.ndarray,
+                       size: int, P: int, spare_pages: int, alignment: int) -> _Windows | None:
+    """The windows worth packing for :func:`plan_window_arrays`, or None.
+
+    A candidate starts where a block, free range or unmapped run ends or at a
+    page boundary, or ends where one starts or at a page boundary. It passes
+    when it lies inside one run of free, unmapped or block space, holds no
+    block that cannot move, its unmapped pages can be backed by the spare
+    pages, the empty mapped pages outside it and the pages outside it its
+    straddling blocks leave, and the free bytes outside it can hold its
+    blocks' bytes. Necessary, not sufficient: :func:`_pack_window` decides.
+    """
+    span = mapped.size * P
     fe = fo + fs
     o, z, m = lay.off, lay.size, lay.movable
     e = o + z
     bfirst, blast = o // P, (e - 1) // P
-    # Blocks touching each page (a difference array: no per-page expansion of large blocks).
-    depth = np.zeros(npages + 1, np.int64)
-    np.add.at(depth, bfirst, 1)
-    np.add.at(depth, blast + 1, -1)
-    count = np.cumsum(depth[:-1])
     empty = mapped & (count == 0)
     un_s, un_e = _page_runs(np.flatnonzero(~mapped), P)
-
-    # Runs of space that is free, unmapped or in a block (any block: unmovable ones are checked below).
-    s_all = np.concatenate((fo, un_s, o))
-    e_all = np.concatenate((fe, un_e, e))
-    order = np.argsort(s_all, kind="stable")
-    s_all, e_all = s_all[order], e_all[order]
-    if not s_all.size:
+    run_s, run_e = _union_runs(np.concatenate((fo, un_s, o)), np.concatenate((fe, un_e, e)))
+    if not run_s.size:
         return None
-    reach = np.maximum.accumulate(e_all)
-    starts = np.flatnonzero(np.concatenate(([True], s_all[1:] > reach[:-1])))
-    run_s = s_all[starts]
-    run_e = reach[np.concatenate((starts[1:] - 1, [s_all.size - 1]))]
 
-    bounds = np.arange(npages + 1, dtype=np.int64) * P
+    bounds = np.arange(mapped.size + 1, dtype=np.int64) * P
     cand = np.concatenate((e, fo, un_s, bounds, o - size, fe - size, un_e - size, bounds - size))
     cand = np.unique(cand[(cand >= 0) & (cand <= span - size) & (cand % alignment == 0)])
     ce = cand + size
@@ -1636,28 +1661,50 @@ def plan_window_arrays(
     fh = np.maximum(fhi - 1, 0)
     if fo.size:
         some = fhi > flo
-        inside = inside - np.where(some, np.maximum(cand - fo[fl], 0), 0) - np.where(some, np.maximum(fe[fh] - ce, 0), 0)
+        inside = (inside - np.where(some, np.maximum(cand - fo[fl], 0), 0)
+                  - np.where(some, np.maximum(fe[fh] - ce, 0), 0))
     ok &= cost <= int(fs.sum()) - inside
     good = np.flatnonzero(ok)
     if not good.size:
         return None
     good = good[np.lexsort((cand[good], unmapped_in[good], cost[good]))][:MAX_WINDOW_TRIES]
-    for c in good.tolist():
-        w, a, b = int(cand[c]), int(lo[c]), int(hi[c])
+    return _Windows(cand, lo, hi, first, last, unmapped_in, good.tolist())
+
+
+def _union_runs(s: np.ndarray, e: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Maximal runs covered by intervals ``[s, e)`` (any order; overlapping or touching ones merge)."""
+    order = np.argsort(s, kind="stable")
+    s, e = s[order], e[order]
+    if not s.size:
+        return s, e
+    reach = np.maximum.accumulate(e)
+    starts = np.flatnonzero(np.concatenate(([True], s[1:] > reach[:-1])))
+    return s[starts], reach[np.concatenate((starts[1:] - 1, [s.size - 1]))]
+
+
+def _first_packable_window(lay: _Layout, fo: np.ndarray, fe: np.ndarray, mapped: np.ndarray, count: np.ndarray,
+                           windows: _Windows, size: int, spare_pages: int, P: int, alignment: int
+                           ) -> ArrayPlan | None:
+    """The plan of the first of ``windows`` whose blocks :func:`_pack_window` places outside it and whose
+    unmapped pages can then be backed (by the spare pages and the mapped pages outside it that no block
+    touches after the moves); None if none."""
+    o, z = lay.off, lay.size
+    bfirst, blast = o // P, (o + z - 1) // P
+    for c in windows.order:
+        w, a, b = int(windows.start[c]), int(windows.lo[c]), int(windows.hi[c])
         dst = _pack_window(o, z, fo, fe, count, mapped, w, w + size, a, b, P)
         if dst is None:
             continue
-        # Pages outside the window that no block touches after the moves back its unmapped pages.
         after = count.copy()
         for i, d in zip(range(a, b), dst):
             after[bfirst[i]:blast[i] + 1] -= 1
             after[d // P:(d + int(z[i]) - 1) // P + 1] += 1
         donors = mapped & (after == 0)
-        donors[first[c]:last[c] + 1] = False
-        if unmapped_in[c] > spare_pages + int(donors.sum()):
+        donors[windows.first_page[c]:windows.last_page[c] + 1] = False
+        if windows.unmapped_pages[c] > spare_pages + int(donors.sum()):
             continue
         return _window_plan(lay, np.arange(a, b, dtype=np.int64), np.array(dst, np.int64), (w, size), P,
-                            span, alignment)
+                            mapped.size * P, alignment)
     return None
 
 
