@@ -1345,11 +1345,30 @@ def validate_arrays(
 
 
 def _validate(lay: _Layout, plan: ArrayPlan, *, span: int, alignment: int, large_on_pages: bool = True) -> None:
-    """The checks of :func:`validate_arrays`. ``large_on_pages=False`` lets a block of a page or more land
-    off a page boundary (:func:`plan_window_arrays` puts such blocks into free page tails, as the pool's own
-    placement does)."""
-    P = plan.page_size
+    """The checks of :func:`validate_arrays`, in its order. ``large_on_pages=False`` lets a block of a page
+    or more land off a page boundary (:func:`plan_window_arrays` puts such blocks into free page tails, as
+    the pool's own placement does)."""
     n = lay.off.size
+    _check_waves_and_keys(plan, n)
+    # Sorted-layout positions of the moved blocks.
+    if lay.order is None:
+        mv = plan.index
+    else:
+        rank = np.empty(n, np.int64)
+        rank[lay.order] = np.arange(n)
+        mv = rank[plan.index]
+    _check_moves(lay, plan, mv, span=span, alignment=alignment, large_on_pages=large_on_pages)
+    leave = np.zeros(n, np.int64)  # wave in which the block moves; 0 = stays
+    leave[mv] = plan.wave
+    if mv.size:
+        _check_destinations_free(lay, plan, leave)
+    final = lay.off.copy()
+    final[mv] = plan.dst
+    _check_final_layout(lay, plan, final)
+
+
+def _check_waves_and_keys(plan: ArrayPlan, n: int) -> None:
+    """Moves in wave order, waves ``1 .. waves`` none empty, every index naming one of the ``n`` blocks."""
     wv = plan.wave
     if wv.size:
         if wv[0] < 1 or (np.diff(wv) < 0).any():
@@ -1360,83 +1379,83 @@ def _validate(lay: _Layout, plan: ArrayPlan, *, span: int, alignment: int, large
     bad = np.flatnonzero((plan.index < 0) | (plan.index >= n))
     if bad.size:
         raise PlanError(f"move of unknown block {int(plan.index[bad[0]])}")
-    # Sorted-layout positions of the moved blocks.
-    if lay.order is None:
-        mv = plan.index
-    else:
-        rank = np.empty(n, np.int64)
-        rank[lay.order] = np.arange(n)
-        mv = rank[plan.index]
-    inp = lay.inputs  # sorted position -> input index, for names
+
+
+def _check_moves(lay: _Layout, plan: ArrayPlan, mv: np.ndarray, *, span: int, alignment: int,
+                 large_on_pages: bool) -> None:
+    """Each move on its own: its block (sorted position ``mv``) moves once, from where it is, with its
+    size, only if movable, to an aligned destination inside the span (on a page boundary if
+    ``large_on_pages`` and the block is a page or more)."""
     off, size, movable = lay.off, lay.size, lay.movable
-    end = off + size
-    leave = np.zeros(n, np.int64)  # wave in which the block moves; 0 = stays
+    P, wv, d, sz = plan.page_size, plan.wave, plan.dst, plan.size
     if mv.size:
         o = np.argsort(mv, kind="stable")
         twice = np.flatnonzero(mv[o][1:] == mv[o][:-1])
         if twice.size:
             j1, j2 = int(o[twice[0]]), int(o[twice[0] + 1])
             raise PlanError(f"block {int(plan.index[j1])} moves twice (waves {wv[j1]} and {wv[j2]})")
-    for j in np.flatnonzero((plan.src != off[mv]) | (plan.size != size[mv]))[:1].tolist():
+    for j in np.flatnonzero((plan.src != off[mv]) | (sz != size[mv]))[:1].tolist():
         i = int(mv[j])
-        raise PlanError(f"move of {int(plan.index[j])} says [{plan.src[j]}, +{plan.size[j]}) "
+        raise PlanError(f"move of {int(plan.index[j])} says [{plan.src[j]}, +{sz[j]}) "
                         f"but the block is [{off[i]}, +{size[i]})")
     for j in np.flatnonzero(~movable[mv])[:1].tolist():
         raise PlanError(f"block {int(plan.index[j])} is pinned but moves")
-    d, sz = plan.dst, plan.size
     for j in np.flatnonzero((d < 0) | (d > span - sz) | (d % alignment != 0))[:1].tolist():
         raise PlanError(f"move of {int(plan.index[j])} to {d[j]} is misaligned or outside [0, {span})")
     for j in np.flatnonzero((sz >= P) & (d % P != 0) & large_on_pages)[:1].tolist():
         raise PlanError(f"block {int(plan.index[j])} of {sz[j]} bytes must land on a page boundary, "
                         f"not {d[j]}")
-    leave[mv] = wv
-    dst = off.copy()
-    dst[mv] = d
 
-    # Per wave: destinations must not overlap each other nor any source of the
-    # wave, and must be free: no block that is still there when the wave runs
-    # (it never moves, or it moves in this wave or later).
-    if mv.size:
-        de = d + sz
-        o = np.lexsort((d, wv))
-        same = wv[o][1:] == wv[o][:-1]
-        clash = np.flatnonzero(same & (d[o][1:] < de[o][:-1]))
-        if clash.size:
-            raise PlanError(f"wave {wv[o][clash[0]]}: destinations overlap")
-        # Sources overlapping each destination form the index range [lo, hi).
-        lo = np.searchsorted(end, d, side="right")
-        hi = np.searchsorted(off, de, side="left")
-        # A block still there when wave w runs: it never moves (leave = inf)
-        # or moves in wave >= w. Check the latest leaver per range at once.
-        still = np.append(np.where(leave == 0, np.iinfo(np.int64).max, leave), 0)
-        idx = np.flatnonzero(hi > lo)
-        if idx.size:
-            bounds = np.empty(2 * idx.size, np.int64)
-            bounds[0::2] = lo[idx]
-            bounds[1::2] = hi[idx]
-            latest = np.maximum.reduceat(still, bounds)[0::2]
-            bad = np.flatnonzero(latest >= wv[idx])
-            if bad.size:
-                j = int(idx[bad[0]])
-                blockers = still[lo[j]:hi[j]]
-                b = int(lo[j]) + int(np.flatnonzero(blockers >= wv[j])[0])
-                who = int(inp(np.array([b]))[0])
-                raise PlanError(
-                    f"wave {wv[j]}: {int(plan.index[j])} lands on [{d[j]}, {de[j]}) where "
-                    f"{who} still is (it {'never moves' if not leave[b] else f'moves in wave {leave[b]}'})"
-                )
 
-    # Final layout.
-    o = np.argsort(dst, kind="stable")
-    fs, fe = dst[o], dst[o] + size[o]
+def _check_destinations_free(lay: _Layout, plan: ArrayPlan, leave: np.ndarray) -> None:
+    """Per wave: destinations overlap neither each other nor any source of the wave, and are free: no block
+    is still there when the wave runs (one that never moves, ``leave`` 0, or moves in that wave or later)."""
+    off, end = lay.off, lay.off + lay.size
+    wv, d = plan.wave, plan.dst
+    de = d + plan.size
+    o = np.lexsort((d, wv))
+    same = wv[o][1:] == wv[o][:-1]
+    clash = np.flatnonzero(same & (d[o][1:] < de[o][:-1]))
+    if clash.size:
+        raise PlanError(f"wave {wv[o][clash[0]]}: destinations overlap")
+    # Sources overlapping each destination form the index range [lo, hi).
+    lo = np.searchsorted(end, d, side="right")
+    hi = np.searchsorted(off, de, side="left")
+    # A block still there when wave w runs: it never moves (leave = inf)
+    # or moves in wave >= w. Check the latest leaver per range at once.
+    still = np.append(np.where(leave == 0, np.iinfo(np.int64).max, leave), 0)
+    idx = np.flatnonzero(hi > lo)
+    if not idx.size:
+        return
+    bounds = np.empty(2 * idx.size, np.int64)
+    bounds[0::2] = lo[idx]
+    bounds[1::2] = hi[idx]
+    latest = np.maximum.reduceat(still, bounds)[0::2]
+    bad = np.flatnonzero(latest >= wv[idx])
+    if bad.size:
+        j = int(idx[bad[0]])
+        blockers = still[lo[j]:hi[j]]
+        b = int(lo[j]) + int(np.flatnonzero(blockers >= wv[j])[0])
+        who = int(lay.inputs(np.array([b]))[0])
+        raise PlanError(
+            f"wave {wv[j]}: {int(plan.index[j])} lands on [{d[j]}, {de[j]}) where "
+            f"{who} still is (it {'never moves' if not leave[b] else f'moves in wave {leave[b]}'})"
+        )
+
+
+def _check_final_layout(lay: _Layout, plan: ArrayPlan, final: np.ndarray) -> None:
+    """The blocks at ``final`` (sorted positions' offsets after the plan) do not overlap, and the plan's
+    ``pages_before``, ``pages_after`` and ``moved_bytes`` are exact."""
+    P, n, size = plan.page_size, lay.off.size, lay.size
+    o = np.argsort(final, kind="stable")
+    fs, fe = final[o], final[o] + size[o]
     if n > 1 and (fs[1:] < fe[:-1]).any():
         i = int(np.flatnonzero(fs[1:] < fe[:-1])[0])
-        a, b = inp(o[i:i + 2])
+        a, b = lay.inputs(o[i:i + 2])
         raise PlanError(f"final layout: {int(a)} and {int(b)} overlap")
-
-    before = _page_union_count(off // P, (end - 1) // P) if n else 0
+    before = _page_union_count(lay.off // P, (lay.off + size - 1) // P) if n else 0
     after = _page_union_count(fs // P, (fe - 1) // P) if n else 0
-    moved = int(sz.sum())
+    moved = int(plan.size.sum())
     if (plan.pages_before, plan.pages_after, plan.moved_bytes) != (before, after, moved):
         raise PlanError(
             f"plan claims pages {plan.pages_before}->{plan.pages_after}, {plan.moved_bytes} bytes moved; "
