@@ -335,7 +335,9 @@ class Driver:
         _check("cuMemAddressFree", self._api.cuMemAddressFree(int(va), int(size)))
 
     def map(self, va: int, size: int, handle: int, offset: int = 0) -> None:
-        """Map `size` bytes of `handle` (from `offset`) at `va`; no access yet."""
+        """Map `size` bytes of `handle` at `va`; no access yet. `offset` is passed through for the
+        driver to judge: cuMemMap's offset "currently must be zero" (a part of an allocation is
+        mapped by giving it a handle of its own), and every caller in defrag passes 0."""
         self.make_current()
         _check("cuMemMap", self._api.cuMemMap(int(va), int(size), int(offset), int(handle), 0))
 
