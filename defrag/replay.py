@@ -310,7 +310,7 @@ def _replay_dry(trace, capacity, page, compaction, name, progress, stop_at_first
             bar.close()
     ooms, failed_bytes = run.ooms, run.failed_bytes
     st = model.stats()
-    model.close()
+    model.discard()
     return ReplayResult(name, trace.name, model.capacity, page, True, "none (memory-less device)", len(trace.events),
                         peak_live_bytes=st["allocated_bytes.all.peak"],
                         peak_reserved_bytes=st["reserved_bytes.all.peak"], ooms=ooms, failed_bytes=failed_bytes,
