@@ -138,9 +138,6 @@ __all__ = [
     "validate_arrays",
 ]
 
-
-_INT64 = np.dtype(np.int64)
-
 # --------------------------------------------------------------------------
 # Bounds and tuning
 # --------------------------------------------------------------------------
@@ -151,8 +148,8 @@ ALIGNMENT = 512
 #: Placement rounds per attempt after wave 1, so at most this many waves plus one. Each may
 #: add a wave (one more launch and synchronisation) and has fewer blocks left to place.
 _MAX_ROUNDS_AFTER_WAVE_1 = 6
-#: Drop steps (step 4) per attempt: each re-places the blocks of the pages it stops keeping,
-#: so more of them trade planning time for pages rarely gained.
+#: Drop steps (step 4) per attempt: each places every pending block again, so each costs
+#: about as much planning time as wave 1.
 _MAX_DROP_STEPS = 3
 #: Attempts with different kept sets (step 7), the first included: each retry costs as much
 #: planning time as the first attempt.
@@ -171,8 +168,8 @@ _PAGE_TABLE_PAGES_ALWAYS = 1 << 16
 #: per-call cost exceeds the loop's.
 _PYTHON_BUCKETING_MAX_HOLES = 64
 #: _best_fit places items into a hole of a page or more with one prefix sum over at least
-#: this many items at a time (doubling with each run that fills them): fewer do not pay for
-#: the numpy calls.
+#: this many items at a time (else twice as many as the last prefix sum placed): fewer do
+#: not pay for the numpy calls.
 _PREFIX_RUN_MIN_ITEMS = 64
 #: _best_fit places items into a hole of a page or more one at a time when fewer than this
 #: many of the current item fit before the hole stops being a page or more: a prefix sum
@@ -190,8 +187,8 @@ _HOLE_NEIGHBOURS = 2
 #: bytes instead of 1.024x; the extra bytes are milliseconds of copying on a GPU.
 CONVEYOR_MAX_PAGES_MOVED_PER_PAGE_GAINED = 16
 #: plan_window_arrays packs at most this many candidate windows (cheapest by its bounds
-#: first) before giving up: each costs a Python loop over the window's blocks, and one that
-#: passes the bounds rarely fails to pack.
+#: first) before giving up: each costs a Python loop over the window's blocks, and the
+#: rescue that asks runs while an allocation waits.
 MAX_WINDOW_TRIES = 64
 
 
@@ -200,14 +197,15 @@ class PlanError(ValueError):
 
 
 _MOVE_ARRAYS = ("index", "src", "dst", "size", "wave")
+_INT64 = np.dtype(np.int64)
 
 
 @dataclass(frozen=True, eq=False)
 class ArrayPlan:
-    """A plan as parallel int64 arrays, one entry per move: the planner's native form.
+    """A plan: parallel int64 arrays, one entry per move.
 
     Move ``j`` copies ``size[j]`` bytes of input block ``index[j]`` (its
-    position in the arrays given to :func:`plan_arrays`) from ``src[j]`` to
+    position in the layout arrays given to the planner) from ``src[j]`` to
     ``dst[j]`` (region offsets) in wave ``wave[j]``. Waves are numbered from 1
     and run in order; each is one kernel launch.
 
@@ -302,6 +300,7 @@ class ArrayPlan:
         # Python-level wrappers: this runs once per compaction, cold.
         b = self.wave.searchsorted(np.arange(1, int(self.wave[-1]) + 2)).tolist()
         return list(zip(b[:-1], b[1:]))
+
 
 def _empty_arrays(page_size: int, pages: int, lower_bound: int | None) -> ArrayPlan:
     e = np.empty(0, np.int64)
@@ -1473,7 +1472,7 @@ def plan_hole_arrays(
     free_offsets: np.ndarray, free_sizes: np.ndarray, size: int, *,
     page_size: int, span: int, alignment: int = ALIGNMENT,
 ) -> ArrayPlan | None:
-    """The cheapest single move that turns two free ranges into one hole of ``size`` bytes (array form).
+    """The cheapest single move that turns two free ranges into one hole of ``size`` bytes.
 
     The blocks are as for :func:`plan_arrays`; ``free_offsets`` and
     ``free_sizes`` are the free ranges in address order, relative to the
