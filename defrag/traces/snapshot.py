@@ -127,10 +127,15 @@ class RecordedReserved:
         i = bisect.bisect_right(self.event, event) - 1
         return self.reserved[max(i, 0)]
 
-    def as_dict(self) -> dict:
+    def as_dict(self, points: int = 2000) -> dict:
+        """The figures, and the curve as ``{"event": [...], "bytes": [...]}`` with at most `points` points
+        (each the most in its stretch of points, so the peak stays)."""
+        step = max(1, -(-len(self.event) // points))
+        event = self.event[::step]
+        level = [max(self.reserved[i:i + step]) for i in range(0, len(self.reserved), step)]
         return {"start_reserved_bytes": self.start_bytes, "peak_reserved_bytes": self.peak_bytes,
                 "end_reserved_bytes": self.end_bytes, "end_from_segments": self.end_from_segments,
-                "changes": len(self.event) - 1}
+                "changes": len(self.event) - 1, "reserved_over_time": {"event": event, "bytes": level}}
 
 
 @dataclass

@@ -198,6 +198,7 @@ def test_cli_replays_every_device_and_explains_the_oom(tmp_path, capsys):
         "verdict": "fragmentation"}
     assert oom["defrag_completes"] is True and oom["expandable_completes"] is False
     assert d1["capacity"] == 64 * MiB and d1["recorded"]["start_reserved_bytes"] == 0
+    assert d1["recorded"]["reserved_over_time"] == {"event": [0, 0], "bytes": [0, 60 * MiB]}
     for d in data["devices"]:
         rows = {r["allocator"]: r for r in d["results"]}
         assert set(rows) == {"defrag", "defrag-no-compaction", "torch (model)", "torch-expandable (model)"}
