@@ -276,3 +276,17 @@ def test_without_phase_markers_the_compacting_pool_reuses_the_plain_replay():
                                            hint=on.peak_reserved_bytes, split=2) or on.min_capacity.exact
     assert replay(trace, on.min_capacity.bytes, dry=True).completed
     assert not replay(trace, on.min_capacity.bytes - DEFAULT_PAGE, dry=True).completed
+
+
+def test_a_request_refused_many_times_is_explained_each_time_and_checked_a_bounded_number_of_times():
+    from defrag.replay import OOM_CHECKS
+
+    rec = _fragmented(0, 0x10000000, live_pairs=15, request=20 * MiB, device_free=4 * MiB)
+    for _ in range(OOM_CHECKS + 4):  # a program retrying the refused request
+        rec.oom(20 * MiB, 4 * MiB)
+    (dev,) = load_snapshot_devices({"segments": rec.segments_at_end(), "device_traces": [rec.entries]})
+    (report,) = replay_devices([dev], dry=True, baselines=False, workers=2, models=False)
+    assert len(report.ooms) == OOM_CHECKS + 5
+    assert all(o["verdict"] == "fragmentation" for o in report.ooms)
+    checked = [o["defrag_completes"] for o in report.ooms]
+    assert checked[:OOM_CHECKS] == [True] * OOM_CHECKS and checked[OOM_CHECKS:] == [None] * 5
