@@ -86,9 +86,9 @@ shared 2-core machine): :func:`plan_arrays` ~0.08 s for 10^5 blocks and
 
 Guarantees of every plan
 ------------------------
-- Each block moves at most once, only if movable and shorter than a page,
-  from its current offset, to an ``alignment``-aligned destination inside
-  ``[0, span)``.
+- Each block moves at most once, only if movable, from its current offset,
+  to an ``alignment``-aligned destination inside ``[0, span)``; in a
+  :func:`plan_arrays` plan only blocks shorter than a page move.
 - Waves run in order. Within a wave no destination overlaps any source or any
   other destination of that wave, so a wave may be executed as "read every
   source, then write every destination" (one kernel launch) or as in-order
