@@ -101,6 +101,7 @@ class Driver:
         # The primary context is the one PyTorch uses, so pointers we map are
         # valid in torch's kernels and ours alike.
         self.context = _check("cuDevicePrimaryCtxRetain", self._api.cuDevicePrimaryCtxRetain(self.device))
+        self._context_id = int(self.context)
         self.make_current()
         self._prop = self._allocation_prop()
         self.granularity = int(_check(
@@ -172,7 +173,7 @@ class Driver:
         device. Every method below that needs a context calls this first.
         """
         current = _check("cuCtxGetCurrent", self._api.cuCtxGetCurrent())
-        if int(current) != int(self.context):
+        if current is not self.context and int(current) != self._context_id:  # `is`: the emulator's shortcut
             _check("cuCtxSetCurrent", self._api.cuCtxSetCurrent(self.context))
 
     def synchronize(self) -> None:

@@ -208,6 +208,7 @@ class EmulatedCuda:
         self._map_starts: list[int] = []
         self._contexts: dict[int, int] = {}  # context id -> retain count
         self._thread = threading.local()  # .ctx: the calling thread's current context (0: none)
+        self._ctx_handles: dict[int, object] = {}  # context id -> its CUcontext
         self.async_work = False  # tests: queue DtoD copies and memsets until a synchronize, as a GPU runs them
         self._queued: list[_Queued] = []
         self.late_faults = 0  # queued work that found its target unmapped (an illegal address on a GPU)
@@ -345,7 +346,10 @@ class EmulatedCuda:
         with self._lock:
             ctx_id = 0xC000 + int(dev)
             self._contexts[ctx_id] = self._contexts.get(ctx_id, 0) + 1
-        return (R.CUDA_SUCCESS, cu.CUcontext(ctx_id))
+            handle = self._ctx_handles.get(ctx_id)
+            if handle is None:
+                handle = self._ctx_handles[ctx_id] = cu.CUcontext(ctx_id)
+        return (R.CUDA_SUCCESS, handle)
 
     def cuDevicePrimaryCtxRelease(self, dev):
         self._count("cuDevicePrimaryCtxRelease")
@@ -365,7 +369,11 @@ class EmulatedCuda:
 
     def cuCtxGetCurrent(self):
         self._count("cuCtxGetCurrent")
-        return (R.CUDA_SUCCESS, cu.CUcontext(getattr(self._thread, "ctx", 0)))
+        ctx = getattr(self._thread, "ctx", 0)
+        handle = self._ctx_handles.get(ctx)
+        if handle is None:  # one object per context, as cuDevicePrimaryCtxRetain returned it
+            handle = self._ctx_handles[ctx] = cu.CUcontext(ctx)
+        return (R.CUDA_SUCCESS, handle)
 
     def _current_device(self) -> int | None:
         """The device whose context is current on the calling thread, None when none is."""
