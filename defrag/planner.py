@@ -244,19 +244,13 @@ class ArrayPlan:
         n = None
         for name in _MOVE_ARRAYS:
             a = getattr(self, name)
-            if type(a) is np.ndarray and a.dtype == _INT64 and a.ndim == 1:
-                # The planner's own arrays: only the read-only view to make (fewer numpy calls).
-                a = a.view()
-                a.flags.writeable = False
-                if n is not None and a.size != n:
-                    raise PlanError("ArrayPlan arrays must have equal lengths")
-                n = a.size
-                object.__setattr__(self, name, a)
-                continue
-            a = np.asarray(a)
-            if a.ndim != 1 or (a.size and a.dtype.kind not in "iu"):
-                raise PlanError(f"ArrayPlan.{name} must be a 1-d integer array")
-            a = a.astype(np.int64, copy=False).view()
+            # The planner's own arrays are 1-d int64 already: only the read-only view to make.
+            if not (type(a) is np.ndarray and a.dtype == _INT64 and a.ndim == 1):
+                a = np.asarray(a)
+                if a.ndim != 1 or (a.size and a.dtype.kind not in "iu"):
+                    raise PlanError(f"ArrayPlan.{name} must be a 1-d integer array")
+                a = a.astype(np.int64, copy=False)
+            a = a.view()  # read-only without touching the caller's array
             a.flags.writeable = False
             if n is not None and a.size != n:
                 raise PlanError("ArrayPlan arrays must have equal lengths")
