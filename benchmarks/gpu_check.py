@@ -257,6 +257,24 @@ def quick_gpu_probe() -> tuple[bool, str]:
     return True, f"{count} CUDA device(s)"
 
 
+REQUIRED_MODULES = ("torch", "numpy", "numba", "cuda.bindings", "sortedcontainers")  # what defrag imports
+
+
+def missing_packages() -> list[str]:
+    """The modules defrag needs that this Python cannot import (found without importing them)."""
+    import importlib.util
+
+    missing = []
+    for name in REQUIRED_MODULES:
+        try:
+            found = importlib.util.find_spec(name) is not None
+        except ModuleNotFoundError:  # a dotted name whose parent is missing
+            found = False
+        if not found:
+            missing.append(name)
+    return missing
+
+
 def registered_benchmarks() -> list[str]:
     """runner.REGISTRY's names, read from its source (the parent never imports defrag)."""
     try:
@@ -1144,6 +1162,12 @@ def main(argv=None) -> int:
         if unknown:
             print(f"gpu_check: unknown benchmark(s) {unknown}; registered: {', '.join(known)}", file=sys.stderr)
             return 2
+    missing = missing_packages()
+    if missing:
+        print(f"gpu_check: this Python ({sys.executable}) lacks {', '.join(missing)}, which defrag needs: run it "
+              f"from an environment that has them (the README's setup line makes one: .venv), or pip install "
+              f"them; nothing was run", file=sys.stderr)
+        return 2
     Path(args.out).mkdir(parents=True, exist_ok=True)
     check = Check(args)
 

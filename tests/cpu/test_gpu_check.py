@@ -270,3 +270,12 @@ def test_the_numba_cuda_floor_has_the_types_the_kernels_use():
     used = set(re.findall(r"\btypes\.(\w+)", (ROOT / "kernels" / "_device.py").read_text()))
     assert {"Array", "int64", "uint64"} <= used
     assert all(hasattr(types, name) for name in used), sorted(n for n in used if not hasattr(types, n))
+
+
+def test_a_python_without_defrags_packages_is_told_so_in_one_line(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(gpu_check, "REQUIRED_MODULES", ("torch", "defrag_no_such_module", "defrag_none.sub"))
+    assert gpu_check.missing_packages() == ["defrag_no_such_module", "defrag_none.sub"]
+    assert gpu_check.main(["--smoke", "--out", str(tmp_path / "r")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "defrag_no_such_module, defrag_none.sub" in err and "nothing was run" in err
+    assert not (tmp_path / "r").exists()
