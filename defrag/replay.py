@@ -493,7 +493,8 @@ def _search_job(key, allocator: str, page: int, peak_live: int, *, known_good=No
 
     Rounds of ``split`` probes: the hint first, then (``gallop``) down from the
     smallest capacity known to complete in steps of 1, 2, 4, ... pages until
-    one fails, then bisection; the rounds depend only on the answers.
+    one fails (up from the hint in the same steps when it fails), then
+    bisection; the rounds depend only on the answers.
     """
     deadline = None if budget_s is None else time.perf_counter() + budget_s
     steps = 0
@@ -521,25 +522,32 @@ def _search_job(key, allocator: str, page: int, peak_live: int, *, known_good=No
             if out_of_time():
                 return MinCapacity(None, lo * page if lo >= 1 else None, False, steps)
     hint_pages = None if hint is None else -(-hint // page)
-    first, step = True, 1
+    first = True
+    # Galloping (pools): a pool's peak reserved at a roomier capacity is usually within a few pages of
+    # its smallest capacity, on either side. Down from the smallest capacity known to complete in
+    # steps of 1, 2, 4, ... pages while they complete; up from the largest known to fail in the same
+    # steps when the hint itself fails; bisection once a round holds both answers.
+    mode, step = ("down" if gallop else None), 1
     while hi - lo > 1 and (hi - lo) > tolerance * hi and not out_of_time():
         points = [hint_pages] if first and hint_pages is not None and lo < hint_pages < hi else []
         first = False
-        top = min(points, default=hi)
-        if gallop and step:
-            # Down from the top in doubling steps while they complete: a pool's peak reserved at a
-            # roomier capacity is usually within a few pages of its smallest capacity.
-            for _ in range(max(0, split - len(points))):
-                q = top - step
-                if q <= lo:
-                    break
-                points.append(q)
-                top, step = q, step * 2
-        extra = max(0, split - len(points))
-        for j in range(1, extra + 1):
-            q = lo + (top - lo) * j // (extra + 1)
-            if lo < q < top and q not in points:
-                points.append(q)
+        if mode == "down":
+            top = min(points, default=hi)
+            while len(points) < split and top - step > lo:
+                top, step = top - step, step * 2
+                points.append(top)
+        elif mode == "up":
+            bottom = lo
+            while len(points) < split and bottom + step < hi:
+                bottom, step = bottom + step, step * 2
+                points.append(bottom)
+        while len(points) < split:
+            # Fill the round by halving the widest gap left.
+            edges = sorted({lo, hi, *points})
+            gap, a = max((b - a, a) for a, b in zip(edges, edges[1:]))
+            if gap <= 1:
+                break
+            points.append(a + gap // 2)
         if not points:
             break
         points.sort()
@@ -552,7 +560,8 @@ def _search_job(key, allocator: str, page: int, peak_live: int, *, known_good=No
         bad = [q for q, ok in zip(points, answers) if not ok and q < hi]
         if bad:
             lo = max(lo, max(bad))
-            step = 0  # the answer is bracketed: bisect from here
+        if (mode == "down" and bad) or (mode == "up" and good):
+            mode, step = ("up" if mode == "down" and not good else None), 1
     return MinCapacity(hi * page, lo * page if lo >= 1 else None, hi - lo <= 1, steps)
 
 
