@@ -542,8 +542,10 @@ def _search_job(key, allocator: str, page: int, peak_live: int, *, known_good=No
                 bottom, step = bottom + step, step * 2
                 points.append(bottom)
         while len(points) < split:
-            # Fill the round by halving the widest gap left.
-            edges = sorted({lo, hi, *points})
+            # Fill the round by halving the widest gap left; below the hint when it is in the round
+            # (it usually completes, so what lies above it is unlikely to matter).
+            ceiling = hint_pages if hint_pages in points else hi
+            edges = sorted({lo, ceiling, *(q for q in points if q <= ceiling)})
             gap, a = max((b - a, a) for a, b in zip(edges, edges[1:]))
             if gap <= 1:
                 break
@@ -1252,10 +1254,11 @@ def main(args) -> int:
                          "records its GPU); e.g. --capacity 80GiB (see defrag replay --help)")
     device = args.device
     if not args.dry:
-        # A device that cannot work is the user's input, like a bad path.
+        # A device that cannot work is the user's input, like a bad path; so is a capacity it cannot hold.
         device = device_label(device_arg(args.device))
-        if capacity is not None:
-            _check_real_pool(capacity, device)
+        for cap in sorted({capacity} if capacity is not None else
+                          {snapshot_capacity(it.recorded, it.ooms, it.trace)[0] for it in items}):
+            _check_real_pool(cap, device)
     t0 = time.perf_counter()
     first = items[0].trace if kind == "snapshot" else items[0][1]
     print(f"{kind} {first.name!r} ({args.path}): {len(items)} device{'s' if len(items) != 1 else ''} to replay"

@@ -223,3 +223,28 @@ def test_cli_bad_input_exits_2_with_one_clear_line(tmp_path, capsys, make_file, 
     err = captured.err.strip()
     assert err.startswith("defrag replay: error:") and fragment in err
     assert len(err.splitlines()) == 1 and "Traceback" not in captured.err + captured.out
+
+
+@pytest.mark.parametrize("answer", [101, 102, 117, 160, 199, 200, 201, 230])
+@pytest.mark.parametrize("split,gallop", [(1, False), (1, True), (2, False), (2, True)])
+def test_the_search_finds_the_boundary_on_either_side_of_the_hint(answer, split, gallop):
+    """The smallest-capacity search, driven by a monotone oracle (completes from `answer` pages on):
+    exact in every mode, the hint tried first, and galloping costs few probes near the hint."""
+    from defrag.replay import _search_job
+
+    job = _search_job(None, "defrag", PAGE, 100 * PAGE, known_good=400 * PAGE, hint=200 * PAGE,
+                      max_steps=40, split=split, gallop=gallop)
+    probed, specs = [], next(job)
+    try:
+        while True:
+            assert 1 <= len(specs) <= split
+            pages = [spec[3] // PAGE for spec in specs]
+            probed.append(pages)
+            specs = job.send([q >= answer for q in pages])
+    except StopIteration as stop:
+        found = stop.value
+    assert found.exact and found.bytes == answer * PAGE and found.failed_below == (answer - 1) * PAGE
+    assert 200 in probed[0] and max(probed[0]) == 200  # the hint goes first, the rest of its round below it
+    assert found.steps == sum(len(p) for p in probed)
+    if gallop and abs(answer - 200) <= 1:
+        assert len(probed) <= (3 if split == 2 else 4)  # a boundary next to the hint: found in a few rounds
