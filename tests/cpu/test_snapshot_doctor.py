@@ -290,3 +290,12 @@ def test_a_request_refused_many_times_is_explained_each_time_and_checked_a_bound
     assert all(o["verdict"] == "fragmentation" for o in report.ooms)
     checked = [o["defrag_completes"] for o in report.ooms]
     assert checked[:OOM_CHECKS] == [True] * OOM_CHECKS and checked[OOM_CHECKS:] == [None] * 5
+
+
+def test_plot_and_json_paths_are_checked_before_any_replay(tmp_path, capsys):
+    path = tmp_path / "two.pickle"
+    path.write_bytes(pickle.dumps(_two_device_snapshot()))
+    for flag in ("--plot", "--json"):
+        assert cli_main(["replay", str(path), "--dry", flag, str(tmp_path)]) == 2
+        err = capsys.readouterr().err.strip()
+        assert flag in err and "is a folder" in err and len(err.splitlines()) == 1
