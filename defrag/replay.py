@@ -1147,6 +1147,12 @@ def _oom_lines(report: DeviceReport) -> list[str]:
     return lines
 
 
+# (color, line style, width) per allocator in the picture; PyTorch (recorded) is red, the OOMs red dotted.
+_PLOT_STYLE = {"defrag": ("tab:blue", "-", 1.4), "defrag-no-compaction": ("tab:cyan", "--", 1),
+               "torch (model)": ("tab:green", "-", 1), "torch-expandable (model)": ("tab:orange", "-", 1),
+               "torch": ("tab:olive", "-", 1), "torch-expandable": ("tab:brown", "-", 1)}
+
+
 def plot_devices(reports: list[DeviceReport], path) -> None:
     """One panel per device: live bytes and each allocator's reserved bytes over the trace, PyTorch's
     recorded reserved bytes, and the recorded OOMs as vertical lines. Needs the reports' series."""
@@ -1174,7 +1180,8 @@ def plot_devices(reports: list[DeviceReport], path) -> None:
             if r.series is None:
                 continue
             x, y = r.series
-            ax.step([i + 1 for i in x], [v / unit for v in y], where="post", lw=1,
+            color, style, width = _PLOT_STYLE.get(r.allocator, (None, "-", 1))
+            ax.step([i + 1 for i in x], [v / unit for v in y], where="post", lw=width, ls=style, color=color,
                     label=f"{r.allocator}: reserved" + ("" if r.completed else f" ({r.ooms} OOMs)"))
         for i, o in enumerate(rep.ooms):
             ax.axvline(o["event"], color="tab:red", ls=":", lw=1, label="recorded OOM" if i == 0 else None)
