@@ -534,8 +534,10 @@ def test_the_guide_ddp_example_runs_as_written(tmp_path):
             and proc.stdout.count("rank 1: allocated") == 1:
         # A rank aborting in C++ at exit after the whole example ran and printed what it should: seen in
         # one CI run and in one full-suite run under heavy load, never in 45 runs of the example alone
-        # under load, cause not found (the faulthandler stacks in the warning name the threads). Said,
-        # and run once more: a second abort, or any other failure, fails the test.
+        # under load. Likely torch's teardown, not ours: gloo's threads (gloo_tcp_loop, pt_gloo_runloop)
+        # still run after destroy_process_group(), until the process exits, with or without the DDP
+        # module deleted first. Said (with the faulthandler stacks), and run once more: a second abort,
+        # or any other failure, fails the test.
         warnings.warn(f"the guide's DDP example aborted at exit once; rerun. stderr:\n{proc.stderr[-4000:]}")
         proc = run()
     assert proc.returncode == 0, proc.stdout + proc.stderr
