@@ -33,6 +33,7 @@ the same total bytes (the device's copy bandwidth): the GPU goal.
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import statistics
 import time
 
@@ -211,49 +212,83 @@ def _mapped(pool, base: int, moves) -> bool:
                for s, d, n in moves for off in (s, d) for p in range(off // P, (off + n - 1) // P + 1))
 
 
+@dataclasses.dataclass
+class _Rounds:
+    """What `_timed_rounds` measured: timed compactions and baselines, with the round each came from."""
+
+    base: int  # the region's base address: moves are (src, dst, size) offsets from it
+    moves: list | None  # the moves of the first timed compaction (the baselines copy these)
+    moves_seen: list  # the moves of every round after the warm-up
+    compactions: list  # (wall seconds, report) of the timed compactions, in order
+    compaction_rounds: list  # the round of each
+    baseline_s: list  # seconds of the timed baselines, in order
+    baseline_rounds: list  # the round of each
+    kernel_s: list  # GPU: the move kernel alone, per baseline round (when asked for)
+
+    def pairs(self) -> list[tuple[float, float]]:
+        """(compaction wall, baseline) for each compaction round followed by a timed baseline round."""
+        base = dict(zip(self.baseline_rounds, self.baseline_s))
+        return [(w, base[r + 1]) for (w, _), r in zip(self.compactions, self.compaction_rounds) if r + 1 in base]
+
+
+def _timed_rounds(pool, fill, rounds: int, gpu: bool, *, kernel: bool = False) -> _Rounds:
+    """Rounds of `fill()` (returns the live tensors) then `pool.compact()`: timed compactions and baselines.
+
+    Rounds alternate: a timed compaction, or a timed baseline copy of the moves
+    the first timed compaction made (memmove, or torch copy_ + synchronize on
+    a GPU), done on the freshly filled layout (sources live, destinations in
+    mapped free space) and then compacted untimed. So both sides copy the same
+    bytes between the same addresses, each right after the same fill. Round 0
+    only warms up. `fill` must build the same layout every round
+    (`same_moves_every_round` in the rows checks it).
+    """
+    base = pool.layout()["regions"][0]["base"]
+    out = _Rounds(base, None, [], [], [], [], [], [])
+    for r in range(2 * rounds + 1):
+        keep = fill()
+        timed_baseline = r % 2 == 0 and out.moves is not None  # rounds 2, 4, ...: baseline
+        if timed_baseline and _mapped(pool, base, out.moves):
+            run = _copy_moves(pool, base, out.moves, gpu)
+            if gpu:
+                torch.cuda.synchronize(pool.device)
+            t0 = time.perf_counter()
+            run()
+            out.baseline_s.append(time.perf_counter() - t0)
+            out.baseline_rounds.append(r)
+            del run  # GPU: the borrowed views go before any page is unmapped
+            if kernel:
+                out.kernel_s.append(_kernel_alone(pool, base, out.moves).median)
+        before = [t.data_ptr() for t in keep]
+        t0 = time.perf_counter()
+        report = pool.compact()
+        wall = time.perf_counter() - t0
+        now = [(b - base, t.data_ptr() - base, t.nbytes) for b, t in zip(before, keep) if t.data_ptr() != b]
+        if r > 0:
+            out.moves_seen.append(now)
+            if not timed_baseline:
+                out.compactions.append((wall, report))
+                out.compaction_rounds.append(r)
+        if r == 1:
+            out.moves = now
+        del keep
+    return out
+
+
 def bench_compaction(device: str, smoke: bool) -> list[dict]:
     """Moved bytes/s of pool.compact() (whole, and copy phase) vs memmove / torch copy_ of the same moves.
 
     One pool, rebuilt every round into the same layout (tensors written, then
-    3 of 4 per page dropped). Timed rounds alternate: a compaction, or the
-    baseline copy of the moves the compactions made, done on the freshly
-    built layout (sources live, destinations in mapped free space) and then
-    compacted untimed. So both sides copy the same bytes between the same
-    addresses, each right after the same fill. Round 0 only warms up.
+    3 of 4 per page dropped); the rounds are `_timed_rounds`'s.
     """
     gpu = device.startswith("cuda")
     npages = 8 if smoke else (1024 if gpu else 128)
     rounds = 2 if smoke else 9
     with _pool_for(device, npages) as pool:
-        base = pool.layout()["regions"][0]["base"]
-        compactions, baseline_s, kernel_s, moves_seen = [], [], [], []
         kskip = kernel_skip_reason(device) if gpu else None
-        moves = None
-        for r in range(2 * rounds + 1):
-            keep = _fill_fragmented(pool, npages)
-            timed_baseline = r % 2 == 0 and moves is not None  # rounds 2, 4, ...: baseline
-            if timed_baseline and _mapped(pool, base, moves):
-                run = _copy_moves(pool, base, moves, gpu)
-                if gpu:
-                    torch.cuda.synchronize(pool.device)
-                t0 = time.perf_counter()
-                run()
-                baseline_s.append(time.perf_counter() - t0)
-                del run  # GPU: the borrowed views go before any page is unmapped
-                if gpu and kskip is None:
-                    kernel_s.append(_kernel_alone(pool, base, moves).median)
-            before = [t.data_ptr() for t in keep]
-            t0 = time.perf_counter()
-            report = pool.compact()
-            wall = time.perf_counter() - t0
-            now = [(b - base, t.data_ptr() - base, t.nbytes) for b, t in zip(before, keep) if t.data_ptr() != b]
-            if r > 0:
-                moves_seen.append(now)
-                if not timed_baseline:
-                    compactions.append((wall, report))
-            if r == 1:
-                moves = now
-            del keep
+        rr = _timed_rounds(pool, lambda: _fill_fragmented(pool, npages), rounds, gpu,
+                           kernel=gpu and kskip is None)
+        moves, moves_seen, compactions, baseline_s, kernel_s = (rr.moves, rr.moves_seen, rr.compactions,
+                                                                rr.baseline_s, rr.kernel_s)
         if not moves:
             return [{"skipped": "the compaction moved nothing (the planner found no useful move)"}]
         if not baseline_s:
