@@ -53,6 +53,11 @@ REGISTRY: dict[str, Benchmark] = {b.name: b for b in [
     Benchmark("alloc_free", "bench_pool:bench_alloc_free",
               "alloc+free round trip: pool.empty vs torch.empty on the same device, same run (goal: pool <= 3x torch)",
               "bench_pool:plot_alloc_free"),
+    Benchmark("alloc_mixed", "bench_pool:bench_alloc_mixed",
+              "64 interleaved sizes (16 B - 1 MiB), about 32 live, ~20k calls: pool.empty + drop vs torch.empty + "
+              "drop of the same sequence, warm and in the first 10k calls of a fresh process (issue 24's baseline; "
+              "goal: pool <= 1.5x torch)",
+              "bench_pool:plot_alloc_mixed"),
     Benchmark("copy_bandwidth", "bench_compaction:bench_copy_bandwidth",
               "one move of N bytes in pool memory: copy engine and move kernel vs the device's own copy "
               "(torch copy_ on a GPU, memmove on the emulated device)",
@@ -607,10 +612,11 @@ def verdict(met, smoke: bool) -> str:
 def summary_lines(results: dict) -> list[str]:
     smoke = bool(results.get("smoke"))
     lines = [f"  {SMOKE_NOTE}"] if smoke else []
+    width = max([15, *map(len, results["benchmarks"])])
     for name, res in results["benchmarks"].items():
         state = {"ok": f"{len(res['rows'])} rows", "skipped": f"skipped: {res.get('reason')}",
                  "error": "ERROR (see results.md)"}[res["status"]]
-        lines.append(f"  {name:<15} {res['seconds']:6.1f} s  {state}")
+        lines.append(f"  {name:<{width}} {res['seconds']:6.1f} s  {state}")
     for g in goals_of(results):
         lines.append(f"  goal [{g['benchmark']}] {g['goal']} ({g['where']}): {verdict(g['met'], smoke)}")
     return lines

@@ -86,6 +86,16 @@ def test_ratios_are_computed_from_the_same_rows(smoke):
     assert whole["moved_bytes"] > 0 and whole["pages_after"] < whole["pages_before"]
     assert whole["same_moves_every_round"] is True
     assert math.isclose(whole["ratio_x"], whole["gbps"] / whole["baseline_gbps"], rel_tol=1e-9)
+    mixed = [r for r in b["alloc_mixed"]["rows"] if "us_per_op" in r]
+    assert [r["pattern"] for r in mixed] == ["mixed, steady", "mixed, first calls of a fresh process"]
+    for r in mixed:
+        assert math.isclose(r["ratio_x"], r["us_per_op"] / r["baseline_us_per_op"], rel_tol=1e-9)
+        assert r["goal_met"] == (r["ratio_x"] <= 1.5)
+    assert 0 <= mixed[0]["python_path_calls"] <= mixed[0]["calls"]
+    if mixed[0]["fast_path"] == "ready":  # built here: the fresh processes load it too
+        assert mixed[1]["fast_path"] == "attached"
+    cpp = [r for r in b["alloc_mixed"]["rows"] if r["pattern"] == "mixed, from a C++ thread"]
+    assert len(cpp) == 1 and cpp[0]["skipped"] and "us_per_op" not in cpp[0]
     for r in b["workloads"]["rows"]:
         if "peak_live_bytes" in r:
             assert r["peak_reserved_bytes"] >= r["peak_live_bytes"] > 0, r
