@@ -28,6 +28,12 @@ the same way (host clock around the copies, plus a synchronize on a GPU). On
 a GPU also: the move kernel alone doing the same moves in one launch (CUDA
 events, no host work inside), against one ``copy_`` of a contiguous buffer of
 the same total bytes (the device's copy bandwidth): the GPU goal.
+
+``compaction_overhead`` and ``compaction_random`` (issue 24's baselines): the
+same rounds (`_timed_rounds`) on seeded random layouts, 70% of the tensors
+dropped in random order: 3000 tensors of 8-256 KiB, reporting (compaction
+wall - memmove of the same moves) per moved tensor; and 512 tensors of
+64 KiB - 1 MiB, reporting compaction against memmove as a ratio.
 """
 
 from __future__ import annotations
@@ -354,6 +360,157 @@ def bench_compaction(device: str, smoke: bool) -> list[dict]:
         else:
             rows.insert(2, {"method": "move kernel alone (batched_move, same moves)", "skipped": kskip})
     return rows
+
+
+# --------------------------------------------------------------------------- random sizes (issue 24's baselines)
+
+OVERHEAD_TENSORS, OVERHEAD_SIZES = 3000, (8 * KiB, 256 * KiB)
+RANDOM_TENSORS, RANDOM_SIZES = 512, (64 * KiB, 1 * MiB)
+RANDOM_DROP = 0.7
+RANDOM_SEED = 24
+OVERHEAD_GOAL_US = 5.0
+RANDOM_GOAL_X = 0.7
+
+
+def _random_layout(count: int, lo: int, hi: int, seed: int = RANDOM_SEED):
+    """Seeded sizes uniform in [lo, hi] bytes, and the order in which RANDOM_DROP of them are dropped."""
+    import random
+
+    rng = random.Random(seed)
+    sizes = [rng.randint(lo, hi) for _ in range(count)]
+    drop = rng.sample(range(count), round(RANDOM_DROP * count))  # a random subset, in random order
+    return sizes, drop
+
+
+def _fill_random(pool, sizes, drop) -> list:
+    """Allocate `sizes` in order, write every byte (non-zero), drop the tensors `drop` names, in its order."""
+    pool.stats()  # kept ranges back to the heap: every round fills the same coalesced free space
+    tensors = [pool.empty(n, dtype=torch.uint8) for n in sizes]
+    for i, t in enumerate(tensors):
+        t.fill_(i % 251 + 1)
+    del t
+    for i in drop:
+        tensors[i] = None
+    keep = [t for t in tensors if t is not None]
+    del tensors
+    if pool.kind == "cuda":
+        torch.cuda.synchronize(pool.device)
+    pool.stats()  # a pool call: applies the queued frees before anything is timed
+    return keep
+
+
+def _random_rounds(device: str, count: int, lo: int, hi: int, rounds: int):
+    """A pool just large enough (plus 8 pages), filled by `_fill_random`, through `_timed_rounds`."""
+    import defrag
+
+    sizes, drop = _random_layout(count, lo, hi)
+    probe = defrag.Pool(device=device, capacity="64MiB", auto_compact=False)
+    page = probe.page_size
+    probe.close()
+    pages = -(-sum(sizes) // page) + 8
+    with defrag.Pool(device=device, capacity=pages * page, auto_compact=False) as pool:
+        rr = _timed_rounds(pool, lambda: _fill_random(pool, sizes, drop), rounds, device.startswith("cuda"))
+        kind = pool.kind
+    return rr, sizes, kind
+
+
+def _random_common(rr, sizes, lo, hi, gpu) -> dict:
+    rep = rr.compactions[0][1]
+    return {"tensors": len(sizes), "sizes": f"uniform {lo // KiB}-{hi // KiB} KiB, seed {RANDOM_SEED}",
+            "dropped": f"{RANDOM_DROP:.0%} in random order", "moved_tensors": len(rr.moves),
+            "moved_bytes": sum(n for _, _, n in rr.moves), "pages_before": rep.pages_before,
+            "pages_after": rep.pages_after, "engine": rep.engine,
+            "same_moves_every_round": all(m == rr.moves for m in rr.moves_seen),
+            "baseline": "torch copy_ per move" if gpu else "memmove per move"}
+
+
+def _random_skip(rr) -> dict | None:
+    if not rr.moves:
+        return {"skipped": "the compaction moved nothing (the planner found no useful move)"}
+    if not rr.baseline_s:
+        return {"skipped": "the moves' destinations were not mapped before compaction; no same-address baseline"}
+    return None
+
+
+def bench_compaction_overhead(device: str, smoke: bool) -> list[dict]:
+    """(pool.compact() wall - memmove of the same moves) / tensors moved, in us: what a move costs beyond its bytes.
+
+    OVERHEAD_TENSORS tensors of seeded random sizes 8-256 KiB, every byte
+    written, 70% dropped in random order, then `pool.compact()`; rounds and
+    baseline as `bench_compaction` (`_timed_rounds`). Goal (emulated): <= 5 us
+    per moved tensor. On a GPU the baseline is torch copy_ per move, which
+    carries a launch per move itself: not judged there.
+    """
+    gpu = device.startswith("cuda")
+    lo, hi = OVERHEAD_SIZES
+    count = 64 if smoke else OVERHEAD_TENSORS
+    rounds = 2 if smoke else 9
+    rr, sizes, kind = _random_rounds(device, count, lo, hi, rounds)
+    skip = _random_skip(rr)
+    if skip:
+        return [skip]
+    common = _random_common(rr, sizes, lo, hi, gpu)
+    n = common["moved_tensors"]
+    walls = [w for w, _ in rr.compactions]
+    w_med, b_med = statistics.median(walls), statistics.median(rr.baseline_s)
+    per_pair = [(w - b) / n * 1e6 for w, b in rr.pairs()]
+    overhead = (w_med - b_med) / n * 1e6
+    phases = {f"{k}_ms": statistics.median(rp.phases.get(k, 0.0) for _, rp in rr.compactions) * 1e3
+              for k in ("sync", "plan", "prepare", "copy", "swap", "release")}
+    return [{"method": "pool.compact() - memmove, per moved tensor", "device": kind, **common,
+             "us_per_tensor": overhead,
+             "min_us_per_tensor": min(per_pair) if per_pair else None,
+             "median_pair_us_per_tensor": statistics.median(per_pair) if per_pair else None,
+             "ms": w_med * 1e3, "best_ms": min(walls) * 1e3,
+             "baseline_ms": b_med * 1e3, "baseline_best_ms": min(rr.baseline_s) * 1e3, **phases,
+             "timing": f"perf_counter, medians of {len(walls)} compactions and {len(rr.baseline_s)} baselines "
+                       f"(min/median_pair: per adjacent compaction and baseline round)",
+             "goal": f"emulated: (compact() - memmove) per moved tensor <= {OVERHEAD_GOAL_US:g} us",
+             "goal_met": overhead <= OVERHEAD_GOAL_US if not gpu else None}]
+
+
+def bench_compaction_random(device: str, smoke: bool) -> list[dict]:
+    """pool.compact() vs memmove of the same moves on seeded random sizes 64 KiB - 1 MiB (70% dropped).
+
+    Like `bench_compaction` (equal quarter-page tensors), on a random mix:
+    `ratio_x` = baseline median / compaction median (>= 1 means as fast as
+    memmove), plus the min and median over adjacent compaction/baseline
+    round pairs. Goal (emulated): >= 0.7x memmove.
+    """
+    gpu = device.startswith("cuda")
+    lo, hi = RANDOM_SIZES
+    count = 32 if smoke else RANDOM_TENSORS
+    rounds = 2 if smoke else 9
+    rr, sizes, kind = _random_rounds(device, count, lo, hi, rounds)
+    skip = _random_skip(rr)
+    if skip:
+        return [skip]
+    common = _random_common(rr, sizes, lo, hi, gpu)
+    moved = common["moved_bytes"]
+    walls = [w for w, _ in rr.compactions]
+    copies = [rp.phases.get("copy", 0.0) for _, rp in rr.compactions]
+    w_med, b_med = statistics.median(walls), statistics.median(rr.baseline_s)
+    pair_ratios = [b / w for w, b in rr.pairs()]
+    ratio = b_med / w_med
+    phases = {f"{k}_ms": statistics.median(rp.phases.get(k, 0.0) for _, rp in rr.compactions) * 1e3
+              for k in ("sync", "plan", "prepare", "copy", "swap", "release")}
+    timing = f"perf_counter, median of {len(walls)} rounds (baseline {len(rr.baseline_s)})"
+    whole = {"method": "pool.compact() whole call", "device": kind, **common,
+             "ms": w_med * 1e3, "gbps": gbps(moved, w_med), "best_gbps": gbps(moved, min(walls)),
+             "baseline_ms": b_med * 1e3, "baseline_gbps": gbps(moved, b_med),
+             "baseline_best_gbps": gbps(moved, min(rr.baseline_s)),
+             "ratio_x": ratio, "best_ratio_x": min(rr.baseline_s) / min(walls),
+             "min_pair_ratio_x": min(pair_ratios) if pair_ratios else None,
+             "median_pair_ratio_x": statistics.median(pair_ratios) if pair_ratios else None,
+             **phases, "timing": timing,
+             "goal": f"emulated: whole compaction >= {RANDOM_GOAL_X:g}x memmove of the same moves (random sizes)",
+             "goal_met": ratio >= RANDOM_GOAL_X if not gpu else None}
+    c_med = statistics.median(copies)
+    copy = {"method": "copy phase (report.phases['copy'])", "device": kind, **common,
+            "ms": c_med * 1e3, "gbps": gbps(moved, c_med), "best_gbps": gbps(moved, min(copies)),
+            "baseline_ms": b_med * 1e3, "baseline_gbps": gbps(moved, b_med),
+            "ratio_x": b_med / c_med if c_med > 0 else None, "timing": timing}
+    return [whole, copy]
 
 
 def _kernel_alone(pool, base: int, moves):

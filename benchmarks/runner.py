@@ -75,6 +75,12 @@ REGISTRY: dict[str, Benchmark] = {b.name: b for b in [
               "pool.compact() of a pool with 3 of 4 tensors per page freed, vs memmove (emulated) / torch copy_ "
               "(GPU) of the same moves, same run (goals: emulated >= 0.7x memmove; GPU copy >= 0.9x copy_)",
               "bench_compaction:plot_compaction"),
+    Benchmark("compaction_overhead", "bench_compaction:bench_compaction_overhead",
+              "3000 tensors of random sizes 8-256 KiB, 70% dropped, pool.compact(): (compaction wall - memmove of "
+              "the same moves) per moved tensor (issue 24's baseline; emulated goal: <= 5 us)"),
+    Benchmark("compaction_random", "bench_compaction:bench_compaction_random",
+              "pool.compact() vs memmove of the same moves on 512 tensors of random sizes 64 KiB - 1 MiB, 70% "
+              "dropped (issue 24's baseline; emulated goal: >= 0.7x memmove)"),
     Benchmark("rescue", "bench_rescue:bench_rescue",
               "automatic trigger on random adversarial traces: OOMs that compaction could make room for "
               "(live + request <= capacity - pinned pages), and how many it rescued"),

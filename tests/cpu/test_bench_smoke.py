@@ -96,6 +96,17 @@ def test_ratios_are_computed_from_the_same_rows(smoke):
         assert mixed[1]["fast_path"] == "attached"
     cpp = [r for r in b["alloc_mixed"]["rows"] if r["pattern"] == "mixed, from a C++ thread"]
     assert len(cpp) == 1 and cpp[0]["skipped"] and "us_per_op" not in cpp[0]
+    (over,) = b["compaction_overhead"]["rows"]
+    assert over["moved_tensors"] > 0 and over["same_moves_every_round"] is True
+    assert math.isclose(over["us_per_tensor"], (over["ms"] - over["baseline_ms"]) * 1e3 / over["moved_tensors"],
+                        rel_tol=1e-9)
+    assert over["goal_met"] == (over["us_per_tensor"] <= 5.0)
+    rand = {r["method"]: r for r in b["compaction_random"]["rows"]}["pool.compact() whole call"]
+    assert rand["moved_bytes"] > 0 and rand["pages_after"] < rand["pages_before"]
+    assert rand["same_moves_every_round"] is True
+    assert math.isclose(rand["ratio_x"], rand["gbps"] / rand["baseline_gbps"], rel_tol=1e-9)
+    assert rand["min_pair_ratio_x"] <= rand["median_pair_ratio_x"]
+    assert rand["goal_met"] == (rand["ratio_x"] >= 0.7)
     for r in b["workloads"]["rows"]:
         if "peak_live_bytes" in r:
             assert r["peak_reserved_bytes"] >= r["peak_live_bytes"] > 0, r
