@@ -432,6 +432,14 @@ def _random_skip(rr) -> dict | None:
     return None
 
 
+def _random_medians(rr) -> tuple[list[float], float, float, dict]:
+    """(compaction walls, their median, the baseline's median, the median phase times in ms) of `rr`."""
+    walls = [w for w, _ in rr.compactions]
+    phases = {f"{k}_ms": statistics.median(rp.phases.get(k, 0.0) for _, rp in rr.compactions) * 1e3
+              for k in ("sync", "plan", "prepare", "copy", "swap", "release")}
+    return walls, statistics.median(walls), statistics.median(rr.baseline_s), phases
+
+
 def bench_compaction_overhead(device: str, smoke: bool) -> list[dict]:
     """(pool.compact() wall - memmove of the same moves) / tensors moved, in us: what a move costs beyond its bytes.
 
@@ -451,12 +459,9 @@ def bench_compaction_overhead(device: str, smoke: bool) -> list[dict]:
         return [skip]
     common = _random_common(rr, sizes, lo, hi, gpu)
     n = common["moved_tensors"]
-    walls = [w for w, _ in rr.compactions]
-    w_med, b_med = statistics.median(walls), statistics.median(rr.baseline_s)
+    walls, w_med, b_med, phases = _random_medians(rr)
     per_pair = [(w - b) / n * 1e6 for w, b in rr.pairs()]
     overhead = (w_med - b_med) / n * 1e6
-    phases = {f"{k}_ms": statistics.median(rp.phases.get(k, 0.0) for _, rp in rr.compactions) * 1e3
-              for k in ("sync", "plan", "prepare", "copy", "swap", "release")}
     return [{"method": "pool.compact() - memmove, per moved tensor", "device": kind, **common,
              "us_per_tensor": overhead,
              "min_us_per_tensor": min(per_pair) if per_pair else None,
@@ -487,13 +492,10 @@ def bench_compaction_random(device: str, smoke: bool) -> list[dict]:
         return [skip]
     common = _random_common(rr, sizes, lo, hi, gpu)
     moved = common["moved_bytes"]
-    walls = [w for w, _ in rr.compactions]
+    walls, w_med, b_med, phases = _random_medians(rr)
     copies = [rp.phases.get("copy", 0.0) for _, rp in rr.compactions]
-    w_med, b_med = statistics.median(walls), statistics.median(rr.baseline_s)
     pair_ratios = [b / w for w, b in rr.pairs()]
     ratio = b_med / w_med
-    phases = {f"{k}_ms": statistics.median(rp.phases.get(k, 0.0) for _, rp in rr.compactions) * 1e3
-              for k in ("sync", "plan", "prepare", "copy", "swap", "release")}
     timing = f"perf_counter, median of {len(walls)} rounds (baseline {len(rr.baseline_s)})"
     whole = {"method": "pool.compact() whole call", "device": kind, **common,
              "ms": w_med * 1e3, "gbps": gbps(moved, w_med), "best_gbps": gbps(moved, min(walls)),
