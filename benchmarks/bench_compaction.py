@@ -432,6 +432,17 @@ def _random_skip(rr) -> dict | None:
     return None
 
 
+def _random_run(device: str, size_range: tuple[int, int], count: int, smoke: bool):
+    """(rounds, device kind, the rows' common fields) of `count` tensors of random sizes in `size_range`;
+    (None, None, a skip row) where the rounds could not run."""
+    lo, hi = size_range
+    rr, sizes, kind = _random_rounds(device, count, lo, hi, 2 if smoke else 9)
+    skip = _random_skip(rr)
+    if skip:
+        return None, None, skip
+    return rr, kind, _random_common(rr, sizes, lo, hi, device.startswith("cuda"))
+
+
 def _random_medians(rr) -> tuple[list[float], float, float, dict]:
     """(compaction walls, their median, the baseline's median, the median phase times in ms) of `rr`."""
     walls = [w for w, _ in rr.compactions]
@@ -450,14 +461,9 @@ def bench_compaction_overhead(device: str, smoke: bool) -> list[dict]:
     carries a launch per move itself: not judged there.
     """
     gpu = device.startswith("cuda")
-    lo, hi = OVERHEAD_SIZES
-    count = 64 if smoke else OVERHEAD_TENSORS
-    rounds = 2 if smoke else 9
-    rr, sizes, kind = _random_rounds(device, count, lo, hi, rounds)
-    skip = _random_skip(rr)
-    if skip:
-        return [skip]
-    common = _random_common(rr, sizes, lo, hi, gpu)
+    rr, kind, common = _random_run(device, OVERHEAD_SIZES, 64 if smoke else OVERHEAD_TENSORS, smoke)
+    if rr is None:
+        return [common]
     n = common["moved_tensors"]
     walls, w_med, b_med, phases = _random_medians(rr)
     per_pair = [(w - b) / n * 1e6 for w, b in rr.pairs()]
@@ -483,14 +489,9 @@ def bench_compaction_random(device: str, smoke: bool) -> list[dict]:
     round pairs. Goal (emulated): >= 0.7x memmove.
     """
     gpu = device.startswith("cuda")
-    lo, hi = RANDOM_SIZES
-    count = 32 if smoke else RANDOM_TENSORS
-    rounds = 2 if smoke else 9
-    rr, sizes, kind = _random_rounds(device, count, lo, hi, rounds)
-    skip = _random_skip(rr)
-    if skip:
-        return [skip]
-    common = _random_common(rr, sizes, lo, hi, gpu)
+    rr, kind, common = _random_run(device, RANDOM_SIZES, 32 if smoke else RANDOM_TENSORS, smoke)
+    if rr is None:
+        return [common]
     moved = common["moved_bytes"]
     walls, w_med, b_med, phases = _random_medians(rr)
     copies = [rp.phases.get("copy", 0.0) for _, rp in rr.compactions]
