@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import threading
 
 import pytest
 from cuda.bindings import driver as cu
@@ -406,3 +407,32 @@ def test_gpu_vmm_call_costs_per_page(held, gpu, figures):
         figures.add(f"{op} per {page}", statistics.median(samples) * 1e6, "us", pages=n, max_us=max(samples) * 1e6)
     figures.add(f"one set_access over {n} pages", one_call * 1e6, "us",
                 per_page_us=one_call / n * 1e6, vs_per_page_x=statistics.median(costs["set_access"]) * n / one_call)
+
+
+def test_gpu_a_thread_with_no_current_context_maps_unmaps_and_synchronizes(held, gpu):
+    """A new thread has no current context (an automatic rescue may run on one): every driver call that
+    needs the context makes it current itself, and the bytes written there are read back here."""
+    G = held.G
+    h = held.create(G)
+    va = held.reserve(G)
+    data = os.urandom(4096)
+    seen = {}
+
+    def work():
+        try:
+            seen["capturing"] = gpu.is_capturing(0)
+            held.map(va, G, h)
+            gpu.set_access(va, G)
+            gpu.memset(va, 0, G)
+            gpu.synchronize()
+            to_device(gpu, va, data)
+            seen["bytes"] = to_host(gpu, va, len(data))
+            held.unmap(va, G)
+        except BaseException as exc:  # reported below, on the test's thread
+            seen["error"] = exc
+
+    t = threading.Thread(target=work)
+    t.start()
+    t.join()
+    assert "error" not in seen, seen.get("error")
+    assert seen["capturing"] is False and seen["bytes"] == data
