@@ -231,7 +231,7 @@ class Driver:
 
     # ------------------------------------------------------------ host memory (sleep, offload)
     def host_pages_supported(self) -> tuple[bool, str]:
-        """Whether `create(..., host=True)` works here: (supported, reason). Asked once, then cached.
+        """Whether `create(..., host=True)` works here: (supported, reason); cached once the driver has said.
 
         Host-located VMM pages (`cuMemCreate` with a `CU_MEM_LOCATION_TYPE_HOST_NUMA`
         location) need a CUDA 12.2 driver or later. The device's own answer

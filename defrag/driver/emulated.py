@@ -61,8 +61,9 @@ its own, with its own capacity (`host_capacity`), separate from the device's:
   CUDA_ERROR_INVALID_VALUE, where a GPU would accept pageable memory: on the
   host a wrong pointer would crash the process).
 
-What it does not emulate: asynchrony unless asked (above), multiple devices' peer access, IPC handles, and the exact error codes of corner
-cases the CUDA documentation leaves open (those return CUDA_ERROR_INVALID_VALUE).
+What it does not emulate: asynchrony unless asked (above), multiple devices'
+peer access, IPC handles, and the exact error codes of corner cases the CUDA
+documentation leaves open (those return CUDA_ERROR_INVALID_VALUE).
 """
 
 from __future__ import annotations
@@ -156,6 +157,7 @@ class _Reservation:
 
 
 SIDE_STREAM = -1  # `defer_write`'s stream: only a device-wide synchronize waits for it
+PRIMARY_CONTEXT_BASE = 0xC000  # device N's primary context is this + N (any nonzero id would do)
 
 
 @dataclass
@@ -344,17 +346,21 @@ class EmulatedCuda:
         if (e := self._need_init()) is not None:
             return (e, cu.CUcontext(0))
         with self._lock:
-            ctx_id = 0xC000 + int(dev)
+            ctx_id = PRIMARY_CONTEXT_BASE + int(dev)
             self._contexts[ctx_id] = self._contexts.get(ctx_id, 0) + 1
-            handle = self._ctx_handles.get(ctx_id)
-            if handle is None:
-                handle = self._ctx_handles[ctx_id] = cu.CUcontext(ctx_id)
-        return (R.CUDA_SUCCESS, handle)
+            return (R.CUDA_SUCCESS, self._context_handle(ctx_id))
+
+    def _context_handle(self, ctx_id: int):
+        """The one CUcontext of `ctx_id`, so a driver can tell its own context by identity."""
+        handle = self._ctx_handles.get(ctx_id)
+        if handle is None:
+            handle = self._ctx_handles[ctx_id] = cu.CUcontext(ctx_id)
+        return handle
 
     def cuDevicePrimaryCtxRelease(self, dev):
         self._count("cuDevicePrimaryCtxRelease")
         with self._lock:
-            ctx_id = 0xC000 + int(dev)
+            ctx_id = PRIMARY_CONTEXT_BASE + int(dev)
             if self._contexts.get(ctx_id, 0) <= 0:
                 return (R.CUDA_ERROR_INVALID_CONTEXT,)
             self._contexts[ctx_id] -= 1
@@ -369,18 +375,14 @@ class EmulatedCuda:
 
     def cuCtxGetCurrent(self):
         self._count("cuCtxGetCurrent")
-        ctx = getattr(self._thread, "ctx", 0)
-        handle = self._ctx_handles.get(ctx)
-        if handle is None:  # one object per context, as cuDevicePrimaryCtxRetain returned it
-            handle = self._ctx_handles[ctx] = cu.CUcontext(ctx)
-        return (R.CUDA_SUCCESS, handle)
+        return (R.CUDA_SUCCESS, self._context_handle(getattr(self._thread, "ctx", 0)))
 
     def _current_device(self) -> int | None:
         """The device whose context is current on the calling thread, None when none is."""
         if self._closing:
             return 0
         ctx = getattr(self._thread, "ctx", 0)
-        return ctx - 0xC000 if ctx in self._contexts else None
+        return ctx - PRIMARY_CONTEXT_BASE if ctx in self._contexts else None
 
     def cuCtxSynchronize(self):
         self._count("cuCtxSynchronize")
@@ -417,12 +419,13 @@ class EmulatedCuda:
         nothing else (a copy on the legacy stream, a stream synchronize)
         waits for it.
         """
-        ptr, data = int(ptr), bytes(data)
+        ptr = int(ptr)
+        source = ctypes.create_string_buffer(bytes(data), len(data))
 
         def run() -> bool:
-            if not self._accessible(ptr, len(data), True):
+            if not self._accessible(ptr, len(source), True):
                 return False
-            ctypes.memmove(ptr, data, len(data))
+            self._host_copy(ptr, ctypes.addressof(source), len(source))  # a host effect, as every one is
             return True
 
         with self._lock:
