@@ -53,6 +53,7 @@ from pathlib import Path
 from .dry import DryPool
 from .errors import CompactionError
 from .traces.format import ALLOC, FREE, Trace, TraceError
+from .traces.snapshot import peaks_per_stretch
 from .traces.torch_model import CachingAllocatorModel
 from .units import format_bytes, parse_size
 
@@ -66,7 +67,6 @@ OOM_CHECKS = 16  # recorded OOMs per device whose refused request is tried on de
 # The models of PyTorch's caching allocator: allocator name -> expandable_segments.
 TORCH_MODELS = {"torch (model)": False, "torch-expandable (model)": True}
 MODEL_PAGE = 2 << 20  # every segment and mapping of PyTorch's allocator is a multiple of 2 MiB
-SERIES_POINTS = 2000  # points per curve of reserved bytes over time (each the most in its stretch)
 
 
 class ReplayError(RuntimeError):
@@ -214,7 +214,7 @@ def replay(trace: Trace, capacity, *, device=None, dry: bool = False, compaction
     emulated device). A failed allocation is counted and skipped (its free is
     ignored). ``stop_at_first_oom`` ends the replay at the first failure (for
     capacity searches). ``series``: also record reserved bytes over the
-    trace (`ReplayResult.series`, at most `SERIES_POINTS` points, each the
+    trace (`ReplayResult.series`, at most `traces.snapshot.SERIES_POINTS` points, each the
     most reserved in its stretch; dry replays only). Does not compute
     ``min_capacity`` (see :func:`min_capacity`).
     """
@@ -321,19 +321,11 @@ def _replay_dry(trace, capacity, page, compaction, name, progress, stop_at_first
                         series=_window_max(run.reserved, run.i + 1) if series else None)
 
 
-def _window_max(values, used: int, points: int | None = None) -> tuple[list, list]:
-    """(event indices, values) with at most `points` points: each the most of `values[:used]` from its
-    index to the next one's, so no peak is lost however long the trace."""
-    import numpy as np
-
-    points = points or SERIES_POINTS
-    values = np.asarray(values[:max(used, 1)], dtype=np.int64)
-    if values.size == 0:
-        return [0], [0]
-    width = max(1, -(-values.size // points))
-    pad = -values.size % width
-    padded = np.concatenate([values, np.full(pad, values[-1], dtype=np.int64)]) if pad else values
-    return list(range(0, values.size, width)), padded.reshape(-1, width).max(axis=1).tolist()
+def _window_max(values, used: int) -> tuple[list, list]:
+    """(event indices, values) of `values[:used]` in at most `traces.snapshot.SERIES_POINTS` points,
+    each the most from its index to the next one's, so no peak is lost however long the trace;
+    ([0], [0]) for nothing."""
+    return peaks_per_stretch(values[:max(used, 1)]) if len(values) else ([0], [0])
 
 
 def replay_model(trace: Trace, capacity, *, expandable: bool = False, progress: bool | None = None,
@@ -1055,7 +1047,7 @@ def replay_devices(items: list, capacity: int | None = None, *, dry: bool = Fals
 
 def live_series(trace: Trace) -> tuple[list, list]:
     """(event indices, bytes) of the bytes live over the trace (sizes as recorded), at most
-    `SERIES_POINTS` points, each the most in its stretch."""
+    `traces.snapshot.SERIES_POINTS` points, each the most in its stretch."""
     import numpy as np
 
     sizes: dict = {}

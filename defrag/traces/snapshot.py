@@ -56,6 +56,22 @@ from pathlib import Path
 
 from .format import Trace, TraceError
 
+SERIES_POINTS = 2000  # points per curve of bytes over time (each the most in its stretch)
+
+
+def peaks_per_stretch(values, points: int = SERIES_POINTS) -> tuple[list[int], list[int]]:
+    """(first position, most) of each stretch of `values`: at most `points` stretches of one length (the
+    last may be shorter), so a curve of any length is drawn in `points` points and loses no peak."""
+    import numpy as np
+
+    a = np.asarray(values, dtype=np.int64)
+    if a.size == 0:
+        return [], []
+    width = max(1, -(-a.size // points))
+    pad = -a.size % width
+    padded = np.concatenate([a, np.full(pad, a[-1], dtype=np.int64)]) if pad else a
+    return list(range(0, a.size, width)), padded.reshape(-1, width).max(axis=1).tolist()
+
 _SAFE_GLOBALS = {("builtins", "set"), ("builtins", "frozenset"), ("collections", "OrderedDict")}
 _LIVE_STATES = ("active_allocated", "active_pending_free", "active_awaiting_free")
 
@@ -127,12 +143,11 @@ class RecordedReserved:
         i = bisect.bisect_right(self.event, event) - 1
         return self.reserved[max(i, 0)]
 
-    def as_dict(self, points: int = 2000) -> dict:
+    def as_dict(self, points: int = SERIES_POINTS) -> dict:
         """The figures, and the curve as ``{"event": [...], "bytes": [...]}`` with at most `points` points
         (each the most in its stretch of points, so the peak stays)."""
-        step = max(1, -(-len(self.event) // points))
-        event = self.event[::step]
-        level = [max(self.reserved[i:i + step]) for i in range(0, len(self.reserved), step)]
+        starts, level = peaks_per_stretch(self.reserved, points)
+        event = [self.event[i] for i in starts]
         return {"start_reserved_bytes": self.start_bytes, "peak_reserved_bytes": self.peak_bytes,
                 "end_reserved_bytes": self.end_bytes, "end_from_segments": self.end_from_segments,
                 "changes": len(self.event) - 1, "reserved_over_time": {"event": event, "bytes": level}}
