@@ -1032,8 +1032,6 @@ class Pool:
         access read zeros or lost its write, and is reported once, here.
         """
         with self.core.gate:
-            if self.asleep and not self.closed:
-                self.core.check_untouched()
             try:
                 return residency.wake(self.core, progress=progress)
             finally:

@@ -269,15 +269,18 @@ def _back_to_sleep(space, region: Region, pages: list[int]) -> None:
 def wake(core: Core, *, progress: bool | None = None) -> ResidencyReport:
     """Map device pages where the pool slept and copy the bytes back; the pool is awake again.
 
-    ResidencyError when the pool is awake. On any failure (the device out of
-    memory included) every page is unmapped again, the handles taken are
-    released (best effort), the host buffer is kept and the pool stays asleep.
+    ResidencyError when the pool is awake; StaleAccessError (nothing changes)
+    when a tensor of the pool was touched while it slept. On any failure
+    (the device out of memory included) every page is unmapped again, the
+    handles taken are released (best effort), the host buffer is kept and
+    the pool stays asleep.
     """
     space, driver, P = core.space, core.driver, core.page_size
     if core.closed:
         raise PoolClosedError(f"{core.label} is closed")
     if not space.sleeping:
         raise ResidencyError(f"{core.label} is awake: wake() follows sleep()")
+    core.check_untouched()  # a tensor touched while asleep is reported here, before anything changes
     res = state(core)
     report = ResidencyReport("wake", page_size=P)
     t0 = time.perf_counter()
