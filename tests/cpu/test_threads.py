@@ -184,10 +184,14 @@ def test_full_and_zeros_are_initialised_before_anyone_can_move_them(make_pool):
     pool = make_pool("4MiB", granularity=64 * KiB)
     stop = threading.Event()
     errors = []
+    compactions = []
 
     def compactor():
         while not stop.is_set():
-            pool.compact()
+            compactions.append(pool.compact())
+            # Yield the GIL: without it this loop retakes the pool's lock before the main thread wakes
+            # to take it, and the test's run time depends on that race (20 s to 6 min seen).
+            time.sleep(0)
 
     c = threading.Thread(target=compactor)
     c.start()
@@ -201,6 +205,7 @@ def test_full_and_zeros_are_initialised_before_anyone_can_move_them(make_pool):
         stop.set()
         c.join()
     assert not errors
+    assert len(compactions) > 10, f"the compactions must really run beside the allocations ({len(compactions)})"
 
 
 @pytest.mark.parametrize("seed", [0, 1])
