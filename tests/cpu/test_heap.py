@@ -1,7 +1,9 @@
 """Heap: best fit, split, coalesce, free-space insert/remove, and misuse errors.
 
-The stateful test drives the heap against a byte-exact model (one state per
-512-byte unit) and checks every invariant after every step.
+Every test runs on both heaps: the native one (defrag/native/heap.h, the pool's)
+and its Python model (tests/cpu/heap_model.py). The stateful test drives each
+against a byte-exact model (one state per 512-byte unit) and checks every
+invariant after every step.
 """
 import time
 
@@ -9,7 +11,10 @@ import pytest
 from hypothesis import HealthCheck, settings, strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from defrag.heap import ALIGNMENT, Heap, HeapError
+from defrag.heap import ALIGNMENT, HeapError
+
+from .heap_model import Heap as ModelHeap
+from .test_native_heap import native_heap_class
 
 A = ALIGNMENT
 BASE = 1 << 21          # non-zero base, so offset/base mix-ups show
@@ -17,11 +22,23 @@ UNITS = 48              # span in alignment units
 PAGE_UNITS = 4          # the pool asks "is this page empty?" per page
 
 
-def snapshot(h: Heap):
+@pytest.fixture(params=["model", "native"])
+def Heap(request):
+    """The heap class under test: each test runs on the Python model and on the native heap."""
+    return ModelHeap if request.param == "model" else native_heap_class()
+
+
+def force_path(h, bulk: bool):
+    """Make the model take its one-pass batch path (bulk) or one call per block; the native heap has one path."""
+    if isinstance(h, ModelHeap):
+        h._bulk_pays = lambda n: bulk
+
+
+def snapshot(h):
     return (h.free_ranges(), h.live_blocks(), h.free_bytes(), h.live_bytes(), h.largest_free())
 
 
-def expect_error(h: Heap, fn, *args):
+def expect_error(h, fn, *args):
     """fn(*args) raises HeapError and leaves the heap exactly as it was."""
     before = snapshot(h)
     with pytest.raises(HeapError):
@@ -32,12 +49,12 @@ def expect_error(h: Heap, fn, *args):
 
 # -- examples -----------------------------------------------------------------------
 
-def test_new_heap_has_no_free_space():
+def test_new_heap_has_no_free_space(Heap):
     h = Heap(0, 8 * A)
     assert h.free_ranges() == [] and h.allocate(1) is None and h.largest_free() == 0
 
 
-def test_allocate_rounds_up_and_takes_low_end():
+def test_allocate_rounds_up_and_takes_low_end(Heap):
     h = Heap(0, 8 * A)
     h.insert_free(0, 8 * A)
     assert h.allocate(1) == 0 and h.block_size(0) == A
@@ -46,7 +63,7 @@ def test_allocate_rounds_up_and_takes_low_end():
     assert (h.free_bytes(), h.live_bytes()) == (5 * A, 3 * A)
 
 
-def test_best_fit_picks_smallest_then_lowest():
+def test_best_fit_picks_smallest_then_lowest(Heap):
     h = Heap(0, 32 * A)
     for off, n in [(0, 4), (5, 2), (8, 3), (12, 2), (15, 8)]:
         h.insert_free(off * A, n * A)
@@ -57,7 +74,7 @@ def test_best_fit_picks_smallest_then_lowest():
     assert h.free_ranges() == [(0, 4 * A), (20 * A, 3 * A)]
 
 
-def test_free_coalesces_both_sides():
+def test_free_coalesces_both_sides(Heap):
     h = Heap(0, 8 * A)
     h.insert_free(0, 8 * A)
     a, b, c = h.allocate(A), h.allocate(A), h.allocate(A)
@@ -68,7 +85,7 @@ def test_free_coalesces_both_sides():
     assert h.free_ranges() == [(0, 8 * A)]
 
 
-def test_insert_free_coalesces_with_neighbours():
+def test_insert_free_coalesces_with_neighbours(Heap):
     h = Heap(0, 8 * A)
     h.insert_free(0, 2 * A)
     h.insert_free(4 * A, 2 * A)
@@ -78,7 +95,7 @@ def test_insert_free_coalesces_with_neighbours():
     assert h.free_ranges() == [(0, 8 * A)]
 
 
-def test_remove_free_splits_and_allocate_at_carves():
+def test_remove_free_splits_and_allocate_at_carves(Heap):
     h = Heap(0, 16 * A)
     h.insert_free(0, 16 * A)
     h.remove_free(4 * A, 4 * A)
@@ -89,7 +106,7 @@ def test_remove_free_splits_and_allocate_at_carves():
     expect_error(h, h.remove_free, 9 * A, 2 * A)    # runs into the live block
 
 
-def test_free_bytes_in_answers_page_emptiness():
+def test_free_bytes_in_answers_page_emptiness(Heap):
     h = Heap(0, 16 * A)
     h.insert_free(0, 16 * A)
     blk = h.allocate_at(5 * A, A)
@@ -100,7 +117,7 @@ def test_free_bytes_in_answers_page_emptiness():
     assert h.free_bytes_in(4 * A, 8 * A) == 4 * A
 
 
-def test_misuse_raises_and_changes_nothing():
+def test_misuse_raises_and_changes_nothing(Heap):
     h = Heap(BASE, 16 * A)
     h.insert_free(BASE, 8 * A)
     blk = h.allocate(A)
@@ -125,7 +142,7 @@ def test_misuse_raises_and_changes_nothing():
 
 
 @pytest.mark.parametrize("args", [(0, 0), (1, A), (0, A + 1), (0, A, 0)])
-def test_bad_construction(args):
+def test_bad_construction(Heap, args):
     with pytest.raises(HeapError):
         Heap(*args)
 
@@ -137,7 +154,8 @@ def test_bad_construction(args):
     lambda h: setattr(h, "_live_bytes", h._live_bytes + A),     # counter off
 ])
 def test_check_invariants_catches_corruption(corrupt):
-    h = Heap(0, 16 * A)
+    """The model only: the native heap's books are out of Python's reach (same checks, in heap.h)."""
+    h = ModelHeap(0, 16 * A)
     h.insert_free(0, 8 * A)
     h.insert_free(9 * A, 4 * A)
     h.allocate_at(10 * A, A)
@@ -147,7 +165,7 @@ def test_check_invariants_catches_corruption(corrupt):
         h.check_invariants()
 
 
-def test_100k_allocate_free_mixed():
+def test_100k_allocate_free_mixed(Heap):
     """Churn with many live blocks; prints the rate (not asserted: tests never time)."""
     import random
     rng = random.Random(0)
@@ -179,9 +197,12 @@ sizes = st.one_of(st.integers(1, 12 * A), st.sampled_from([A, 2 * A, 3 * A]))
 
 
 class HeapMachine(RuleBasedStateMachine):
+    def new_heap(self, base, span):
+        return ModelHeap(base, span)
+
     def __init__(self):
         super().__init__()
-        self.heap = Heap(BASE, UNITS * A)
+        self.heap = self.new_heap(BASE, UNITS * A)
         self.model = [UNMANAGED] * UNITS   # per unit: UNMANAGED, FREE, or the owning block's offset
         self.blocks = {}                    # offset -> rounded size
         self.managed = 0                    # inserted minus removed bytes
@@ -305,14 +326,21 @@ class HeapMachine(RuleBasedStateMachine):
             assert h.block_size(off) == size
 
 
-HeapMachine.TestCase.settings = settings(
-    max_examples=150, stateful_step_count=40, deadline=None,
-    suppress_health_check=[HealthCheck.too_slow])
+class NativeHeapMachine(HeapMachine):
+    def new_heap(self, base, span):
+        return native_heap_class()(base, span)
+
+
+for machine in (HeapMachine, NativeHeapMachine):
+    machine.TestCase.settings = settings(
+        max_examples=150, stateful_step_count=40, deadline=None,
+        suppress_health_check=[HealthCheck.too_slow])
 TestHeapMachine = HeapMachine.TestCase
+TestNativeHeapMachine = NativeHeapMachine.TestCase
 
 
 # ---------------------------------------------------------------- batches
-def _single(h: Heap, takes, frees):
+def _single(h, takes, frees):
     for off, size in takes:
         h.allocate_at(off, size)
     for off in frees:
@@ -320,7 +348,7 @@ def _single(h: Heap, takes, frees):
 
 
 @pytest.mark.parametrize("seed", range(60))
-def test_batches_equal_one_call_per_block(seed):
+def test_batches_equal_one_call_per_block(Heap, seed):
     """allocate_many_at / free_many end exactly where the single calls do, with the bulk path forced."""
     import random
     rng = random.Random(seed)
@@ -348,26 +376,26 @@ def test_batches_equal_one_call_per_block(seed):
             cursor += size + rng.randint(0, 2) * A
     frees = rng.sample(live, rng.randint(0, len(live)))
     _single(a, takes, frees)
-    b._bulk_pays = lambda n: True  # the one-pass path even for small batches
+    force_path(b, True)  # the one-pass path even for small batches
     b.allocate_many_at(takes)
     b.free_many(frees)
     assert snapshot(a) == snapshot(b)
     b.check_invariants()
     for bulk in (True, False):  # both in one call, as a compaction wave does
         c, _ = build()
-        c._bulk_pays = lambda n, bulk=bulk: bulk
+        force_path(c, bulk)
         c.exchange(frees, takes)
         assert snapshot(a) == snapshot(c)
         c.check_invariants()
 
 
 @pytest.mark.parametrize("bulk", [True, False])
-def test_batch_misuse_raises_and_changes_nothing(bulk):
+def test_batch_misuse_raises_and_changes_nothing(Heap, bulk):
     h = Heap(BASE, 64 * A)
     h.insert_free(BASE, 64 * A)
     x = h.allocate(4 * A)
     y = h.allocate(4 * A)
-    h._bulk_pays = lambda n: bulk
+    force_path(h, bulk)
     expect_error(h, h.allocate_many_at, [(BASE + 10 * A, A), (x, A)])             # one is live
     expect_error(h, h.allocate_many_at, [(BASE + 10 * A, 2 * A), (BASE + 11 * A, A)])  # they overlap
     expect_error(h, h.allocate_many_at, [(BASE + 10 * A, A), (BASE + 64 * A, A)])  # outside the span
