@@ -7,8 +7,9 @@ pool stitches free pages into one virtual range for a large request.
 
 from .capture import TorchAllocator, install
 from .compactor import CompactionReport
-from .errors import (CompactionError, ConcurrencyError, CudaError, CudaOutOfMemoryError, NotSupportedError,
-                     PoolAsleepError, PoolClosedError, ResidencyError, SettingError, StaleAccessError)
+from .errors import (CompactionError, ConcurrencyError, CudaError, CudaOutOfMemoryError, NativeBuildError,
+                     NotSupportedError, PoolAsleepError, PoolClosedError, ResidencyError, SettingError,
+                     StaleAccessError)
 from .oom import OutOfMemoryError
 from .pool import LiveTensor, Pool, compact, open_pools, save_snapshot
 from .residency import ResidencyReport
@@ -24,5 +25,5 @@ __all__ = [
     "ConcurrencyError", "CudaError", "CudaOutOfMemoryError", "OutOfMemoryError", "PoolClosedError", "StaleAccessError",
     "parse_size", "format_bytes", "TorchAllocator", "install",
     "distributed", "CollectiveError",
-    "ResidencyReport", "ResidencyError", "PoolAsleepError", "NotSupportedError", "SettingError",
+    "ResidencyReport", "ResidencyError", "PoolAsleepError", "NotSupportedError", "SettingError", "NativeBuildError",
 ]

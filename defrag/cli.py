@@ -32,16 +32,17 @@ def _swap_line(tensors) -> str:
 
 
 def _fast_line() -> str:
-    """Whether pool.empty has its C++ fast path here (loads or builds it once, like the swap line)."""
-    from . import fastpath
+    """Whether the native books and pool.empty's C++ fast path are here (loads or builds them once)."""
+    from . import fastpath, native
+    from .errors import NativeBuildError
 
+    try:
+        native.load_module()
+    except NativeBuildError as exc:
+        return f"unavailable -> no pool can be made here: {exc}"
     if fastpath.setting() == "off":
-        return "off (DEFRAG_FASTPATH=0) -> pool.empty always runs the Python allocator"
-    fastpath.wait()
-    status = fastpath.status()
-    if status == "ready":
-        return "ready -> pool.empty of a size the pool keeps costs about what torch.empty does"
-    return f"{status} -> pool.empty runs the Python allocator (about 10x torch.empty per call)"
+        return "books native; fast path off (DEFRAG_FASTPATH=0) -> every pool.empty runs the Python ladder"
+    return "ready -> pool.empty of any size that mapped pages hold costs about what torch.empty does"
 
 
 def doctor(args) -> int:
@@ -164,13 +165,16 @@ def main(argv=None) -> int:
         print(f"defrag {args.command}: error: unrecognized arguments: {' '.join(extra)} "
               f"(see defrag {args.command} --help)", file=sys.stderr)
         return 2
-    from .errors import SettingError
+    from .errors import NativeBuildError, SettingError
 
     try:
         return int(args.func(args) or 0)
     except (UsageError, SettingError) as exc:  # a bad argument, or a DEFRAG_* variable it cannot use
         print(f"defrag {args.command}: error: {exc}", file=sys.stderr)
         return 2
+    except NativeBuildError as exc:  # the machine, not the arguments: what to install, no traceback
+        print(f"defrag {args.command}: error: {exc}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

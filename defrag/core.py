@@ -51,10 +51,10 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from . import threads
+from . import native, threads
 from .driver import Driver
 from .errors import ConcurrencyError, CudaOutOfMemoryError, PoolAsleepError, PoolClosedError, StaleAccessError
-from .heap import ALIGNMENT, Heap
+from .heap import ALIGNMENT
 from .units import format_bytes
 from .vmm import ASLEEP, HOST, AddressSpace, Region, Transaction, page_runs
 
@@ -117,44 +117,6 @@ def _page_runs(mask: np.ndarray) -> list[tuple[int, int]]:
     return list(zip(starts.tolist(), (ends - starts).tolist()))
 
 
-class KeptRanges:
-    """Freed ranges kept carved per rounded size for the next request of that size (see `Core.free`).
-
-    Entries are (region index, address), last in first out. A face's fast
-    path's C++ object (`defrag/fastpath.cpp`) implements the same four methods.
-    """
-
-    __slots__ = ("_by_size", "_count")
-
-    def __init__(self) -> None:
-        self._by_size: dict[int, list[tuple[int, int]]] = {}
-        self._count = 0
-
-    def put(self, size: int, region: int, address: int) -> None:
-        self._by_size.setdefault(size, []).append((region, address))
-        self._count += 1
-
-    def take(self, size: int) -> tuple[int, int] | None:
-        """A kept range of `size`, removed; None when none is kept."""
-        kept = self._by_size.get(size)
-        if not kept:
-            return None
-        self._count -= 1
-        return kept.pop()
-
-    def take_all(self) -> list[tuple[int, int]]:
-        """Every kept range, removed."""
-        if not self._count:
-            return []
-        out = [entry for entries in self._by_size.values() for entry in entries]
-        self._by_size.clear()
-        self._count = 0
-        return out
-
-    def kept_count(self) -> int:
-        return self._count
-
-
 class Core:
     """Blocks over a page-mapped address space: placement, release, accounting, the ladder.
 
@@ -182,16 +144,14 @@ class Core:
         self.closed = False
         self.space = AddressSpace(driver, page_size, capacity_pages)
         self._released: collections.deque[Block] = collections.deque()
-        self._heaps: list[Heap] = []
-        self._live_count: list[np.ndarray] = []  # per region: live (or retired) blocks touching each page
+        # The books (native, `defrag/native/books.h`): every region's heap, page counts, the empty-page
+        # count and the freed ranges kept for reuse. The fast path places and releases through them too.
+        self.books = native.load_module().Books(page_size)
+        self._heaps: list = []  # per region: its native Heap (`defrag/native/heap.h`), also in the books
+        self._live_count: list[np.ndarray] = []  # per region: live (or retired) blocks per page (the books' memory)
         self._blocks: dict[int, Block] = {}  # block address -> Block (live and retired)
         self._pending: list[Block] = []  # released, waiting on their deferral markers
         self._threads: dict[int, object] = {}  # token id -> owner ref of every thread that used the core
-        self._empty = 0  # mapped pages that no block touches, kept as blocks come and go
-        # Freed ranges kept carved for a request of the same size (see `free`): off the
-        # pages' live counts and the counters (free in every statistic), still allocated
-        # in the heap until `flush_reuse`. A face's fast path may hold them instead.
-        self.kept = KeptRanges()
         # A face's allocation fast path (`defrag.fastpath.FastPath`): `sync(core)` records
         # what it did since the last call. Called before the core reads anything.
         self.front = None
@@ -232,8 +192,11 @@ class Core:
 
     def add_region(self, npages: int) -> Region:
         region = self.space.reserve(npages)
-        self._heaps.append(Heap(region.base, region.size, ALIGNMENT))
-        self._live_count.append(np.zeros(npages, dtype=np.int64))
+        heap = native.load_module().Heap(region.base, region.size, ALIGNMENT)
+        index = self.books.add_region(heap, region.base, npages)
+        assert index == region.index, "the books' regions follow the address space's"
+        self._heaps.append(heap)
+        self._live_count.append(self.books.counts(index))
         return region
 
     def check_open(self) -> None:
@@ -358,7 +321,7 @@ class Core:
         while self._released:
             block = self._released.popleft()
             if type(block) is tuple:
-                self.kept.put(*block)
+                self.books.release_range(*block)  # a block the core never recorded
                 continue
             if self._blocks.get(block.address) is not block:
                 continue  # already gone (defensive: each owner releases once)
@@ -373,6 +336,8 @@ class Core:
                     self._pending.append(block)
                     continue
             self.free(block, keep=True)
+        if self.front is not None:
+            self.front.settled()
         if self._pending:
             still = []
             for block in self._pending:
@@ -381,6 +346,10 @@ class Core:
                 else:
                     still.append(block)
             self._pending = still
+
+    def has_backlog(self) -> bool:
+        """Whether releases wait in the queue for the next `drain`."""
+        return bool(self._released)
 
     def wait_pending(self) -> None:
         """Wait for every deferred release still in flight (before declaring OOM, compacting, closing)."""
@@ -401,50 +370,20 @@ class Core:
         last = (addr + size - 1 - region.base) // self.page_size
         return first, last + 1
 
+    @property
+    def _empty(self) -> int:
+        """Mapped pages that no block touches (the books keep it as blocks come and go)."""
+        return self.books.empty
+
     def _account(self, block: Block, delta: int) -> None:
         """Count `block` on (+1) or off (-1) its pages, keeping the empty-page count."""
-        region, P = block.region, self.page_size
-        first = (block.address - region.base) // P
-        end = (block.address + block.size - 1 - region.base) // P + 1
-        counts = self._live_count[region.index]
-        if end == first + 1:
-            # The common case, without a slice. Blocks lie on mapped pages only.
-            before = counts[first]
-            counts[first] = before + delta
-            if before == 0:
-                self._empty -= 1
-            elif before + delta == 0:
-                self._empty += 1
-        else:
-            window = counts[first:end]
-            if delta > 0:
-                self._empty -= int((window == 0).sum())
-            window += delta
-            if delta < 0:
-                self._empty += int((window == 0).sum())
+        self.books.account(block.region.index, block.address, block.size, delta)
 
     def _account_many(self, region: Region, addresses: list[int], sizes: list[int], delta) -> None:
-        """`_account` for many blocks of one region at once (a compaction wave's): one numpy pass.
+        """`_account` for many blocks of one region at once (a compaction wave's), in one native call.
         `delta`: +1 or -1 for every block, or a list of them (one per block)."""
-        P = self.page_size
-        start = np.array(addresses, dtype=np.int64) - region.base
-        first = start // P
-        span = (start + np.array(sizes, dtype=np.int64) - 1) // P + 1 - first
-        if int(span.max()) == 1:
-            pages = first
-        else:  # every page of every block: first + 0, 1, ... span-1
-            pages = np.repeat(first, span) + (np.arange(int(span.sum())) - np.repeat(np.cumsum(span) - span, span))
-        counts = self._live_count[region.index]
-        touched = np.unique(pages)
-        before = counts[touched]
-        if isinstance(delta, int):
-            np.add.at(counts, pages, delta)
-        else:  # one delta per block, for each of its pages
-            deltas = np.array(delta, dtype=np.int64)
-            np.add.at(counts, pages, deltas if pages is first else np.repeat(deltas, span))
-        after = counts[touched]
-        # Blocks lie on mapped pages only: a page is empty exactly when its count is 0.
-        self._empty += int(np.count_nonzero(after == 0)) - int(np.count_nonzero(before == 0))
+        deltas = [delta] * len(addresses) if isinstance(delta, int) else delta
+        self.books.account_many(region.index, addresses, sizes, deltas)
 
     def begin_moves(self, region: Region, olds: list[Block], addresses: list[int], txn: Transaction, *,
                     vacate: bool) -> list[Block]:
@@ -503,10 +442,9 @@ class Core:
         """Undo the `carve` of a block nothing uses yet, keeping its range for the next request of its size
         (a face's fast path, which makes the user's tensor and counts the allocation itself)."""
         del self._blocks[block.address]
-        self._account(block, -1)
+        self.books.release_range(block.size, block.region.index, block.address)
         self.counters["allocated_bytes"] -= block.size
         self.counters["num_allocs"] -= 1
-        self.kept.put(block.size, block.region.index, block.address)
 
     def _allocated(self, delta: int) -> None:
         """`bump("allocated_bytes", delta)`, unrolled: it runs twice per allocation."""
@@ -536,11 +474,11 @@ class Core:
         free at once.
         """
         if keep:
-            self.kept.put(block.size, block.region.index, block.address)
+            self.books.release_range(block.size, block.region.index, block.address)
         else:
             self._heaps[block.region.index].free(block.address)
+            self._account(block, -1)
         block.keepalive = None
-        self._account(block, -1)
         del self._blocks[block.address]
         if block.counted:
             self._allocated(-block.size)
@@ -556,22 +494,28 @@ class Core:
         after recording what the face's fast path did."""
         if self.front is not None:
             self.front.sync(self)
-        entries = self.kept.take_all()
         released = self._released
         if released and any(type(item) is tuple for item in released):
             # Ranges the fast path freed wait in the release queue: they go to the heap
-            # now too (nothing else records them: no block, no page count, not kept).
-            entries += [item[1:] for item in released if type(item) is tuple]
+            # now too (nothing else records them: no block, not kept).
+            books = self.books
+            for item in released:
+                if type(item) is tuple:
+                    books.release_range(*item)
             blocks = [item for item in released if type(item) is not tuple]
             released.clear()
             released.extend(blocks)
-        if not entries:
-            return
-        by_region = collections.defaultdict(list)
-        for index, address in entries:
-            by_region[index].append(address)
-        for index, addresses in by_region.items():
-            self._heaps[index].free_many(addresses)
+        self.books.flush_kept()
+
+    def note_peak(self, peak: int) -> None:
+        """Allocated bytes rose `peak` above the counters at some point (a face's fast path, between
+        syncs): raise the peaks to match."""
+        c, peaks = self.counters, self.peaks
+        top = c["allocated_bytes"] + peak
+        if top > peaks["allocated_bytes"]:
+            peaks["allocated_bytes"] = top
+        if top + c["pending_bytes"] > peaks["active_bytes"]:
+            peaks["active_bytes"] = top + c["pending_bytes"]
 
     def record_made(self, blocks: list[Block], allocs: int, frees: int, peak: int) -> None:
         """What a face's fast path did since its last sync (the gate is held).
@@ -583,16 +527,11 @@ class Core:
         counters, peaks and the threads that used the core are as if `place`
         and `free` had run.
         """
-        c, peaks = self.counters, self.peaks
-        top = c["allocated_bytes"] + peak
-        if top > peaks["allocated_bytes"]:
-            peaks["allocated_bytes"] = top
-        if top + c["pending_bytes"] > peaks["active_bytes"]:
-            peaks["active_bytes"] = top + c["pending_bytes"]
+        c = self.counters
+        self.note_peak(peak)
         owners = {}  # by identity: a dead thread's weak reference cannot be hashed
-        for block in blocks:
+        for block in blocks:  # the books counted them on their pages when they placed them
             self._blocks[block.address] = block
-            self._account(block, +1)
             c["allocated_bytes"] += block.size
             owners[id(block.owner)] = block.owner
         c["num_allocs"] += allocs
@@ -653,7 +592,7 @@ class Core:
         try:
             self.space.unmap(region, pages)
         finally:
-            self._empty -= mapped - self.space.mapped
+            self.books.add_empty(self.space.mapped - mapped)
             if self.history is not None:
                 self.history.pages_unmapped(region, pages)
 
@@ -679,7 +618,7 @@ class Core:
     def map_pages(self, region: Region, pages: list[int], txn: Transaction) -> None:
         """Map `pages` of `region` and add them to its heap as free space; undone by `txn`."""
         self.space.map(region, pages, txn)
-        self._empty += len(pages)  # no block on a page that was unmapped
+        self.books.add_empty(len(pages))  # no block on a page that was unmapped
         # Peaks are tracked where mapping happens, compaction transients included.
         reserved = self.space.mapped * self.page_size
         if reserved > self.peaks["reserved_bytes"]:
@@ -698,7 +637,7 @@ class Core:
     def place(self, nbytes: int) -> Block:
         """Place `nbytes` without compacting; NoSpace when it does not fit now."""
         size = self.round(nbytes)
-        kept = self.kept.take(size)
+        kept = self.books.take(size)
         if kept is not None:
             return self.carve(self.space.regions[kept[0]], kept[1], size, nbytes)
         # A size not kept: every kept range goes back first, so best fit sees the

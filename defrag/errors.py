@@ -92,3 +92,8 @@ class SettingError(ValueError):
     The message is one line: the variable, what it holds and what it accepts.
     The `defrag` command prints it and exits 2, as for a bad argument.
     """
+
+
+class NativeBuildError(RuntimeError):
+    """defrag's native module (the pool's books and its allocation fast path, `defrag.native`) could not
+    be built or imported on this machine. The message says why and what to install; nothing was made."""

@@ -58,6 +58,7 @@ from .capture import release_cached as release_captured
 from .compactor import CompactionReport, compact_core, rescue
 from .core import Block, Core, OutOfRoom
 from .driver import Driver, open_driver
+from .errors import PoolAsleepError, PoolClosedError, StaleAccessError
 from .oom import OutOfMemoryError
 from .units import format_bytes, parse_size
 
@@ -289,11 +290,10 @@ class Pool:
         # Holds the address space, not the pool: it runs when the pool is collected or closed idle.
         self._finalizer = weakref.finalize(self, self.core.space.release_all)
         self._finalizer.atexit = False
-        # The allocation fast path (defrag.fastpath): attached once its extension is loaded,
-        # at this or a later call; until then, and whenever it declines, the Python path.
+        # The allocation fast path (defrag.fastpath) over the core's native books; whenever it
+        # declines, the Python path.
         self._fast = None
-        self._fast_wanted = fastpath.setting() != "off"  # DEFRAG_FASTPATH as it was when the pool was made
-        if self._fast_wanted and fastpath.request() is not None:
+        if fastpath.setting() != "off":
             with self.core.gate:
                 self._attach_fast()
         _open_pools.add(self)
@@ -345,35 +345,31 @@ class Pool:
     def _enter(self) -> None:
         """The start of every mutating call (gate held): open, no stale access, releases applied."""
         self.core.check_open()
-        if self._fast is None and self._fast_wanted and (fastpath.module is not None or fastpath.importable):
-            self._attach_fast()
         self.core.drain()
 
     def _attach_fast(self) -> None:
         """Hand the kept ranges to the C++ fast path and let it serve `empty` (gate held)."""
         if not self._can_swap:
-            self._fast_wanted = False  # "rebind" mode must know every tensor it made: never, and not asked again
-            return
-        if fastpath.poll() is None:
-            return  # its build failed or is unavailable: the Python path, and doctor says why
+            return  # "rebind" mode must know every tensor it made
         try:
             # The default stream is known without asking torch (see _current_stream): its c10 id is 0.
-            cpp = fastpath.module.FastPath(
-                self, self.core.gate.occupants, threads.owner_ref, list(tz.SUPPORTED_DTYPES),
+            cpp = fastpath.wait().FastPath(
+                self.core.books, self, self.core.gate.occupants, threads.owner_ref, list(tz.SUPPORTED_DTYPES),
                 self.device.type, self.device.index or 0, self.driver.stale_probe_fd(), DEFAULT_STREAM_ID)
         except Exception:  # never fatal: the Python path does everything the fast path does
             _log.warning("defrag: the allocation fast path could not attach to %s; using the Python path\n%s",
                          self.core.label, traceback.format_exc())
-            self._fast_wanted = False  # once: not at every call
             return
         alloc_stream = DEFAULT_STREAM_HANDLE
 
         def make_info(dtype, shape, storage_ref):
             return TensorInfo(dtype, shape, storage_ref, "empty", alloc_stream=alloc_stream)
 
-        self.core.flush_reuse()  # what the Python path kept goes back to the heap first
-        self.core.kept = cpp  # the C++ object holds the kept ranges (KeptRanges' four methods)
         self.core.front = fastpath.FastPath(cpp, make_info)
+        self.core.gate.books = self.core.books  # native placement waits while a thread holds the gate
+        if type(self).empty is Pool.empty:  # a subclass's own empty() stays in charge
+            # `pool.empty` straight into C++ (the same as `Pool.empty`, without its Python frame).
+            self.empty = cpp.bind_empty(Pool._empty_after_miss, weakref.ref(self))
         self._fast = cpp
         self._update_fast()
 
@@ -384,9 +380,31 @@ class Pool:
         with core.gate:
             if core.closed:
                 return False
-            before = core.kept.kept_count()
+            before = core.books.kept_count()
             core.drain(made_too=False)
-            return core.kept.kept_count() > before
+            return core.books.kept_count() > before
+
+    def _stock_for_native(self, nbytes: int) -> bool:
+        """A thread Python never saw could not place `nbytes` natively (pages must be mapped, or the
+        ladder must climb; the fast path's `native_empty` calls this with the GIL): place a block
+        through the ladder and keep its range for that size, for the native placement to take.
+        False when the pool cannot (closed, asleep, out of memory, the fast path off); never raises
+        (it is called across the C boundary)."""
+        try:
+            if self._fast is None or not self._fast.enabled:
+                return False
+            if self._refill():  # releases were waiting (the common case): their ranges may serve it
+                return True
+            with self.core.gate:
+                self._enter()
+                block = self._allocate(nbytes)
+                self.core.unplace(block)
+            return True
+        except (OutOfMemoryError, PoolClosedError, PoolAsleepError, StaleAccessError):
+            return False
+        except Exception:
+            _log.error("defrag: stocking a range for a native allocation failed\n%s", traceback.format_exc())
+            return False
 
     def _update_fast(self) -> None:
         """Let the fast path serve only while nothing needs the Python path's eyes (gate held)."""
@@ -500,10 +518,16 @@ class Pool:
             tensor = fast.empty(shape, dtype)
             if tensor is not None:
                 return tensor
-            if fast.enabled and self._refill():
-                tensor = fast.empty(shape, dtype)
-                if tensor is not None:
-                    return tensor
+        return self._empty_after_miss(*shape, dtype=dtype, requires_grad=requires_grad)
+
+    def _empty_after_miss(self, *shape, dtype: torch.dtype | None = None, requires_grad: bool = False):
+        """`empty` once the fast path declined (also the fallback of the C function `_attach_fast` binds
+        as this pool's `empty`): apply queued releases and try it again, else the Python path."""
+        fast = self._fast
+        if fast is not None and not requires_grad and fast.enabled and self._refill():
+            tensor = fast.empty(shape, dtype)
+            if tensor is not None:
+                return tensor
         if len(shape) == 1 and not isinstance(shape[0], int):
             shape = shape[0]
         shape = tz.check_shape(shape)

@@ -77,11 +77,14 @@ class Gate:
     be let out at any time and is not parked here. Reentrant, like RLock.
     """
 
-    __slots__ = ("_lock", "_inside")
+    __slots__ = ("_lock", "_inside", "books")
 
     def __init__(self) -> None:
         self._lock = threading.RLock()
         self._inside: dict[int, int] = {}  # token id -> nesting depth; each thread writes only its own key
+        # The pool's native books when native code places and releases beside Python: held (`hold`)
+        # while a thread is inside, so that they never change under a multi-step Python operation.
+        self.books = None
 
     def __enter__(self) -> ThreadToken:
         token = current_token()
@@ -92,11 +95,16 @@ class Gate:
         except BaseException:  # interrupted while waiting: not inside after all
             self._leave(token.id)
             raise
+        if self.books is not None and inside[token.id] == 1:  # the outermost entry
+            self.books.hold()
         return token
 
     def __exit__(self, *exc) -> None:
+        tid = current_token().id
+        if self.books is not None and self._inside[tid] == 1:
+            self.books.unhold()
         self._lock.release()
-        self._leave(current_token().id)
+        self._leave(tid)
 
     def _leave(self, tid: int) -> None:
         depth = self._inside[tid] - 1

@@ -12,9 +12,9 @@ from defrag.driver import cuda_driver_usable
 if "NUMBA_ENABLE_CUDASIM" not in os.environ and not cuda_driver_usable()[0]:
     os.environ["NUMBA_ENABLE_CUDASIM"] = "1"
 
-# The allocation fast path (defrag.fastpath) is built on first use in a child
-# process; tests build or load it now, so that every test sees the same path (the
-# one users get once it is built). DEFRAG_FASTPATH=0 runs the suite on the Python path.
+# The native module (defrag.native: the books and the allocation fast path) is built on
+# first use; tests build or load it now, before any test times anything.
+# DEFRAG_FASTPATH=0 runs the suite with pool.empty on the Python path.
 from defrag import fastpath  # noqa: E402
 
 fastpath.wait()

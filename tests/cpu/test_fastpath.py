@@ -210,7 +210,7 @@ def test_a_stale_access_is_reported_even_for_a_kept_size(make_pool):
     del small, big
     pool.trim()  # unmaps both
     pool.empty(2000, dtype=torch.uint8)  # maps the first page again; now size 2000 is kept
-    assert pool._fast.kept_count() == 1
+    assert pool.core.books.kept_count() == 1
     ctypes.memset(address, 1, 16)  # a stale write into the unmapped second page
     with pytest.raises(defrag.StaleAccessError):
         pool.empty(2000, dtype=torch.uint8)
@@ -304,12 +304,16 @@ print(fastpath.status(), pool._fast is not None)
 """
 
 
-def test_off_and_unbuildable_mean_the_python_path(tmp_path):
+def test_off_means_the_python_path_and_no_compiler_a_clear_error(tmp_path):
     off = _run(PLAIN, DEFRAG_FASTPATH="0")
     assert off.returncode == 0 and off.stdout.split() == ["off", "False"], off.stderr[-2000:]
+    # A fresh machine without a compiler: no pool can be made, and the error says what to install.
     broken = _run(PLAIN, CXX="/nonexistent/c++", DEFRAG_EXT_DIR=str(tmp_path))
-    assert broken.returncode == 0, broken.stderr[-2000:]
-    assert broken.stdout.startswith("unavailable: RuntimeError: no C++ compiler") and broken.stdout.split()[-1] == "False"
+    assert broken.returncode == 1 and not broken.stdout
+    last = broken.stderr.strip().splitlines()[-1]
+    assert last.startswith("defrag.errors.NativeBuildError: defrag needs its native module"), broken.stderr[-2000:]
+    assert "no C++ compiler" in last and "apt install g++" in last and "pip install ninja" in last
+    assert "building" not in broken.stderr  # nothing was started
 
 
 STRESS = r"""
