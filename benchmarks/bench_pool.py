@@ -156,9 +156,6 @@ MIXED_CALLS = 20_000
 FRESH_CALLS = 10_000
 MIXED_SEED = 24
 MIXED_GOAL_X = 1.5
-CPP_THREAD_SKIP = ("no way to call pool.empty from a C++ thread yet: fastpath.cpp's FastPath.empty is a "
-                   "Python-facing method run with the GIL held, and bench_threads drives Python threads; "
-                   "this row waits for issue 24's native entry points")
 
 
 def mixed_sequence(calls: int, *, seed: int = MIXED_SEED, live: int = MIXED_LIVE, sizes=MIXED_SIZES) -> list:
@@ -245,11 +242,7 @@ def _fresh_run(side: str, device: str, seq, live: int, capacity: int) -> dict:
     import subprocess
     import sys
 
-    from defrag import fastpath
-
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))  # the same defrag as here
-    if fastpath.setting() != "off":
-        env["DEFRAG_FASTPATH"] = "wait"  # attach the (already built) fast path at pool creation
     spec = {"side": side, "device": device, "seq": seq, "live": live, "capacity": capacity}
     proc = subprocess.run([sys.executable, "-c", _FRESH_SCRIPT], input=json.dumps(spec), capture_output=True,
                           text=True, env=env, timeout=300)
@@ -269,7 +262,11 @@ def bench_alloc_mixed(device: str, smoke: bool) -> list[dict]:
     - ``mixed, first calls of a fresh process``: the first FRESH_CALLS calls of the same sequence in
       a new interpreter (`python -c`), pool and torch each in their own, in turn; pool creation
       (and on a GPU the CUDA context) is outside the timed calls (``setup_ms``);
-    - ``mixed, from a C++ thread``: skipped until there is a native entry point (see CPP_THREAD_SKIP).
+    - ``mixed, from a C++ thread``: the same sizes in the same order from a thread Python never saw
+      (`FastPath.churn`: a std::thread, no GIL), each call replacing the next of `live` slots round
+      robin: the pool's native placement (`native_empty`) against `at::empty` on the same device,
+      in turn, median of the passes; ``python_trips``: how many times the native side went back to
+      Python for a range (pages to map) in the timed passes.
     """
     import statistics
 
@@ -328,8 +325,39 @@ def bench_alloc_mixed(device: str, smoke: bool) -> list[dict]:
                  "fast_path": "attached" if all(r.get("fast_path") for r in runs["pool"]) else "not attached",
                  "timing": f"perf_counter, one pass per fresh process, median of {pairs} processes a side",
                  "goal": goal, "goal_met": ratio <= MIXED_GOAL_X if ratio is not None else None})
-    rows.append({"pattern": "mixed, from a C++ thread", "skipped": CPP_THREAD_SKIP})
+    rows.append(_cpp_thread_row(device, seq, live, capacity, repeat, common, goal))
     return rows
+
+
+def _cpp_thread_row(device: str, seq, live: int, capacity: int, repeat: int, common: dict, goal: str) -> dict:
+    """`bench_alloc_mixed`'s C++-thread row (see there)."""
+    import statistics
+
+    import defrag
+
+    sizes = [n for _, n in seq]
+    native, baseline = [], []
+    with defrag.Pool(device=device, capacity=capacity, auto_compact=False) as pool:
+        fast = pool._fast
+        fast.churn(sizes, len(sizes), live=live, native=True)  # warm: the pages the sequence needs are mapped
+        fast.churn(sizes, len(sizes), live=live, native=False)
+        trips = fast.native_misses
+        for _ in range(repeat):
+            seconds, failed, _ = fast.churn(sizes, len(sizes), live=live, native=True)
+            if failed:
+                raise RuntimeError(f"{failed} native allocations failed in the C++-thread benchmark")
+            native.append(seconds / len(sizes) * 1e6)
+            baseline.append(fast.churn(sizes, len(sizes), live=live, native=False)[0] / len(sizes) * 1e6)
+        trips = fast.native_misses - trips
+        kind = pool.kind
+    ratio = statistics.median(native) / statistics.median(baseline)
+    return {"pattern": "mixed, from a C++ thread", **common, "method": "native placement (no GIL) + drop",
+            "baseline": "at::empty + drop", "device": kind, "calls": len(sizes),
+            "us_per_op": statistics.median(native), "best_us_per_op": min(native),
+            "baseline_us_per_op": statistics.median(baseline), "baseline_best_us_per_op": min(baseline),
+            "ratio_x": ratio, "best_ratio_x": min(native) / min(baseline), "python_trips": trips,
+            "timing": f"steady_clock in the C++ thread, interleaved, median of {repeat} passes",
+            "goal": goal, "goal_met": ratio <= MIXED_GOAL_X}
 
 
 def plot_alloc_mixed(rows, path) -> bool:

@@ -87,15 +87,15 @@ def test_ratios_are_computed_from_the_same_rows(smoke):
     assert whole["same_moves_every_round"] is True
     assert math.isclose(whole["ratio_x"], whole["gbps"] / whole["baseline_gbps"], rel_tol=1e-9)
     mixed = [r for r in b["alloc_mixed"]["rows"] if "us_per_op" in r]
-    assert [r["pattern"] for r in mixed] == ["mixed, steady", "mixed, first calls of a fresh process"]
+    assert [r["pattern"] for r in mixed] == ["mixed, steady", "mixed, first calls of a fresh process",
+                                             "mixed, from a C++ thread"]
     for r in mixed:
         assert math.isclose(r["ratio_x"], r["us_per_op"] / r["baseline_us_per_op"], rel_tol=1e-9)
         assert r["goal_met"] == (r["ratio_x"] <= 1.5)
     assert 0 <= mixed[0]["python_path_calls"] <= mixed[0]["calls"]
     if mixed[0]["fast_path"] == "ready":  # built here: the fresh processes load it too
         assert mixed[1]["fast_path"] == "attached"
-    cpp = [r for r in b["alloc_mixed"]["rows"] if r["pattern"] == "mixed, from a C++ thread"]
-    assert len(cpp) == 1 and cpp[0]["skipped"] and "us_per_op" not in cpp[0]
+    assert mixed[2]["calls"] == mixed[0]["calls"] and mixed[2]["python_trips"] >= 0
     (over,) = b["compaction_overhead"]["rows"]
     assert over["moved_tensors"] > 0 and over["same_moves_every_round"] is True
     assert math.isclose(over["us_per_tensor"], (over["ms"] - over["baseline_ms"]) * 1e3 / over["moved_tensors"],
