@@ -100,7 +100,7 @@ def draw(path: pathlib.Path = OUT) -> pathlib.Path:
          CORE)
 
     # ---- core
-    _band(ax, 246, 126, "core (no torch)")
+    _band(ax, 246, 126, "core (its books native)")
     _box(ax, 40, 266, 450, 96, "core.py  Core",
          "blocks (Block), placement + stitching, release queue (drain),\npage accounting, counters, the allocation "
          "ladder,\nthread scopes (scope, movable) + threads.py Gate",
@@ -111,7 +111,8 @@ def draw(path: pathlib.Path = OUT) -> pathlib.Path:
          CORE)
 
     # ---- pure parts, address space, kernels
-    _box(ax, 40, 400, 190, 78, "heap.py", "pure: best fit, split,\ncoalesce over offsets", PURE)
+    _box(ax, 40, 400, 190, 78, "native/  Books", "C++: heaps (best fit), page\ncounts, kept ranges; the\nfast path over them",
+         PURE, body_size=8.2)
     _box(ax, 250, 400, 200, 78, "planner.py", "pure: layout arrays ->\nwaves of moves (ArrayPlan)", PURE)
     _box(ax, 470, 400, 250, 78, "vmm.py", "AddressSpace, PageStore, Region,\nTransaction: reserve, map, unmap",
          LOW)
@@ -138,6 +139,8 @@ def draw(path: pathlib.Path = OUT) -> pathlib.Path:
         " torch): sleep/wake, offload/reload.",
         "core, compactor and residency also call the Driver itself.   stats.py and viz.py read the core's layout and"
         " counters and change nothing.",
+        "pool.empty's fast path (native/module.cpp) places through the same books, under their lock, when no page"
+        " must be mapped.",
         "An arrow: calls / imports.",
     ]
     for i, note in enumerate(notes):
