@@ -10,7 +10,7 @@ free and overlap no source, see `defrag.planner`):
 
 1. **prepare**: map the destination pages that are not mapped yet and carve
    the destination ranges in the heap; the face makes what the commit needs
-   for each destination (`Mover.destination`: for torch, a storage over it).
+   for each destination (`Mover.destinations`: for torch, a storage over each).
 2. **copy**: every move of the wave in one batch (the numba kernel on a GPU;
    memmove, the simulated kernel or the driver's copy on the emulated device),
    then synchronize. With `verify=True`, checksums of sources and
@@ -138,9 +138,10 @@ class Mover(Protocol):
       unchanged through the compaction, or None when it cannot move now;
     - `hold_movable(block)`: `hold(block)` when `can_rewrite(block)` is "",
       else None, in one call;
-    - `destination(block)`: for a freshly carved destination, whatever the
-      commit will need; if the wave is abandoned, dropping it must lead the
-      face to release `block` (or the face does nothing when `free` is used);
+    - `destinations(blocks)`: for each freshly carved destination of a wave,
+      in order, whatever the commit will need (in one call: one C++ call for
+      torch); if the wave is abandoned, dropping one must lead the face to
+      release its block (or the face does nothing when `free` is used);
     - `check(old, held, dest)`: whether the owner is still exactly as held
       (nothing may be moved otherwise);
     - `commit(old, new, held, dest)`: the owner now uses `new`'s memory; the
@@ -162,7 +163,7 @@ class Mover(Protocol):
     def can_rewrite(self, block) -> str: ...
     def hold(self, block): ...
     def hold_movable(self, block): ...
-    def destination(self, block): ...
+    def destinations(self, blocks) -> list: ...
     def check(self, old, held, dest) -> bool: ...
     def commit(self, old, new, held, dest) -> None: ...
     def lets_go(self) -> bool: ...
@@ -496,9 +497,8 @@ def _run_wave(core: Core, mover: Mover, region, plan: ArrayPlan, a: int, b: int,
             carved = core.begin_moves(region, olds, dsts, txn, vacate=lets_go)
             # If the wave is abandoned the face's destinations go, and with them their blocks.
             txn.on_rollback(dests.clear)
-            destination = mover.destination
-            for old, new in zip(olds, carved):
-                dests.append((old, new, held.pop(old.address), destination(new)))
+            dests.extend(zip(olds, carved, map(held.pop, [old.address for old in olds]),
+                             mover.destinations(carved)))
         # 3. copy, wait for it; verify.
         with PhaseTimer(phases, "copy"):
             if not overlap:

@@ -38,8 +38,8 @@ class _KeyMover:
     def hold_movable(self, block: Block):
         return (block.info,)  # every block can be rewritten
 
-    def destination(self, block: Block):
-        return None  # nothing owns the destination but the core: a rolled-back wave frees it
+    def destinations(self, blocks: list) -> list:
+        return [None] * len(blocks)  # nothing owns a destination but the core: a rolled-back wave frees it
 
     def check(self, old: Block, held, dest) -> bool:
         return self.dry._blocks.get(held[0]) is old

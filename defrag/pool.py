@@ -186,8 +186,11 @@ class _TorchMover:
             return None
         return self.hold(block)
 
-    def destination(self, block: Block):
-        return self.pool._storage_over(block)
+    def destinations(self, blocks: list) -> list:
+        pool = self.pool
+        if pool._fast is not None:
+            return pool.core.front.storages_over(blocks)
+        return [pool._storage_over(block) for block in blocks]
 
     def check(self, old: Block, held, dest) -> bool:
         user = held[0]

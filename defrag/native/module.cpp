@@ -410,6 +410,49 @@ class FastPath {
     return py::make_tuple(seconds, failed.load(), corrupted.load());
   }
 
+  // `storage` for many blocks in one call (a compaction wave's destinations): (storages, first
+  // serial); the i-th storage's serial is first + i.
+  py::tuple storages(const std::vector<uintptr_t>& addresses, const std::vector<int64_t>& nbytes) {
+    if (addresses.size() != nbytes.size()) throw py::value_error("storages: addresses and nbytes differ in length");
+    for (int64_t n : nbytes)
+      if (n <= 0) throw py::value_error("a pool storage needs at least one byte");
+    const size_t n = addresses.size();
+    uint64_t first;
+    {
+      std::lock_guard<std::mutex> guard(st_->books->mu);
+      first = st_->next_serial;
+      st_->next_serial += n;
+      if (n > 0 && st_->live == 0) Py_INCREF(st_->pool);
+      st_->live += static_cast<int64_t>(n);
+    }
+    py::list out(n);
+    for (size_t i = 0; i < n; ++i) {
+      auto* slot = new Slot();
+      slot->state = st_;
+      slot->address = addresses[i];
+      slot->collected = true;
+      slot->serial = first + i;
+      // From here the storage owns the slot (see `storage`).
+      c10::Storage storage(c10::Storage::use_byte_size_t(), nbytes[i],
+                           c10::DataPtr(reinterpret_cast<void*>(addresses[i]), slot, &release_slot, device_), nullptr,
+                           false);
+      PyObject* wrapped = THPStorage_Wrap(std::move(storage));
+      if (wrapped == nullptr) {
+        // The storages not made yet were counted live: give those counts back (no slot will).
+        bool last;
+        {
+          std::lock_guard<std::mutex> guard(st_->books->mu);
+          st_->live -= static_cast<int64_t>(n - i - 1);
+          last = n - i - 1 > 0 && st_->live == 0;
+        }
+        if (last) Py_DECREF(st_->pool);
+        throw py::error_already_set();
+      }
+      out[i] = py::reinterpret_steal<py::object>(wrapped);
+    }
+    return py::make_tuple(out, first);
+  }
+
   // An UntypedStorage of `nbytes` at `address` for a block Python placed itself
   // (compaction destinations, adopt): (storage, serial). Its release is queued
   // by serial like a collected block's; the caller maps the serial to its block
@@ -859,6 +902,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         return bind_empty(self, fallback, pool_ref);
       })
       .def("storage", &FastPath::storage)
+      .def("storages", &FastPath::storages)
       .def("collect", &FastPath::collect)
       .def("collect_released", &FastPath::collect_released)
       .def("queue_python", &FastPath::queue_python)
