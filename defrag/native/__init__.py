@@ -22,7 +22,7 @@ import threading
 from ..errors import NativeBuildError
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
-SOURCES = ("heap.h", "books.h", "module.cpp")  # in dependency order
+SOURCES = ("heap.h", "planner.h", "books.h", "module.cpp")  # in dependency order
 _LOCAL_INCLUDE = re.compile(r'^\s*(#pragma once|#include "[^"]+")\s*$')
 
 
