@@ -1,4 +1,5 @@
-"""defrag's native module: the pool's books (`books.h` over `heap.h`) and the allocation fast path.
+"""defrag's native module: the pool's books (`books.h` over `heap.h`), the allocation fast path
+(`module.cpp`) and the planner's best fit (`planner.h`).
 
 Every pool keeps its books here (`defrag.core.Core.books`), so the module is
 needed from the first pool on: `load_module()` builds it on first use with

@@ -743,8 +743,6 @@ class FastPath {
   std::array<PyObject*, kDtypes> dtype_objects_{};
 };
 
-}  // namespace
-
 // `pool.empty` bound to one pool as a C function (`FastPath.bind_empty`): the fast path's `empty`
 // straight from the call, without the Python method's frame or pybind11's dispatch. Any call it
 // does not serve (a keyword other than dtype or a false requires_grad, a miss) goes to
@@ -823,6 +821,8 @@ py::object bind_empty(py::object fast_object, py::object fallback, py::object po
   if (function == nullptr) throw py::error_already_set();
   return py::reinterpret_steal<py::object>(function);
 }
+
+}  // namespace
 
 #if TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 13)
 #define DEFRAG_SWAP_STORAGES 1
