@@ -10,8 +10,9 @@ block's data (`defrag.compactor`, which calls back into the face to rewrite
 the owner).
 
 Layout. The core reserves virtual regions and maps physical pages into them
-(`defrag.vmm`). Inside mapped pages a best-fit heap (`defrag.heap`, one per
-region) places blocks at 512-byte granularity:
+(`defrag.vmm`). Inside mapped pages a best-fit heap (one per region, in the
+core's native books, `Core.books`: `defrag/native/books.h` over `heap.h`)
+places blocks at 512-byte granularity:
 
 - a block smaller than a page goes into free space of pages that are already
   mapped; only when none fits is one more page mapped, and the block then
@@ -314,8 +315,9 @@ class Core:
     def drain(self, *, made_too: bool = True) -> None:
         """Apply queued releases (a safe point: the gate is held), after recording what the face's fast
         path did. `made_too=False`: record only its releases, so that their ranges are kept for it
-        again; the blocks it made stay unrecorded, so nothing may read pages or counters until the
-        next full drain (a face's refill before it retries its fast path)."""
+        again; the blocks it made stay unrecorded (the books count them on their pages; the core's
+        blocks and counters do not yet), so nothing may read blocks or counters until the next full
+        drain (a face's refill before it retries its fast path)."""
         if self.front is not None:
             self.front.sync(self, made_too=made_too)
         while self._released:
