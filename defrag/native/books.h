@@ -18,6 +18,7 @@
 #pragma once
 
 #include <algorithm>
+#include <condition_variable>
 #include <cstdint>
 #include <memory>
 #include <mutex>
@@ -140,16 +141,26 @@ class Books : public std::enable_shared_from_this<Books> {
     put_locked(size, region, address);
   }
 
-  // -- Python holds the books (the pool's gate): native placement and release wait their turn
+  // -- Python holds the books (the pool's gate): native placement and release wait their turn.
+  // `hold` also waits for every native placement already under way to finish (`begin_placing`):
+  // until then the books hold a range that no block the core can see owns yet.
   void hold() {
-    std::lock_guard<std::mutex> guard(mu);
+    std::unique_lock<std::mutex> lock(mu);
     held_ += 1;
+    placed_.wait(lock, [this] { return placing_ == 0; });
   }
   void unhold() {
     std::lock_guard<std::mutex> guard(mu);
     if (held_ > 0) held_ -= 1;
   }
   bool held_locked() const { return held_ > 0; }
+
+  // A native placement took a range and will make it a block Python can collect (mutex held):
+  // `end_placing` once it has, or once the range went back.
+  void begin_placing_locked() { placing_ += 1; }
+  void end_placing_locked() {
+    if (--placing_ == 0) placed_.notify_all();
+  }
 
   // The native placement (mutex held by the caller): (region, address) of a block of `size` (rounded)
   // in mapped free space, counted on its pages; nullopt when pages must be mapped (Python's ladder).
@@ -262,6 +273,8 @@ class Books : public std::enable_shared_from_this<Books> {
   std::vector<int64_t> listed_;  // every size whose ranges may be non-empty, once: what a flush visits
   int64_t kept_count_ = 0;
   int held_ = 0;
+  int placing_ = 0;  // native placements between taking a range and linking their block
+  std::condition_variable placed_;
 };
 
 }  // namespace defrag_native

@@ -604,6 +604,7 @@ class FastPath {
       slot->region = where->first;
       slot->address = static_cast<uintptr_t>(where->second);
       slot->serial = st_->next_serial++;
+      st_->books->begin_placing_locked();  // `hold` waits until the block is linked below
       // Holding the pool before the tensor exists: if making it throws, the deleter that torch
       // then runs puts the range back like any release of an uncounted block. A foreign thread
       // never takes the first reference (it needs the GIL): it holds a lease, so live > 0 here.
@@ -625,10 +626,9 @@ class FastPath {
                    .make_tensor();
     } catch (...) {
       // The slot is gone with the context torch dropped (release_slot ran, before it was linked).
-      if (owner != nullptr) {
-        std::lock_guard<std::mutex> guard(st_->books->mu);
-        st_->garbage.push_back(owner);
-      }
+      std::lock_guard<std::mutex> guard(st_->books->mu);
+      if (owner != nullptr) st_->garbage.push_back(owner);
+      st_->books->end_placing_locked();
       return at::Tensor();
     }
     slot->storage = c10::weak_intrusive_ptr<c10::StorageImpl>(tensor.storage().getWeakStorageImpl());
@@ -644,6 +644,7 @@ class FastPath {
       st_->allocs += 1;
       st_->allocated += size;
       if (st_->allocated > st_->peak) st_->peak = st_->allocated;
+      st_->books->end_placing_locked();
     }
     return tensor;
   }
@@ -889,7 +890,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("kept_count", &Books::kept_count)
       .def("flush_kept", &Books::flush_kept)
       .def("release_range", &Books::release_range)
-      .def("hold", &Books::hold)
+      .def("hold", &Books::hold, py::call_guard<py::gil_scoped_release>())
       .def("unhold", &Books::unhold);
 #ifdef DEFRAG_SWAP_STORAGES
   m.def("swap_storages", &swap_storages, "A compaction wave's storage swaps, after every check (see the source).");
