@@ -40,15 +40,13 @@ struct RegionBooks {
   std::unique_ptr<int64_t[]> counts;
 };
 
-class Books : public std::enable_shared_from_this<Books> {
+class Books {
  public:
   explicit Books(int64_t page_size) : page_size_(page_size) {
     if (page_size <= 0) throw std::invalid_argument("page size must be positive");
   }
 
   std::mutex mu;
-
-  int64_t page_size() const { return page_size_; }
 
   // A new region's books (its heap made by the caller); returns its index.
   int add_region(std::shared_ptr<Heap> heap, int64_t base, int64_t npages) {
@@ -63,13 +61,8 @@ class Books : public std::enable_shared_from_this<Books> {
     return static_cast<int>(regions_.size()) - 1;
   }
 
-  int region_count() {
-    std::lock_guard<std::mutex> guard(mu);
-    return static_cast<int>(regions_.size());
-  }
   int64_t* counts(int region) { return at(region).counts.get(); }
   int64_t npages(int region) { return at(region).npages; }
-  std::shared_ptr<Heap> heap(int region) { return at(region).heap; }
 
   int64_t empty() {
     std::lock_guard<std::mutex> guard(mu);
@@ -98,29 +91,9 @@ class Books : public std::enable_shared_from_this<Books> {
   }
 
   // -- kept ranges
-  void put(int64_t size, int region, int64_t address) {
-    std::lock_guard<std::mutex> guard(mu);
-    put_locked(size, region, address);
-  }
-
   std::optional<std::pair<int, int64_t>> take(int64_t size) {
     std::lock_guard<std::mutex> guard(mu);
     return take_locked(size);
-  }
-
-  std::vector<std::pair<int, int64_t>> take_all() {
-    std::lock_guard<std::mutex> guard(mu);
-    std::vector<std::pair<int, int64_t>> out;
-    out.reserve(kept_count_);
-    for (int64_t size : listed_) {
-      Kept& kept = kept_[size];
-      out.insert(out.end(), kept.ranges.begin(), kept.ranges.end());
-      kept.ranges.clear();
-      kept.listed = false;
-    }
-    listed_.clear();
-    kept_count_ = 0;
-    return out;
   }
 
   int64_t kept_count() {
@@ -137,8 +110,7 @@ class Books : public std::enable_shared_from_this<Books> {
   // A block's range is free and nothing uses it any more: off its pages, kept for its size.
   void release_range(int64_t size, int region, int64_t address) {
     std::lock_guard<std::mutex> guard(mu);
-    account_locked(region, address, size, -1);
-    put_locked(size, region, address);
+    release_range_locked(size, region, address);
   }
 
   // -- Python holds the books (the pool's gate): native placement and release wait their turn.

@@ -432,7 +432,8 @@ class FastPath {
       slot->address = addresses[i];
       slot->collected = true;
       slot->serial = first + i;
-      // From here the storage owns the slot (see `storage`).
+      // From here the storage owns the slot: if anything below fails, its deleter queues the
+      // serial, which Python, not knowing it, ignores.
       c10::Storage storage(c10::Storage::use_byte_size_t(), nbytes[i],
                            c10::DataPtr(reinterpret_cast<void*>(addresses[i]), slot, &release_slot, device_), nullptr,
                            false);
@@ -458,24 +459,8 @@ class FastPath {
   // by serial like a collected block's; the caller maps the serial to its block
   // before the storage can die. Cheaper than a Python owner with a weakref hook.
   py::tuple storage(uintptr_t address, int64_t nbytes) {
-    if (nbytes <= 0) throw py::value_error("a pool storage needs at least one byte");
-    auto* slot = new Slot();
-    slot->state = st_;
-    slot->address = address;
-    slot->collected = true;
-    uint64_t serial;
-    {
-      std::lock_guard<std::mutex> guard(st_->books->mu);
-      serial = slot->serial = st_->next_serial++;
-      if (st_->live++ == 0) Py_INCREF(st_->pool);
-    }
-    // From here the storage owns the slot: if anything below fails, its deleter
-    // queues the serial, which Python, not knowing it, ignores.
-    c10::Storage storage(c10::Storage::use_byte_size_t(), nbytes,
-                         c10::DataPtr(reinterpret_cast<void*>(address), slot, &release_slot, device_), nullptr, false);
-    PyObject* wrapped = THPStorage_Wrap(std::move(storage));
-    if (wrapped == nullptr) throw py::error_already_set();
-    return py::make_tuple(py::reinterpret_steal<py::object>(wrapped), serial);
+    py::tuple made = storages({address}, {nbytes});
+    return py::make_tuple(made[0].cast<py::list>()[0], made[1]);
   }
 
   // A release of the Python path's (token: Python's name for the block), queued
@@ -878,15 +863,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
              return py::array_t<int64_t>({self->npages(region)}, {static_cast<py::ssize_t>(sizeof(int64_t))}, data,
                                          base);
            })
-      .def("heap", &Books::heap)
-      .def("region_count", &Books::region_count)
       .def_property_readonly("empty", &Books::empty)
       .def("add_empty", &Books::add_empty)
       .def("account", &Books::account)
       .def("account_many", &Books::account_many)
-      .def("put", &Books::put)
       .def("take", &Books::take)
-      .def("take_all", &Books::take_all)
       .def("kept_count", &Books::kept_count)
       .def("flush_kept", &Books::flush_kept)
       .def("release_range", &Books::release_range)
