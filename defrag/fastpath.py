@@ -61,7 +61,7 @@ def status() -> str:
 class FastPath:
     """One pool's fast path as the core's front (`Core.front`).
 
-    `cpp` is the C++ object (`empty`, `storage`, `collect`,
+    `cpp` is the C++ object (`empty`, `bind_empty`, `storage`, `storages`, `native_empty`, `churn`, `collect`,
     `collect_released`, `queue_python`, `close`, `live`, `enabled`, `hits`,
     `misses`) over the core's native books (`Core.books`).
     `make_info(dtype, shape, storage_ref)` builds the face's `Block.info` for
