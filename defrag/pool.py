@@ -5,6 +5,16 @@ Placement, release, page accounting and the allocation ladder live in
 turns blocks into torch storages and back, and rewrites a moved block's
 storage (`_TorchMover`).
 
+`Pool` is cut by concept into parts it inherits, one module each:
+`defrag.pool_ownership` (`TensorOwnership`: `owns`, `pin`, `share`,
+`claim`, `record_stream`, `adopt`), `defrag.pool_residency`
+(`PoolResidency`: `sleep`, `wake`, `offload`, `reload`),
+`defrag.pool_segments` (`AllocatorSegments`: raw segments for PyTorch's
+allocator, `capture`) and `defrag.pool_observability` (`PoolObservability`:
+`stats`, `layout`, `record_history`, `snapshot`, `summary`). This module
+keeps the pool's life (creation, fast path, release, `trim`, `close`) and
+compaction (`compact`, `live_tensors`).
+
 Lifetime. Each block is owned by the torch storage over it (`defrag.tensors`):
 when the last tensor or view of the storage dies, the block's release is
 queued (from whatever thread, possibly inside a pool call through garbage
@@ -52,14 +62,16 @@ from . import fastpath, residency
 from . import stats as observe
 from . import tensors as tz
 from . import threads
-from .capture import capture as capture_block
 from .capture import in_callback
-from .capture import release_cached as release_captured
 from .compactor import CompactionReport, compact_core, rescue
 from .core import Block, Core, OutOfRoom
 from .driver import Driver, open_driver
 from .errors import PoolAsleepError, PoolClosedError, StaleAccessError
 from .oom import OutOfMemoryError
+from .pool_observability import PoolObservability
+from .pool_ownership import TensorOwnership
+from .pool_residency import PoolResidency
+from .pool_segments import AllocatorSegments, SegmentInfo
 from .units import format_bytes, parse_size
 
 _log = logging.getLogger("defrag")
@@ -120,19 +132,6 @@ class TensorInfo:
     alloc_stream: int = 0
     tensors: list = field(default_factory=list)  # weakrefs to the tensors the pool made ("rebind" mode only)
     kind: str = "tensor"
-
-
-@dataclass(eq=False)
-class SegmentInfo:
-    """What the torch face keeps on a raw segment handed to PyTorch's allocator (`Pool.alloc_segment`).
-
-    PyTorch sub-allocates tensors inside a segment, so the pool cannot know
-    who uses it: a segment never moves. Its bytes count as allocated.
-    """
-
-    alloc_stream: int = 0
-    streams: set = field(default_factory=set)
-    kind: str = "segment"
 
 
 @dataclass(frozen=True)
@@ -226,7 +225,7 @@ class _TorchMover:
             old.info = None
 
 
-class Pool:
+class Pool(TensorOwnership, PoolResidency, AllocatorSegments, PoolObservability):
     """A VMM-backed tensor pool whose live tensors the compactor can move.
 
     `device`: "cuda:N", "emulated", None (first GPU if one works, else the
@@ -642,237 +641,11 @@ class Pool:
             tensor.set_(fresh.untyped_storage(), 0, shape, tz.contiguous_strides(shape))
         return tensor
 
-    # ------------------------------------------------------------------ raw segments (PyTorch's allocator)
-    def alloc_segment(self, nbytes: int, stream: int = 0, *, compact: bool = True) -> int:
-        """Raw device memory for PyTorch's allocator: `nbytes` in pool pages; returns its address.
-
-        Climbs the same ladder as `empty` (empty mapped pages, stitching, then
-        compacting this pool's movable tensors) and raises OutOfMemoryError
-        when nothing helps. Makes no torch allocation: a compaction here only
-        copies with the driver or the numba kernel and swaps storages. The
-        segment belongs to no thread and never moves; `free_segment` gives it
-        back. `stream`: the CUDA stream PyTorch allocates it for. `compact`:
-        False stops the ladder before compacting (see `defrag.capture`).
-        """
-        nbytes = int(nbytes)
-        if nbytes <= 0:
-            raise ValueError(f"a segment needs at least one byte, got {nbytes}")
-        with self.core.gate:
-            self._enter()
-            block = self._allocate(nbytes, compact=compact)
-            block.info = SegmentInfo(alloc_stream=int(stream))
-            block.owner, block.shared = None, True
-            self._segments[block.address] = block
-            if self.core.history is not None:
-                self.core.history.block_allocated(block)
-            return block.address
-
-    def free_segment(self, address: int) -> bool:
-        """Give back a segment from `alloc_segment`; False (and nothing changes) if `address` is not one.
-
-        Works after `close()` too (PyTorch may free its cached segments late).
-        On CUDA the pages are reused only after the segment's streams are done.
-        """
-        with self.core.gate:
-            block = self._segments.pop(int(address), None)
-            if block is None:
-                return False
-            self.core.release(block)
-            self.core.drain()
-            if self.core.closed:
-                self._release_if_idle()
-            return True
-
-    def segments(self) -> list[tuple[int, int]]:
-        """(address, bytes) of every segment handed to PyTorch's allocator and not given back."""
-        with self.core.gate:
-            return sorted((b.address, b.nbytes) for b in self._segments.values())
-
-    # ------------------------------------------------------------------ lookup
-    def _find(self, tensor: torch.Tensor) -> Block | None:
-        """The live block under `tensor`'s storage, or None if it is not pool memory.
-
-        Pool storages always start at their block's address, so this is one lookup.
-        """
-        return self.core.block_at(tensor.untyped_storage().data_ptr())
-
-    def owns_address(self, ptr: int) -> bool:
-        """Whether `ptr` lies in this pool's virtual address space."""
-        return self.core.owns_address(ptr)
-
+    # ------------------------------------------------------------------ inspection
     def _other_owner(self, ptr: int) -> "Pool | None":
         """The other open pool whose address space holds `ptr`, if any."""
         return next((p for p in open_pools() if p is not self and p.owns_address(ptr)), None)
 
-    def _require_own(self, tensor, what: str) -> Block:
-        if not isinstance(tensor, torch.Tensor):
-            raise TypeError(f"{what} needs a tensor, got {type(tensor).__name__}")
-        if tensor.device != self.device:
-            raise ValueError(f"{what}: tensor is on {tensor.device}, this pool's tensors are on {self.device}")
-        block = self._find(tensor)
-        if block is None:
-            if (other := self._other_owner(tensor.untyped_storage().data_ptr())) is not None:
-                raise ValueError(f"{what}: tensor belongs to pool #{other.id}, not pool #{self.id}")
-            raise ValueError(f"{what}: tensor is not in pool #{self.id} (use pool.adopt to move it in)")
-        return block
-
-    def owns(self, tensor: torch.Tensor) -> bool:
-        """Whether `tensor`'s storage is a live block of this pool."""
-        with self.core.gate:
-            self.core.drain()
-            return isinstance(tensor, torch.Tensor) and tensor.device == self.device and self._find(tensor) is not None
-
-    # ------------------------------------------------------------------ pin / threads / streams
-    def pin(self, tensor: torch.Tensor) -> None:
-        """Keep `tensor`'s storage where it is: compaction never moves a pinned block.
-
-        Pins count: each `pin` needs an `unpin`. Pinning a tensor that is not
-        in this pool raises ValueError and changes nothing.
-        """
-        with self.core.gate:
-            self._enter()
-            self._require_own(tensor, "pin").pins += 1
-
-    def unpin(self, tensor: torch.Tensor) -> None:
-        """Undo one `pin`. ValueError if the tensor is not pinned."""
-        with self.core.gate:
-            self._enter()
-            block = self._require_own(tensor, "unpin")
-            if block.pins == 0:
-                raise ValueError("unpin: tensor is not pinned")
-            block.pins -= 1
-
-    def share(self, tensor: torch.Tensor) -> None:
-        """Declare that several threads use `tensor`: no thread owns its block any more.
-
-        A shared block is never moved by a compaction that other running
-        threads could overlap (the default, or `threads="own"`); it moves only
-        when no other thread that used the pool runs. Use it for tensors
-        handed to other threads that keep using them (weights read by worker
-        threads, a cache filled by one thread and read by another). `claim`
-        undoes it.
-        """
-        with self.core.gate:
-            self._enter()
-            block = self._require_own(tensor, "share")
-            self.core.user()
-            block.owner, block.shared = None, True
-
-    def claim(self, tensor: torch.Tensor) -> None:
-        """Make the calling thread the only user of `tensor`: its own compactions may move it.
-
-        For hand-offs: a batch made by a loader thread and from now on used only
-        by this one, or a shared tensor no other thread touches any more. The
-        previous owner's compactions stop moving it.
-        """
-        with self.core.gate:
-            self._enter()
-            block = self._require_own(tensor, "claim")
-            block.owner, block.shared = self.core.user(), False
-
-    def record_stream(self, tensor: torch.Tensor, stream) -> None:
-        """Declare that `tensor` is used on `stream`: its block is reused only after
-        that stream's work queued before the free has completed (CUDA). A no-op
-        on the emulated device, where every operation is synchronous."""
-        with self.core.gate:
-            self._enter()
-            block = self._require_own(tensor, "record_stream")
-            if self.kind == "cuda":
-                block.info.streams.add(int(stream.cuda_stream))
-
-    # ------------------------------------------------------------------ adopt
-    def adopt(self, obj):
-        """Move existing data into the pool, keeping the caller's objects.
-
-        - a tensor: its storage is rewritten in place (the same Python object;
-          every view follows) to point at pool memory holding the same bytes;
-        - an `nn.Module`: its parameters (the same Parameter objects), buffers
-          and existing `.grad`s;
-        - an optimizer: its state tensors (on this pool's device; others, such
-          as Adam's CPU `step` next to CUDA parameters, stay where they are);
-        - a list, tuple or dict (a state dict, a KV cache) of any of these,
-          nested as deep as you like.
-
-        All or nothing: every block is placed before any storage is rewritten,
-        so an out-of-memory error leaves every tensor where it was. Storages
-        already in this pool are left alone; storages in another pool, or
-        tensors on another device (for a tensor or module), raise ValueError.
-        Returns `obj`.
-        """
-        tensors = self._adoptable(obj)
-        with self.core.gate:
-            self._enter()
-            storages = {}
-            s = t = new = None
-            for t in tensors:
-                s = t.untyped_storage()
-                if s.nbytes() == 0 or self._find(t) is not None:
-                    continue
-                if (other := self._other_owner(s.data_ptr())) is not None:
-                    raise ValueError(f"adopt: a tensor belongs to pool #{other.id}; it cannot be adopted by pool #{self.id}")
-                if s.data_ptr() in storages:
-                    if not self._can_swap:
-                        raise ValueError("adopt: two tensors share a storage; torch < 2.12 can only adopt a storage "
-                                         "whose one tensor is known (needs UntypedStorage._swap_data_ptr_)")
-                    continue
-                if not self._can_swap and tz.storage_use_count(s) != 2:  # `t` and `s` alone
-                    raise ValueError(f"adopt: torch {torch.__version__} lacks UntypedStorage._swap_data_ptr_, and other "
-                                     "tensors or views share this tensor's storage, so they could not follow it")
-                storages[s.data_ptr()] = (s, t)
-            placed, fresh = [], []
-            try:
-                for s, t in storages.values():
-                    placed.append((self._allocate(s.nbytes()), s, t))
-                fresh = [self._storage_for(block, t.dtype, tuple(t.shape), "adopt") for block, _, t in placed]
-            except BaseException:
-                for block, _, _ in placed:
-                    self.core.free(block)
-                raise
-            # Past this point nothing can fail: copy, then swap pointers.
-            for (block, s, _), new in zip(placed, fresh):
-                new.copy_(s)
-            for (block, s, t), new in zip(placed, fresh):
-                if self._can_swap:
-                    tz.swap_data(s, new, self._swap_mode)
-                    block.info.storage_ref = tz.weak_storage(s)
-                else:
-                    tz.rebind([t], new)  # proven above: `t` is the storage's only tensor
-                    block.info.tensors.append(weakref.ref(t))
-                if self.core.history is not None:
-                    self.core.history.block_allocated(block)
-            del fresh, s, t, new  # the old memory goes back to its own allocator now
-        return obj
-
-    def _adoptable(self, obj) -> list[torch.Tensor]:
-        if isinstance(obj, torch.Tensor):
-            if obj.device != self.device:
-                raise ValueError(f"adopt: tensor is on {obj.device}, this pool's tensors are on {self.device}")
-            if obj.is_sparse or obj.layout != torch.strided:
-                raise ValueError(f"adopt: only strided tensors can be adopted, got layout {obj.layout}")
-            return [obj]
-        if isinstance(obj, torch.nn.Module):
-            found = []
-            for name, t in itertools.chain(obj.named_parameters(), obj.named_buffers()):
-                if t.device != self.device:
-                    raise ValueError(f"adopt: {name} is on {t.device}, this pool's tensors are on {self.device}")
-                found.append(t)
-                if isinstance(t, torch.nn.Parameter) and t.grad is not None:
-                    found.append(t.grad)
-            return found
-        if isinstance(obj, torch.optim.Optimizer):
-            found = []
-            for state in obj.state.values():
-                for value in state.values():
-                    if isinstance(value, torch.Tensor) and value.device == self.device and value.layout == torch.strided:
-                        found.append(value)
-            return found
-        if isinstance(obj, (list, tuple, dict)):
-            items = obj.values() if isinstance(obj, dict) else obj
-            return [t for item in items for t in self._adoptable(item)]
-        raise TypeError(f"adopt takes a tensor, an nn.Module, an optimizer, or a list, tuple or dict of them, "
-                        f"got {type(obj).__name__}")
-
-    # ------------------------------------------------------------------ inspection
     def _rebindable(self, block: Block, storage=None) -> list | None:
         """Rebind mode: the tensors to rebind, if they are provably all users of the storage.
 
@@ -900,35 +673,6 @@ class Pool:
                                       getattr(info, "shape", None), block.pins > 0, movable, reason,
                                       "shared" if block.shared else threads.describe(block.owner)))
             return out
-
-    def reset_peak_stats(self) -> None:
-        """Reset every `*.peak` statistic to its current value (like `torch.cuda.reset_peak_memory_stats`)."""
-        with self.core.gate:
-            self.core.drain()
-            self.core.reset_peaks()
-
-    def stats(self) -> dict:
-        """Counters and gauges; PyTorch's key grammar where PyTorch has the key.
-
-        `allocated_bytes.all.*`: bytes in live blocks (rounded to 512);
-        `reserved_bytes.all.*`: mapped physical bytes; `active_bytes.all.*`:
-        allocated plus blocks released but waiting on stream events;
-        `pages.{mapped,cached,total,empty}`; `stranded_bytes`: free bytes inside
-        pages that hold live data (what compaction can recover);
-        `largest_free_bytes`: the largest request that succeeds now without
-        compaction; `fragmentation`: stranded / reserved.
-        """
-        with self.core.gate:
-            self.core.drain()
-            stats = self.core.stats_locked()
-            stats["segments"] = len(self._segments)
-            stats["segment_bytes"] = sum(b.size for b in self._segments.values())
-            return stats
-
-    def check_invariants(self) -> None:
-        """Raise AssertionError if any of DESIGN.md's pool invariants is broken (a test aid); see `Core`."""
-        with self.core.gate:
-            self.core.check_invariants()
 
     # ------------------------------------------------------------------ trim / close
     def trim(self) -> int:
@@ -1008,158 +752,3 @@ class Pool:
                 hook()
             except Exception:  # a hook that fails must not stop the compaction or trim it helps
                 _log.error("defrag: an on_pressure hook raised; ignored\n%s", traceback.format_exc())
-
-    # ------------------------------------------------------------------ sleep / wake / offload / reload (issue 15)
-    @property
-    def asleep(self) -> bool:
-        """Whether the pool sleeps (between `sleep()` and `wake()`)."""
-        return self.core.space.sleeping
-
-    def sleep(self, *, discard=(), progress: bool | None = None) -> "residency.ResidencyReport":
-        """Release every device page and keep every address: tensors keep their pointers, not their memory.
-
-        Copies the bytes of every live tensor to one pinned host buffer,
-        unmaps and releases every device page (cached ones too), and keeps
-        the reservations, the tensors, their views and their `data_ptr()`s.
-        `wake()` maps device pages at the same addresses and copies the bytes
-        back, so views, raw pointers and captured CUDA graphs stay valid.
-
-        `discard`: tensors (or modules, lists, dicts of them, as for `adopt`)
-        whose bytes need not survive, such as a KV cache: they are not
-        copied and read zeros after `wake()`. `progress`: a progress bar
-        (None: only above 256 MiB).
-
-        While asleep, pool calls that need device memory (`empty`, `adopt`,
-        `compact`, `pin`, `offload`, `trim`, ...) raise `PoolAsleepError`;
-        `stats()`, `summary()`, `layout()`, `snapshot()`, `live_tensors()`,
-        `wake()` and `close()` work. The pool cannot see kernels: touching a
-        sleeping tensor reads unmapped memory (a CUDA illegal-address error on
-        a GPU; zeros and a `StaleAccessError` at the next pool call on the
-        emulated device). Offloaded tensors stay host-backed and usable.
-        A driver fault before the last page is unmapped restores everything
-        (same pages, same bytes) and raises. `ResidencyError` when already
-        asleep. Returns a `ResidencyReport`.
-        """
-        with self.core.gate:
-            self._enter()
-            blocks = [self._require_own(t, "sleep(discard=...)") for t in self._residency_tensors(discard)]
-            try:
-                return residency.sleep(self.core, discard=blocks, progress=progress)
-            finally:
-                self._update_fast()
-
-    def wake(self, *, progress: bool | None = None) -> "residency.ResidencyReport":
-        """Map device pages where the pool slept and copy every kept byte back (see `sleep`).
-
-        `ResidencyError` when the pool is awake. When the device cannot
-        supply the pages (or any driver call fails) the pool stays asleep
-        with every byte kept, and the error says so: call it again later.
-        `StaleAccessError` (the pool still asleep, nothing changed) when a
-        tensor of the pool was touched while it slept (emulated device): the
-        access read zeros or lost its write, and is reported once, here.
-        """
-        with self.core.gate:
-            try:
-                return residency.wake(self.core, progress=progress)
-            finally:
-                self._update_fast()
-
-    def offload(self, tensors, *, pack: bool = True, progress: bool | None = None) -> "residency.ResidencyReport":
-        """Back these tensors' pages with host memory at the same addresses; their device pages are freed.
-
-        The tensors stay readable and writable where they are, over the bus:
-        slower, but from the offload until after the reload no pointer
-        changes (views, `data_ptr()`s and captured graphs stay valid). Pages
-        are the unit: tensors that share a page with tensors that stay are
-        first packed into pages of their own (a compaction move: views
-        follow, but a raw pointer taken before `offload` is stale; with
-        `pack=False` that is a `ResidencyError` instead, nothing moved), so
-        that no other tensor goes to host memory with them; the space left in
-        those pages is held unused. Offloaded tensors never move; `reload(tensors)` brings their
-        pages back (with every tensor on them). The pool keeps each offloaded
-        tensor's storage alive until it is reloaded (or the pool closes), so
-        dropping one frees its memory at the next `reload()`.
-
-        `tensors`: a tensor, module, optimizer, or list/tuple/dict of them (as
-        for `adopt`). Errors, with nothing offloaded: `ValueError` for a
-        pinned tensor, or one that is not in this pool; `NotSupportedError`
-        where the driver has no host-located pages (CUDA before 12.2, or a
-        device without host NUMA VMM support); `PoolAsleepError` while asleep.
-        Returns a `ResidencyReport`.
-        """
-        with self.core.gate:
-            self._enter()
-            blocks = []
-            for t in self._residency_tensors(tensors):
-                block = self._require_own(t, "offload")
-                if block not in blocks:
-                    blocks.append(block)
-            keep = lambda block: tz.strong_storage(block.info.storage_ref)  # noqa: E731
-            return residency.offload(self.core, self._mover, blocks, keep=keep, scope=self.core.scope(None),
-                                     pack=pack, progress=progress)
-
-    def reload(self, tensors=None, *, progress: bool | None = None) -> "residency.ResidencyReport":
-        """Bring offloaded tensors' pages back to device memory (None: every offloaded page).
-
-        Every tensor on those pages comes back; tensors that are not
-        offloaded are left alone. Needs a free device page per page (the
-        pool's capacity); `ResidencyError` otherwise, with nothing changed.
-        Returns a `ResidencyReport`.
-        """
-        with self.core.gate:
-            self._enter()
-            blocks = None
-            if tensors is not None:
-                blocks = [self._require_own(t, "reload") for t in self._residency_tensors(tensors)]
-            return residency.reload(self.core, blocks, progress=progress)
-
-    def _residency_tensors(self, obj) -> list[torch.Tensor]:
-        if obj is None or (isinstance(obj, (list, tuple, dict)) and not obj):
-            return []
-        return self._adoptable(obj)
-
-    # ------------------------------------------------------------------ PyTorch's own allocations
-    def capture(self, *, allocator=None):
-        """`with pool.capture():` routes this thread's PyTorch CUDA allocations to pool pages (see `defrag.capture`)."""
-        return capture_block(self, allocator=allocator)
-
-    def release_cached(self) -> int:
-        """Hand back to the pool the segments PyTorch caches for `capture()` blocks and no longer uses."""
-        return release_captured(self)
-
-    # ------------------------------------------------------------------ observability
-    def layout(self) -> dict:
-        """A plain-dict picture of the pool (for `defrag.viz` and snapshots).
-
-        `regions`: base, npages and a per-page state ("unmapped", "empty" for a
-        mapped page holding no block, "live"); `blocks`: every block with its
-        address, size (rounded), nbytes, region index, pinned, dtype, shape and
-        state ("live", "retired" or "pending-free"); plus page_size, capacity
-        and cached pages.
-        """
-        with self.core.gate:
-            self.core.drain()
-            return {"pool": self.id, "device": str(self.device), **self.core.layout()}
-
-    def record_history(self, enabled: bool = True, *, max_entries: int = 100_000, stacks: bool = True) -> None:
-        """Start (or stop) recording alloc/free/map/unmap/compaction events for `snapshot()`.
-
-        `stacks`: record the Python frames that led to each allocation and OOM
-        (the caller's frames, not defrag's), as `torch.cuda.memory.
-        _record_memory_history(stacks="python")` does; they show in the
-        trace entries and in the snapshot's blocks. Costs a few microseconds
-        per allocation while recording.
-        """
-        with self.core.gate:
-            self.core.drain()
-            self.core.history = (observe.HistoryRecorder(self.core, max_entries=max_entries, stacks=stacks)
-                                 if enabled else None)
-            self._update_fast()
-
-    def snapshot(self) -> dict:
-        """The pool in the format of `torch.cuda.memory._snapshot()` (segments and device_traces)."""
-        return observe.snapshot(self)
-
-    def summary(self) -> str:
-        """A human-readable table in the spirit of `torch.cuda.memory_summary()`."""
-        return observe.summary(self.stats(), self)
