@@ -39,7 +39,7 @@ def _pinned_pages(pool) -> int:
     pages = set()
     for a in pool.core.blocks():
         if a.pins:
-            first, end = pool.core.pages_of(a)
+            first, end = pool.core.backing.pages_of(a)
             pages.update((a.region.index, p) for p in range(first, end))
     return len(pages)
 

@@ -135,9 +135,9 @@ class Mover(Protocol):
     - `can_rewrite(block)`: "" when the face can rewrite the block's owner,
       else why not (the block is then unmovable);
     - `hold(block)`: a strong reference that keeps the owner alive and
-      unchanged through the compaction, or None when it cannot move now;
-    - `hold_movable(block)`: `hold(block)` when `can_rewrite(block)` is "",
-      else None, in one call;
+      unchanged through the compaction, or None when it cannot move now
+      (`can_rewrite(block)` is not "" included: the compaction asks `hold`
+      alone for every block `threads.Scope.blocker` lets move);
     - `destinations(blocks)`: for each freshly carved destination of a wave,
       in order, whatever the commit will need (in one call: one C++ call for
       torch); if the wave is abandoned, dropping one must lead the face to
@@ -162,7 +162,6 @@ class Mover(Protocol):
     def stream(self) -> int: ...
     def can_rewrite(self, block) -> str: ...
     def hold(self, block): ...
-    def hold_movable(self, block): ...
     def destinations(self, blocks) -> list: ...
     def check(self, old, held, dest) -> bool: ...
     def commit(self, old, new, held, dest) -> None: ...
@@ -251,13 +250,11 @@ def compact_core(core: Core, mover: Mover, *, verify: bool = False, progress: bo
     t_start = time.perf_counter()
     report = CompactionReport(engine=engine, automatic=automatic, verified=verify, page_size=core.page_size)
     phases = report.phases
-    core.drain()
-    core.wait_pending()
-    core.flush_reuse()  # the plan and the destinations read the heap's free space
+    core.settle()  # the plan and the destinations read the heap's free space
     with PhaseTimer(phases, "sync"):
         core.driver.synchronize()  # queued kernels may still use blocks we are about to move
     report.stranded_before, report.fragmentation_before = core.stranded()
-    report.pages_before = core.live_pages()
+    report.pages_before = core.backing.live_pages()
 
     if hole_for is None:
         try:
@@ -322,24 +319,17 @@ def _finish(core: Core, report: CompactionReport, t_start: float, automatic: boo
     core.drain()
     if release:
         with PhaseTimer(phases, "release"):
-            mapped_before_release = core.space.mapped
+            mapped_before_release = core.backing.space.mapped
             try:
-                core.unmap_empty(core.empty_mapped_pages())
+                core.backing.unmap_empty(core.backing.empty_mapped())
             except CudaError:
                 pass  # pages that could not be unmapped stay mapped and usable; state stays consistent
-            report.unmapped_pages = mapped_before_release - core.space.mapped
+            report.unmapped_pages = mapped_before_release - core.backing.space.mapped
     report.stranded_after, report.fragmentation_after = core.stranded()
-    report.pages_after = core.live_pages()
+    report.pages_after = core.backing.live_pages()
     report.released_pages = max(report.pages_before - report.pages_after, 0)
     report.seconds = time.perf_counter() - t_start
-    c = core.counters
-    c["num_compactions"] += 1
-    c["num_compactions.automatic" if automatic else "num_compactions.explicit"] += 1
-    c["compaction.moved_bytes"] += report.moved_bytes
-    c["compaction.moved_tensors"] += report.moved_tensors
-    c["compaction.released_pages"] += report.released_pages
-    if core.history is not None:
-        core.history.compacted(report)
+    core.record_compaction(report)
 
 
 def _page_budget(core: Core, automatic: bool) -> int:
@@ -350,7 +340,7 @@ def _page_budget(core: Core, automatic: bool) -> int:
     mapped pages. A rescue may also use cached or creatable pages: the
     request it serves is about to need every free page anyway.
     """
-    return core.empty_page_count() + (core.space.store.available if automatic else 0)
+    return core.backing.empty + (core.backing.space.store.available if automatic else 0)
 
 
 def _convey(core: Core, mover: Mover, scope: Scope, engine: str, verify: bool, report: CompactionReport,
@@ -375,7 +365,7 @@ def _convey(core: Core, mover: Mover, scope: Scope, engine: str, verify: bool, r
                 if not layout.held:
                     continue
                 plan = plan_conveyor(layout.offsets, layout.sizes, layout.movable, page_size=core.page_size,
-                                     span=region.size, zone_ok=core.untouched_pages(region), max_pages=budget)
+                                     span=region.size, zone_ok=core.backing.untouched(region), max_pages=budget)
                 if plan.empty:
                     continue
                 _run_wave(core, mover, region, plan, 0, len(plan), layout, engine, verify, report)
@@ -391,13 +381,13 @@ def _hole_plan(core: Core, region, layout: "_Layout", size: int) -> ArrayPlan | 
     """`defrag.planner.plan_hole_arrays` over this region's free ranges; for `size` of a page or more,
     `plan_window_arrays` (its window's unmapped pages are backed by cached or creatable pages and
     by the empty mapped pages of the other regions and of this one)."""
-    free = core.heap(region).free_ranges()
+    free = core.free_ranges(region)
     free_off = np.fromiter((off - region.base for off, _ in free), dtype=np.int64, count=len(free))
     free_size = np.fromiter((sz for _, sz in free), dtype=np.int64, count=len(free))
     if size >= core.page_size:
         mapped = region.handles != 0
-        here = int((mapped & core.untouched_pages(region)).sum())
-        spare = core.free_physical_pages() - here
+        here = int((mapped & core.backing.untouched(region)).sum())
+        spare = core.backing.free_physical() - here
         return plan_window_arrays(layout.offsets, layout.sizes, layout.movable, free_off, free_size, size,
                                   page_size=core.page_size, span=region.size, mapped=mapped, spare_pages=spare)
     return plan_hole_arrays(layout.offsets, layout.sizes, layout.movable, free_off, free_size, size,
@@ -415,7 +405,7 @@ def _map_hole(core: Core, region, hole: tuple[int, int]) -> None:
         return
     _make_physical_room(core, region, set(pages), len(to_map))
     with Transaction() as txn:
-        core.map_pages(region, to_map, txn)
+        core.backing.map(region, to_map, txn)
 
 
 @dataclass
@@ -437,18 +427,13 @@ def _collect(core: Core, mover: Mover, region, scope: Scope, *, large_only: bool
     """
     blocks, offsets, sizes, movable, held = [], [], [], [], {}
     base, small = region.base, core.page_size if large_only else 0
-    is_movable, can_rewrite, hold, hold_movable = core.movable, mover.can_rewrite, mover.hold, mover.hold_movable
-    everything, mine = scope.everything, scope.mine
-    # One pass, plain lists: this runs for every block of the region before each plan.
+    blocker, hold = scope.blocker, mover.hold
+    # One pass, plain lists: this runs for every block of the region before each plan. The face's
+    # hold says whether it can rewrite the block's owner (None when it cannot).
     for block in core.blocks():
         if block.region is not region:
             continue
-        if block.size < small or block.pins or block.retired or block.pending or block.offloaded:
-            grip = None
-        elif everything or block.owner is mine:  # `Core.movable`, inlined for the common case
-            grip = hold_movable(block)
-        else:
-            grip = hold(block) if is_movable(block, scope, can_rewrite)[0] else None
+        grip = None if block.size < small or blocker(block) else hold(block)
         ok = grip is not None
         if ok:
             held[block.address] = grip
@@ -481,7 +466,7 @@ def _run_wave(core: Core, mover: Mover, region, plan: ArrayPlan, a: int, b: int,
             dest_pages = {p for d, old in zip(offsets, olds) for p in range(d // P, (d + old.size - 1) // P + 1)}
             to_map = sorted(p for p in dest_pages if not region.handles[p])
             _make_physical_room(core, region, dest_pages, len(to_map))
-            core.map_pages(region, to_map, txn)
+            core.backing.map(region, to_map, txn)
         moves = [(old.address, dst, old.size) for old, dst in zip(olds, dsts)]
         overlap = core.kind == "cuda"
         if overlap:
@@ -543,24 +528,16 @@ def _run_wave(core: Core, mover: Mover, region, plan: ArrayPlan, a: int, b: int,
         dests.clear()
         if lets_go:
             core.forget(olds)  # vacated before the copy; their queued releases find nothing to do
-        core.drain()
-        core.flush_reuse()  # later waves' destinations lie in what this one vacated
+        core.settle()  # later waves' destinations lie in what this one vacated
 
 
 def _make_physical_room(core: Core, region, dest_pages: set, needed: int) -> None:
-    """Back `needed` destination pages: unmap as many empty, non-destination pages first
-    (so mapped pages never grow), then use cached or new physical pages.
-
-    Raises CompactionError (before anything is mapped) when even that is not enough.
-    """
-    if needed <= 0:
-        return
-    donors = core.empty_mapped_pages(region, dest_pages)
-    available = core.space.store.available
-    if len(donors) + available < needed:
-        raise CompactionError(f"the plan needs {needed} new pages but only "
-                              f"{available + len(donors)} physical pages are free; nothing was moved")
-    core.unmap_empty(donors[:needed])
+    """`Backing.make_room` for a wave's or a window's `needed` new pages; CompactionError (nothing
+    unmapped, nothing moved) when the pool's free physical pages cannot back them."""
+    try:
+        core.backing.make_room(region, dest_pages, needed)
+    except NoSpace as exc:
+        raise CompactionError(f"the plan {exc}; nothing was moved") from None
 
 
 def _copy(core: Core, mover: Mover, engine: str, moves: list[tuple[int, int, int]]) -> None:
@@ -724,15 +701,14 @@ def move_blocks(core: Core, mover: Mover, moves, *, engine: str | None = None, v
     for block, _ in moves:
         if block.region is not region:
             raise ValueError("move_blocks: every block must lie in one region")
-        ok, why = core.movable(block, scope, mover.can_rewrite)
-        grip = mover.hold(block) if ok else None
+        why = scope.blocker(block, mover.can_rewrite)
+        grip = mover.hold(block) if not why else None
         if grip is None:
             raise CompactionError(f"block at {block.address:#x} ({format_bytes(block.nbytes)}) cannot move: "
                                   f"{why or 'its owner cannot be held now'}; nothing was moved")
         held[block.address] = grip
     t0 = time.perf_counter()
-    core.drain()
-    core.wait_pending()
+    core.settle()
     core.driver.synchronize()  # queued kernels may still use the blocks about to move
     blocks = [b for b, _ in moves]
     src = np.fromiter((b.address - region.base for b in blocks), dtype=np.int64, count=len(blocks))

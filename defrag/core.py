@@ -48,18 +48,19 @@ from __future__ import annotations
 
 import collections
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 
-from . import native, threads
+from . import native, readout, threads
+from .backing import Backing, NoSpace
 from .driver import Driver
-from .errors import ConcurrencyError, CudaOutOfMemoryError, PoolAsleepError, PoolClosedError, StaleAccessError
+from .errors import CudaOutOfMemoryError, PoolAsleepError, PoolClosedError, StaleAccessError
 from .heap import ALIGNMENT
+from .readout import OutOfRoom
+from .threads import Scope
 from .units import format_bytes
-from .vmm import ASLEEP, HOST, AddressSpace, Region, Transaction, page_runs
-
-THREAD_MODES = (None, "own", "all")
+from .vmm import Region, Transaction
 
 
 @dataclass(eq=False, slots=True)
@@ -82,32 +83,6 @@ class Block:
     offloaded: bool = False  # on host-located pages (defrag.residency): never moved until reloaded
 
 
-@dataclass(frozen=True)
-class Scope:
-    """Which blocks one compaction may move (see `Core.scope`)."""
-
-    mine: object  # the caller's owner reference (defrag.threads.owner_ref())
-    idle: frozenset  # token ids of other threads parked at the gate: their blocks may move
-    everything: bool  # no other thread that used the core is running: every unpinned block may move
-
-
-class NoSpace(Exception):
-    """Placement failed; the message says what was tried (the ladder goes on from here)."""
-
-
-class OutOfRoom(MemoryError):
-    """The ladder is exhausted: `message` explains; faces raise their own error from it.
-
-    Figures as attributes: `requested`, `capacity`, `live`, `stranded`,
-    `pinned`, `tried`.
-    """
-
-    def __init__(self, message: str, **figures):
-        super().__init__(message)
-        self.message = message
-        self.figures = figures
-
-
 def _page_runs(mask: np.ndarray) -> list[tuple[int, int]]:
     """(start, length) of each run of True in a boolean array."""
     if not mask.any():
@@ -116,6 +91,49 @@ def _page_runs(mask: np.ndarray) -> list[tuple[int, int]]:
     edges = np.flatnonzero(np.diff(padded))
     starts, ends = edges[0::2], edges[1::2]
     return list(zip(starts.tolist(), (ends - starts).tolist()))
+
+
+def _tail_window(regions, heaps, page_size: int, size: int, k: int, *, spill: bool = False):
+    """Where a block of `size` (`k` pages on its own) needs fewer new pages by starting in free space
+    (`spill`: no more than `k`, for a block smaller than a page that needs one new page anyway).
+
+    Candidates: the free range ending at the last mapped page before an
+    unmapped run (the free tail of a partly used page, with any empty
+    pages before it), continued into that run, when that needs fewer
+    new pages than `k`; if the run is shorter than that (a gap between
+    mapped pages), on into the free head of the mapped page after it,
+    which maps only the gap. Returns (region, start address, every page the
+    block would touch) for the candidate needing the fewest unmapped
+    pages, or None when none needs fewer than `k`.
+    """
+    P = page_size
+    best = None
+    for region, heap in zip(regions, heaps):
+        mapped = region.handles != 0
+        for q in np.flatnonzero(mapped[:-1] & ~mapped[1:]).tolist():
+            end = region.address(q + 1)
+            run = heap.free_range_ending_at(end)
+            if run is None:
+                continue
+            m = -(-(size - run[1]) // P)
+            if not (0 < m <= k if spill else 0 < m < k) or q + 1 + m > region.npages:
+                continue
+            if mapped[q + 1:q + 1 + m].any():
+                # The unmapped run is shorter (a gap that stitching left): the block may still
+                # fit by ending in the free head of the mapped page after it.
+                gap = int(np.argmax(mapped[q + 1:]))
+                head = heap.free_range_starting_at(region.address(q + 1 + gap))
+                if head is None or run[1] + gap * P + head[1] < size:
+                    continue
+                m = gap
+                last = (run[0] + size - 1 - region.base) // P
+            else:
+                last = q + m
+            key = (m, -run[1])
+            if best is None or key < best[0]:
+                first = (run[0] - region.base) // P
+                best = (key, region, run[0], list(range(first, last + 1)))
+    return None if best is None else best[1:]
 
 
 class Core:
@@ -140,24 +158,24 @@ class Core:
         self.last_auto_compact = -math.inf
         self.label = label  # how messages name this core ("pool #3")
         self.gate = threads.Gate()  # the lock; knows which threads wait at it (see scope)
-        self.history = None  # a defrag.stats.HistoryRecorder while recording
         self.defer = None  # face hook: block -> list of markers with .query(), or [] to free at once
         self.closed = False
-        self.space = AddressSpace(driver, page_size, capacity_pages)
         self._released: collections.deque[Block] = collections.deque()
+        self.counters: collections.Counter = collections.Counter()
+        self.peaks: collections.Counter = collections.Counter()
         # The books (native, `defrag/native/books.h`): every region's heap, page counts, the empty-page
         # count and the freed ranges kept for reuse. The fast path places and releases through them too.
         self.books = native.load_module().Books(page_size)
-        self._heaps: list = []  # per region: its native Heap (`defrag/native/heap.h`), also in the books
-        self._live_count: list[np.ndarray] = []  # per region: live (or retired) blocks per page (the books' memory)
+        # The pages under the regions: every map, unmap, stitch and re-backing (`defrag.backing`).
+        self.backing = Backing(driver, self.books, page_size, capacity_pages, self.peaks)
+        self.space = self.backing.space
+        self._heaps = self.backing.heaps  # per region: its native Heap (`defrag/native/heap.h`)
         self._blocks: dict[int, Block] = {}  # block address -> Block (live and retired)
         self._pending: list[Block] = []  # released, waiting on their deferral markers
-        self._threads: dict[int, object] = {}  # token id -> owner ref of every thread that used the core
+        self.users = threads.Users(self.gate, label)  # the threads that used the core: each block's owner
         # A face's allocation fast path (`defrag.fastpath.FastPath`): `sync(core)` records
         # what it did since the last call. Called before the core reads anything.
         self.front = None
-        self.counters: collections.Counter = collections.Counter()
-        self.peaks: collections.Counter = collections.Counter()
         npages = self.capacity_pages * max(1, int(virtual_factor))
         try:
             self.add_region(npages)
@@ -173,11 +191,15 @@ class Core:
     def regions(self) -> list[Region]:
         return self.space.regions
 
-    def heap(self, region: Region) -> Heap:
+    def heap(self, region: Region):
         """The heap of `region` (free ranges; faces and the compactor read it, the core carves it),
         with every range kept for reuse back in it."""
         self.flush_reuse()
         return self._heaps[region.index]
+
+    def free_ranges(self, region: Region) -> list[tuple[int, int]]:
+        """(address, size) of every free range of `region`, ranges kept for reuse included."""
+        return self.heap(region).free_ranges()
 
     def blocks(self):
         """Every block (live, retired, pending), unordered: a read-only view."""
@@ -192,13 +214,16 @@ class Core:
         return any(r.contains(ptr) for r in self.space.regions)
 
     def add_region(self, npages: int) -> Region:
-        region = self.space.reserve(npages)
-        heap = native.load_module().Heap(region.base, region.size, ALIGNMENT)
-        index = self.books.add_region(heap, region.base, npages)
-        assert index == region.index, "the books' regions follow the address space's"
-        self._heaps.append(heap)
-        self._live_count.append(self.books.counts(index))
-        return region
+        return self.backing.add_region(npages)
+
+    @property
+    def history(self):
+        """A `defrag.stats.HistoryRecorder` while recording, else None (the backing records pages with it)."""
+        return self.backing.history
+
+    @history.setter
+    def history(self, recorder) -> None:
+        self.backing.history = recorder
 
     def check_open(self) -> None:
         """PoolClosedError after close; StaleAccessError if unmapped memory was touched (emulated
@@ -239,64 +264,11 @@ class Core:
     # ------------------------------------------------------------------ threads
     def user(self):
         """The calling thread's owner reference, remembering that this thread used the core."""
-        token = threads.current_token()
-        ref = token.ref
-        if self._threads.get(token.id) is not ref:
-            self._threads[token.id] = ref
-        return ref
-
-    def _other_live_threads(self, mine) -> list:
-        others = []
-        for tid, ref in list(self._threads.items()):
-            if not threads.is_alive(ref):
-                del self._threads[tid]
-            elif ref is not mine:
-                others.append(ref)
-        return others
+        return self.users.current()
 
     def scope(self, mode=None) -> Scope:
-        """What a compaction called from this thread may move now (the gate is held).
-
-        A thread is *busy* when it used the core, still runs, and is not
-        parked at the gate (`defrag.threads.Gate`). None: the caller's blocks
-        and those of parked threads, plus blocks of ended threads and shared
-        blocks when no other thread is busy; "own": the caller's blocks only;
-        "all": every unpinned block, refused with ConcurrencyError while
-        another thread is busy.
-        """
-        if mode not in THREAD_MODES:
-            raise ValueError(f"threads must be None, 'own' or 'all', got {mode!r}")
-        mine = self.user()
-        if mode == "own":
-            return Scope(mine, frozenset(), everything=False)
-        idle, busy = set(), []
-        for ref in self._other_live_threads(mine):
-            if self.gate.parked(ref):
-                idle.add(ref().id)
-            else:
-                busy.append(ref)
-        if mode == "all" and busy:
-            names = ", ".join(threads.describe(r) for r in busy[:5]) + (" ..." if len(busy) > 5 else "")
-            raise ConcurrencyError(
-                f"compact(threads='all') needs every other thread that used {self.label} to have ended "
-                f"(or to wait inside a pool call), but {len(busy)} still run ({names}): join them first, "
-                f"or call pool.compact() in each thread to move its own tensors")
-        return Scope(mine, frozenset(idle), everything=not busy)
-
-    @staticmethod
-    def thread_reason(block: Block, scope: Scope) -> str:
-        """Why `scope` may not move `block` because of threads ("" when it may)."""
-        if scope.everything or block.owner is scope.mine:
-            return ""
-        if block.shared:
-            return "shared between threads (pool.share), and another thread that used the pool is running"
-        if not threads.is_alive(block.owner):
-            return ("its thread has ended, and another thread that used the pool is running (it may have "
-                    "been handed the tensor: pool.claim(t) there makes it that thread's)")
-        if block.owner().id not in scope.idle:
-            return (f"owned by {threads.describe(block.owner)}, which is running and may be using it: "
-                    f"that thread's own compactions move it")
-        return ""
+        """What a compaction called from this thread may move now (the gate is held): `threads.Users.scope`."""
+        return self.users.scope(mode)
 
     # ------------------------------------------------------------------ release queue
     def release(self, block: Block) -> None:
@@ -349,6 +321,13 @@ class Core:
                     still.append(block)
             self._pending = still
 
+    def settle(self) -> None:
+        """Make the books exact (the gate is held): queued releases applied, deferred ones waited for,
+        ranges kept for reuse back in the heaps. Before a compaction plans, or residency picks pages."""
+        self.drain()
+        self.wait_pending()
+        self.flush_reuse()
+
     def has_backlog(self) -> bool:
         """Whether releases wait in the queue for the next `drain`."""
         return bool(self._released)
@@ -362,21 +341,6 @@ class Core:
             self._pending = []
 
     # ------------------------------------------------------------------ page accounting
-    def pages_of(self, block_or_addr, size=None) -> tuple[int, int]:
-        """[first, end) page indices, in its region, of a block or of (address, size)."""
-        if size is None:
-            addr, size, region = block_or_addr.address, block_or_addr.size, block_or_addr.region
-        else:
-            addr, region = block_or_addr, self.space.region_of(block_or_addr)
-        first = (addr - region.base) // self.page_size
-        last = (addr + size - 1 - region.base) // self.page_size
-        return first, last + 1
-
-    @property
-    def _empty(self) -> int:
-        """Mapped pages that no block touches (the books keep it as blocks come and go)."""
-        return self.books.empty
-
     def _account(self, block: Block, delta: int) -> None:
         """Count `block` on (+1) or off (-1) its pages, keeping the empty-page count."""
         self.books.account(block.region.index, block.address, block.size, delta)
@@ -438,6 +402,14 @@ class Core:
         if counted:
             self._allocated(size)
             self.counters["num_allocs"] += 1
+        return block
+
+    def fill(self, region: Region, address: int, size: int, info) -> Block:
+        """A block over the free range [address, address + size) with no user: retired (never moved),
+        not counted; `free` gives the range back. For residency's fillers."""
+        self._heaps[region.index].allocate_at(address, size)
+        block = self.carve(region, address, size, 0, counted=False)
+        block.retired, block.info = True, info
         return block
 
     def unplace(self, block: Block) -> None:
@@ -538,10 +510,18 @@ class Core:
             owners[id(block.owner)] = block.owner
         c["num_allocs"] += allocs
         c["num_frees"] += frees
-        for ref in owners.values():
-            token = ref() if ref is not None else None
-            if token is not None and self._threads.get(token.id) is not ref:
-                self._threads[token.id] = ref
+        self.users.note(owners.values())
+
+    def record_compaction(self, report) -> None:
+        """Count a finished (or partly committed) compaction's `CompactionReport` in the counters and history."""
+        c = self.counters
+        c["num_compactions"] += 1
+        c["num_compactions.automatic" if report.automatic else "num_compactions.explicit"] += 1
+        c["compaction.moved_bytes"] += report.moved_bytes
+        c["compaction.moved_tensors"] += report.moved_tensors
+        c["compaction.released_pages"] += report.released_pages
+        if self.history is not None:
+            self.history.compacted(report)
 
     def bump(self, key: str, delta: int) -> None:
         """Add `delta` to a counter, tracking its peak (and the active bytes' peak)."""
@@ -553,87 +533,10 @@ class Core:
         if active > self.peaks["active_bytes"]:
             self.peaks["active_bytes"] = active
 
-    def live_pages(self) -> int:
-        """Pages that hold at least one block."""
-        space = self.space
-        if not space.host_mapped and not space.asleep:
-            return space.mapped - self._empty  # blocks lie on mapped pages only
-        return int(sum(int((c > 0).sum()) for c in self._live_count))
-
-    def untouched_pages(self, region: Region) -> np.ndarray:
-        """One bool per page of `region`: no block touches it (mapped and empty, or unmapped)."""
-        return self._live_count[region.index] == 0
-
-    def empty_page_count(self) -> int:
-        """Mapped pages that no block touches (kept incrementally)."""
-        return self._empty
-
-    def free_physical_pages(self) -> int:
-        """Pages that could back a new request now: cached, creatable, or mapped but empty."""
-        return self.space.store.available + self.empty_page_count()
-
     # ------------------------------------------------------------------ mapping
     @staticmethod
     def round(nbytes: int) -> int:
         return -(-nbytes // ALIGNMENT) * ALIGNMENT
-
-    def empty_mapped_pages(self, keep: Region | None = None, keep_pages=()) -> list[tuple[Region, int]]:
-        """Mapped pages that hold no block, except `keep_pages` of region `keep`
-        (a request's or a wave's own destination pages, when looking for donors)."""
-        out = []
-        for region in self.space.regions:
-            mask = (region.handles != 0) & self.untouched_pages(region)
-            if region is keep:
-                mask[np.fromiter(keep_pages, dtype=np.int64)] = False
-            out.extend((region, int(p)) for p in np.flatnonzero(mask))
-        return out
-
-    def _unmap_recorded(self, region: Region, pages: list[int]) -> None:
-        """Unmap pages that no block touches (they were counted empty), recording it."""
-        mapped = self.space.mapped
-        try:
-            self.space.unmap(region, pages)
-        finally:
-            self.books.add_empty(self.space.mapped - mapped)
-            if self.history is not None:
-                self.history.pages_unmapped(region, pages)
-
-    def unmap_empty(self, pages: list[tuple[Region, int]]) -> None:
-        """Unmap mapped pages that hold no block; their handles become cached."""
-        self.flush_reuse()
-        by_region: dict[int, list[int]] = collections.defaultdict(list)
-        for region, page in pages:
-            by_region[region.index].append(page)
-        for index, plist in by_region.items():
-            region = self.space.regions[index]
-            heap = self._heaps[index]
-            for first, count in page_runs(plist):  # consecutive empty pages are one free range
-                heap.remove_free(region.address(first), count * self.page_size)
-            try:
-                self._unmap_recorded(region, plist)
-            finally:
-                # Whatever stayed mapped (a failed unmap) gets its free range back.
-                for page in plist:
-                    if region.handles[page]:
-                        self._heaps[index].insert_free(region.address(page), self.page_size)
-
-    def map_pages(self, region: Region, pages: list[int], txn: Transaction) -> None:
-        """Map `pages` of `region` and add them to its heap as free space; undone by `txn`."""
-        self.space.map(region, pages, txn)
-        self.books.add_empty(len(pages))  # no block on a page that was unmapped
-        # Peaks are tracked where mapping happens, compaction transients included.
-        reserved = self.space.mapped * self.page_size
-        if reserved > self.peaks["reserved_bytes"]:
-            self.peaks["reserved_bytes"] = reserved
-        # Undo steps run newest first: this one unmaps and records it, so the
-        # history sees the unmap; the vmm's own undo then finds nothing to do.
-        txn.on_rollback(self._unmap_recorded, region, list(pages))
-        heap = self._heaps[region.index]
-        for first, count in page_runs(pages):
-            heap.insert_free(region.address(first), count * self.page_size)
-            txn.on_rollback(heap.remove_free, region.address(first), count * self.page_size)
-        if self.history is not None:
-            self.history.pages_mapped(region, pages)
 
     # ------------------------------------------------------------------ placement
     def place(self, nbytes: int) -> Block:
@@ -656,47 +559,19 @@ class Core:
                 return self.carve(region, address, size, nbytes)
         if self.space.store.available < 1:
             raise NoSpace("no free space in mapped pages and no physical page left")
-        tail = self._tail_window(size, 1, spill=True)
+        tail = _tail_window(self.space.regions, self._heaps, self.page_size, size, 1, spill=True)
         if tail is not None:
             # Start in the free tail of the last mapped page and spill into one new page:
             # the same one page mapped, and the free space after the block stays in one piece.
             region, address, window = tail
             pages = [p for p in window if not region.handles[p]]
         else:
-            region, page = self._first_unmapped_page()
+            region, page = self.backing.first_unmapped_page()
             address, pages = region.address(page), [page]
         with Transaction() as txn:
-            self._map_new(region, pages, txn)
+            self.backing.map_for_placement(region, pages, txn)
             address = self._heaps[region.index].allocate_at(address, size)
         return self.carve(region, address, size, nbytes)
-
-    def _map_new(self, region: Region, pages: list[int], txn: Transaction) -> None:
-        """Map pages for a placement; the device running out of memory is a placement failure."""
-        try:
-            self.map_pages(region, pages, txn)
-            return
-        except CudaOutOfMemoryError as exc:
-            # The GPU filled up before the pool reached its capacity (other users of
-            # the device). Stats stop counting pages the device will not give
-            # until a later creation succeeds; pages the pool already holds,
-            # mapped but empty, can back this request: unmap enough and map again.
-            self.space.store.device_full = True
-            error = exc
-        donors = self.empty_mapped_pages(region, pages)
-        need = len(pages) - len(self.space.store.cached)
-        if 0 < need <= len(donors):
-            self.unmap_empty(donors[:need])
-            self.map_pages(region, pages, txn)  # from cached handles only: the device is not asked
-            return
-        raise NoSpace(f"the device has no free memory for {len(pages)} more page(s) ({error.name})") from error
-
-    def _first_unmapped_page(self) -> tuple[Region, int]:
-        for region in self.space.regions:
-            free = np.flatnonzero(region.handles == 0)
-            if free.size:
-                return region, int(free[0])
-        region = self.add_region(self.capacity_pages)
-        return region, 0
 
     def _place_large(self, size: int, nbytes: int) -> Block:
         """Place a block of a page or more.
@@ -714,16 +589,16 @@ class Core:
             if address is not None:
                 return self.carve(region, address, size, nbytes)
         k = -(-size // self.page_size)
-        free_pages = self.free_physical_pages()
+        free_pages = self.backing.free_physical()
         if k > free_pages:
             raise NoSpace(f"needs {k} free pages, {free_pages} can be had")
-        tail = self._tail_window(size, k)
+        tail = _tail_window(self.space.regions, self._heaps, self.page_size, size, k)
         if tail is not None:
             region, address, window = tail
         else:
             best = None  # (run length, unmapped pages in window, region, start)
             for region in self.space.regions:
-                available = self.untouched_pages(region)
+                available = self.backing.untouched(region)
                 for start, length in _page_runs(available):
                     if length < k:
                         continue
@@ -737,60 +612,13 @@ class Core:
                 region, start = best[2], best[3]
             address, window = region.address(start), list(range(start, start + k))
         to_map = [p for p in window if not region.handles[p]]
-        shortfall = len(to_map) - len(self.space.store.cached)
-        if shortfall > 0 and self._empty > k - len(to_map):
-            # Stitching: physical pages of empty mapped pages elsewhere come
-            # before new ones, so mapped pages (reserved bytes) grow only when
-            # no empty page is left; compaction leaves its emptied pages mapped
-            # for exactly this.
-            donors = self.empty_mapped_pages(region, window)[:shortfall]
-            self.unmap_empty(donors)
+        # Stitching: physical pages of empty mapped pages elsewhere come before new
+        # ones; compaction leaves its emptied pages mapped for exactly this.
+        self.backing.stitch(region, window, len(to_map), k)
         with Transaction() as txn:
-            self._map_new(region, to_map, txn)
+            self.backing.map_for_placement(region, to_map, txn)
             address = self._heaps[region.index].allocate_at(address, size)
         return self.carve(region, address, size, nbytes)
-
-    def _tail_window(self, size: int, k: int, *, spill: bool = False):
-        """Where a block of `size` (`k` pages on its own) needs fewer new pages by starting in free space
-        (`spill`: no more than `k`, for a block smaller than a page that needs one new page anyway).
-
-        Candidates: the free range ending at the last mapped page before an
-        unmapped run (the free tail of a partly used page, with any empty
-        pages before it), continued into that run, when that needs fewer
-        new pages than `k`; if the run is shorter than that (a gap between
-        mapped pages), on into the free head of the mapped page after it,
-        which maps only the gap. Returns (region, start address, every page the
-        block would touch) for the candidate needing the fewest unmapped
-        pages, or None when none needs fewer than `k`.
-        """
-        P = self.page_size
-        best = None
-        for region, heap in zip(self.space.regions, self._heaps):
-            mapped = region.handles != 0
-            for q in np.flatnonzero(mapped[:-1] & ~mapped[1:]).tolist():
-                end = region.address(q + 1)
-                run = heap.free_range_ending_at(end)
-                if run is None:
-                    continue
-                m = -(-(size - run[1]) // P)
-                if not (0 < m <= k if spill else 0 < m < k) or q + 1 + m > region.npages:
-                    continue
-                if mapped[q + 1:q + 1 + m].any():
-                    # The unmapped run is shorter (a gap that stitching left): the block may still
-                    # fit by ending in the free head of the mapped page after it.
-                    gap = int(np.argmax(mapped[q + 1:]))
-                    head = heap.free_range_starting_at(region.address(q + 1 + gap))
-                    if head is None or run[1] + gap * P + head[1] < size:
-                        continue
-                    m = gap
-                    last = (run[0] + size - 1 - region.base) // P
-                else:
-                    last = q + m
-                key = (m, -run[1])
-                if best is None or key < best[0]:
-                    first = (run[0] - region.base) // P
-                    best = (key, region, run[0], list(range(first, last + 1)))
-        return None if best is None else best[1:]
 
     # ------------------------------------------------------------------ the ladder
     def allocate(self, nbytes: int, rescue=None, describe=None) -> Block:
@@ -824,84 +652,16 @@ class Core:
         raise self.out_of_room(nbytes, tried, describe)
 
     def out_of_room(self, nbytes: int, tried: list[str], describe=None) -> OutOfRoom:
-        """The explained out-of-memory error for `nbytes` (see `OutOfRoom`)."""
-        st = self.stats_locked()
-        pinned = sum(b.size for b in self._blocks.values() if b.pins)
-        largest = sorted((b for b in self._blocks.values() if not b.retired), key=lambda b: (-b.nbytes, -b.pins))[:5]
-        lines = [
-            f"defrag {self.label} ({self.kind}) cannot allocate {format_bytes(nbytes)} ({nbytes} bytes):",
-            f"  capacity {format_bytes(self.capacity)}, live {format_bytes(st['allocated_bytes.all.current'])}, "
-            f"stranded in half-used pages {format_bytes(st['stranded_bytes'])}, pinned {format_bytes(pinned)}, "
-            f"largest request possible now {format_bytes(st['largest_free_bytes'])}.",
-            "  tried: " + "; ".join(tried or ["placement"]),
-        ]
-        if largest:
-            lines.append("  largest live tensors: " + ", ".join(
-                (f"{format_bytes(b.nbytes)} {describe(b) if describe else ''}".strip()
-                 + (" (pinned)" if b.pins else "")) for b in largest))
-        lines.append("  suggestion: " + self._suggestion(nbytes, st["allocated_bytes.all.current"], pinned))
-        return OutOfRoom("\n".join(lines), requested=nbytes, capacity=self.capacity,
-                         live=st["allocated_bytes.all.current"], stranded=st["stranded_bytes"],
-                         pinned=pinned, tried=tuple(tried))
-
-    def _suggestion(self, nbytes: int, live: int, pinned: int) -> str:
-        """What would really make room for `nbytes`: only advice that is true of this pool and device."""
-        device_total = self.driver.total_memory
-        if nbytes > self.capacity:
-            advice = f"the request is larger than the pool's capacity ({format_bytes(self.capacity)})"
-            if nbytes > device_total:
-                return advice + f" and than the whole device ({format_bytes(device_total)}): split the tensor."
-            return advice + f": create the pool with capacity >= {format_bytes(nbytes)}."
-        if self.space.store.device_full:
-            return (f"the device is the limit, not the pool: it has {format_bytes(device_total)} in all and gave "
-                    f"no more pages (other pools, PyTorch's caching allocator or other processes hold the rest), "
-                    f"so a larger capacity would not help; free memory held outside this pool "
-                    f"(torch.cuda.empty_cache(), other pools' trim()) or ask for less.")
-        free_after_compaction = self.capacity - self.pages_needed_if_packed(self.scope(None)) * self.page_size
-        if nbytes <= free_after_compaction and not self.auto_compact:
-            return "pool.compact() (or auto_compact=True) would make room for this request."
-        steps = []
-        if pinned:
-            steps.append("unpin tensors you no longer need to keep in place")
-        if live:
-            steps.append("free tensors you no longer need")
-        if self.capacity < device_total:
-            steps.append(f"create the pool with a larger capacity (the device has {format_bytes(device_total)})")
-        elif not steps:
-            steps.append("ask for less: the pool already spans the whole device")
-        return ", ".join(steps[:-1]) + (" or " if len(steps) > 1 else "") + steps[-1] + "."
-
-    def movable(self, block: Block, scope: Scope, can_rewrite=None) -> tuple[bool, str]:
-        """Whether a compaction of `scope` may move `block`, and why not.
-
-        `can_rewrite(block) -> str` is the face's own verdict ("" when it can
-        rewrite the block's owner). `defrag.compactor._collect` inlines the
-        common case (no flag set, the thread test passing at once): keep the two in step.
-        """
-        if block.pins:
-            return False, "pinned"
-        if block.retired:
-            return False, "retired (awaiting release)"
-        if block.pending:
-            return False, "released, waiting for the device to finish with it"
-        if block.offloaded:
-            return False, "offloaded to host memory (pool.reload(t) brings it back)"
-        reason = self.thread_reason(block, scope)
-        if reason:
-            return False, reason
-        if can_rewrite is not None:
-            reason = can_rewrite(block)
-            if reason:
-                return False, reason
-        return True, ""
+        """The explained out-of-memory error for `nbytes` (`defrag.readout.out_of_room`)."""
+        return readout.out_of_room(self, nbytes, tried, describe)
 
     def packing_floor(self, scope: Scope, can_rewrite=None) -> tuple[int, int]:
         """(pages touched by blocks that cannot move, bytes of blocks that can) for a compaction of `scope`."""
         pinned_pages = set()
         movable = 0
         for b in self._blocks.values():
-            if not self.movable(b, scope, can_rewrite)[0]:
-                first, end = self.pages_of(b)
+            if scope.blocker(b, can_rewrite):
+                first, end = self.backing.pages_of(b)
                 pinned_pages.update((b.region.index, p) for p in range(first, end))
             else:
                 movable += b.size
@@ -925,152 +685,34 @@ class Core:
         free bytes in the heaps (ranges kept for reuse returned first) beyond the empty mapped
         pages, and their share of the mapped bytes."""
         self.flush_reuse()
-        stranded = sum(h.free_bytes() for h in self._heaps) - self._empty * self.page_size
+        stranded = sum(h.free_bytes() for h in self._heaps) - self.books.empty * self.page_size
         reserved = self.space.mapped * self.page_size
         return stranded, (stranded / reserved if reserved else 0.0)
 
     def stats_locked(self) -> dict:
-        """Counters and gauges in PyTorch's key grammar (the gate is held; see `Pool.stats`)."""
-        stranded, fragmentation = self.stranded()
-        P = self.page_size
-        allocated = self.counters["allocated_bytes"]
-        pending = self.counters["pending_bytes"]
-        mapped = self.space.mapped
-        empty = self.empty_page_count()
-        heap_free = stranded + empty * P
-        store = self.space.store
-        free_pages = len(store.cached) + (0 if store.device_full else store.creatable) + empty
-        if free_pages >= 1:
-            largest = free_pages * P
-        else:
-            largest = max((h.largest_free() for h in self._heaps), default=0)
-            largest = min(largest, P - ALIGNMENT)
-        reserved = mapped * P
-        self.peaks["reserved_bytes"] = max(self.peaks["reserved_bytes"], reserved)
-        active = allocated + pending
-        c = self.counters
-        return {
-            "allocated_bytes.all.current": allocated,
-            "allocated_bytes.all.peak": self.peaks["allocated_bytes"],
-            "active_bytes.all.current": active,
-            "active_bytes.all.peak": self.peaks["active_bytes"],
-            "reserved_bytes.all.current": reserved,
-            "reserved_bytes.all.peak": self.peaks["reserved_bytes"],
-            "requested_bytes.all.current": sum(b.nbytes for b in self._blocks.values()),
-            "num_alloc_retries": c["num_alloc_retries"],
-            "num_ooms": c["num_ooms"],
-            "num_allocs": c["num_allocs"],
-            "num_frees": c["num_frees"],
-            "num_device_alloc": store.created,
-            "num_device_free": store.created - store.total,
-            "pages.mapped": mapped,
-            "pages.cached": len(store.cached),
-            "pages.total": store.total,
-            "pages.empty": empty,
-            "pages.capacity": self.capacity_pages,
-            "page_size": P,
-            "capacity_bytes": self.capacity,
-            "free_inside_mapped_bytes": heap_free,
-            "stranded_bytes": stranded,
-            "largest_free_bytes": largest,
-            "fragmentation": fragmentation,
-            "num_compactions": c["num_compactions"],
-            "num_compactions.explicit": c["num_compactions.explicit"],
-            "num_compactions.automatic": c["num_compactions.automatic"],
-            "compaction.moved_bytes": c["compaction.moved_bytes"],
-            "compaction.moved_tensors": c["compaction.moved_tensors"],
-            "compaction.released_pages": c["compaction.released_pages"],
-            "live_blocks": sum(1 for b in self._blocks.values() if not b.retired),
-            "pinned_blocks": sum(1 for b in self._blocks.values() if b.pins),
-            "regions": len(self.space.regions),
-            # Residency (issue 15, defrag.residency): reserved_bytes above counts device pages only.
-            "offloaded_bytes.all.current": self.space.host_mapped * P,
-            "offloaded_bytes.all.peak": self.peaks["offloaded_bytes"],
-            "sleeping_bytes.all.current": self.space.asleep * P,
-            "sleeping_bytes.all.peak": self.peaks["sleeping_bytes"],
-            "pages.offloaded": self.space.host_mapped,
-            "pages.asleep": self.space.asleep,
-            "asleep": self.space.sleeping,
-            "sleep.host_bytes": c["sleep.host_bytes"],
-            "num_sleeps": c["num_sleeps"],
-            "num_wakes": c["num_wakes"],
-            "num_offloads": c["num_offloads"],
-            "num_reloads": c["num_reloads"],
-            "offload.moved_bytes": c["offload.moved_bytes"],
-        }
+        """Counters and gauges in PyTorch's key grammar (the gate is held; `defrag.readout.stats`)."""
+        return readout.stats(self)
 
     def layout(self) -> dict:
-        """A plain-dict picture of the core (for `defrag.viz` and snapshots); see `Pool.layout`."""
-        self.flush_reuse()
-        regions = []
-        for region in self.space.regions:
-            live = self._live_count[region.index] > 0
-            mapped = region.handles != 0
-            states = np.where(live, "live", np.where(mapped, "empty", "unmapped"))
-            # Issue 15: pages behind host memory (offloaded) or released by a sleep.
-            states = np.where(region.backing == HOST, "offloaded", np.where(region.backing == ASLEEP, "asleep", states))
-            regions.append({"index": region.index, "base": region.base, "npages": region.npages,
-                            "pages": states.tolist(), "free_ranges": self._heaps[region.index].free_ranges()})
-        blocks = []
-        for _, b in sorted(self._blocks.items()):
-            dtype, shape = getattr(b.info, "dtype", None), getattr(b.info, "shape", None)
-            blocks.append({"address": b.address, "size": b.size, "nbytes": b.nbytes, "region": b.region.index,
-                           "kind": getattr(b.info, "kind", None) or "block",
-                           "pinned": b.pins > 0, "offloaded": b.offloaded,
-                           "dtype": str(dtype).replace("torch.", "") if dtype else None,
-                           "shape": list(shape) if shape is not None else None,
-                           "state": "retired" if b.retired else ("live" if b.counted else "pending-free")})
-        return {"kind": self.kind, "page_size": self.page_size, "capacity": self.capacity,
-                "cached_pages": len(self.space.store.cached), "regions": regions, "blocks": blocks}
+        """A plain-dict picture of the core (`defrag.readout.layout`)."""
+        return readout.layout(self)
 
     def check_invariants(self) -> None:
-        """Raise AssertionError if any of DESIGN.md's invariants is broken (a test aid).
-
-        Checks: blocks do not overlap; every byte of every block is mapped;
-        allocated + free-inside-mapped == mapped bytes; page live counts match
-        the blocks; heaps are internally consistent.
-        """
-        self.flush_reuse()
-        prev_end = None
-        counts = [np.zeros_like(c) for c in self._live_count]
-        for address, b in sorted(self._blocks.items()):
-            assert address == b.address
-            assert prev_end is None or address >= prev_end, f"blocks overlap at {address:#x}"
-            prev_end = address + b.size
-            first, end = self.pages_of(b)
-            assert b.region.handles[first:end].all(), f"block at {address:#x} touches an unmapped page"
-            counts[b.region.index][first:end] += 1
-        for region, heap, expect, got in zip(self.space.regions, self._heaps, counts, self._live_count):
-            heap.check_invariants()
-            assert np.array_equal(expect, got), f"page live counts of region {region.index} disagree"
-            for off, size in heap.free_ranges():
-                first, end = self.pages_of(off, size)
-                assert region.handles[first:end].all(), "free space recorded inside an unmapped page"
-        allocated = sum(b.size for b in self._blocks.values())
-        counted = sum(b.size for b in self._blocks.values() if b.counted)
-        assert counted == self.counters["allocated_bytes"], "allocated counter disagrees with blocks"
-        heap_free = sum(h.free_bytes() for h in self._heaps)
-        assert allocated + heap_free == self.space.book_pages * self.page_size, (
-            f"allocated {allocated} + free {heap_free} != mapped {self.space.book_pages * self.page_size}")
-        assert self.space.store.total <= self.capacity_pages, "more physical pages than capacity"
-        assert self.space.mapped + len(self.space.store.cached) == self.space.store.total
-        empty = sum(int(((r.handles != 0) & (c == 0)).sum()) for r, c in zip(self.space.regions, self._live_count))
-        assert empty == self._empty, f"empty page count {self._empty} != {empty}"
-        live = sum(int((c > 0).sum()) for c in self._live_count)
-        assert live == self.live_pages(), f"live page count {self.live_pages()} != {live}"
+        """AssertionError if an invariant of the books is broken (`defrag.readout.check_invariants`)."""
+        readout.check_invariants(self)
 
     # ------------------------------------------------------------------ trim / close
     def trim(self) -> int:
         """Unmap pages that hold no block and release every cached physical page; returns bytes released."""
         self.drain()
         self.wait_pending()
-        self.unmap_empty(self.empty_mapped_pages())
-        return self.space.store.trim(0) * self.page_size
+        self.flush_reuse()
+        return self.backing.trim()
 
     def has_live_blocks(self) -> bool:
         return any(not b.retired for b in self._blocks.values())
 
     def give_back_idle(self) -> None:
         """After close, with blocks still live: unmap what holds none and release cached pages."""
-        self.unmap_empty(self.empty_mapped_pages())
-        self.space.store.trim(0)
+        self.flush_reuse()
+        self.backing.release_idle()

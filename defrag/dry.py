@@ -35,9 +35,6 @@ class _KeyMover:
     def hold(self, block: Block):
         return (block.info,)  # the key, boxed: any key (0, None) is a valid hold
 
-    def hold_movable(self, block: Block):
-        return (block.info,)  # every block can be rewritten
-
     def destinations(self, blocks: list) -> list:
         return [None] * len(blocks)  # nothing owns a destination but the core: a rolled-back wave frees it
 

@@ -170,20 +170,17 @@ class _TorchMover:
         return ""
 
     def hold(self, block: Block):
-        storage = tz.strong_storage(block.info.storage_ref)
+        # `can_rewrite`'s verdict included: a segment or a dead storage has no hold.
+        info = block.info
+        if info is None or isinstance(info, SegmentInfo) or info.storage_ref is None:
+            return None
+        storage = tz.strong_storage(info.storage_ref)
         if storage is None:
             return None
         if self.pool._can_swap:
             return storage, None
         rebind = self.pool._rebindable(block, storage)
         return None if rebind is None else (storage, rebind)
-
-    def hold_movable(self, block: Block):
-        # `can_rewrite` and `hold` in one: a dead storage has no hold, so no separate liveness test.
-        info = block.info
-        if info is None or isinstance(info, SegmentInfo) or info.storage_ref is None:
-            return None
-        return self.hold(block)
 
     def destinations(self, blocks: list) -> list:
         pool = self.pool
@@ -667,10 +664,10 @@ class Pool(TensorOwnership, PoolResidency, AllocatorSegments, PoolObservability)
             for block in sorted(self.core.blocks(), key=lambda b: b.address):
                 if block.retired:
                     continue
-                movable, reason = self.core.movable(block, scope, self._mover.can_rewrite)
+                reason = scope.blocker(block, self._mover.can_rewrite)
                 info = block.info
                 out.append(LiveTensor(block.address, block.nbytes, block.size, getattr(info, "dtype", None),
-                                      getattr(info, "shape", None), block.pins > 0, movable, reason,
+                                      getattr(info, "shape", None), block.pins > 0, not reason, reason,
                                       "shared" if block.shared else threads.describe(block.owner)))
             return out
 

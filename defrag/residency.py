@@ -25,12 +25,15 @@ graph stays valid across these calls (they only have to wait for the bytes).
   are first packed into pages of their own (`compactor.move_blocks`), so no
   other block rides along, and the free space left in those pages is filled
   with *filler* blocks so that nothing new is placed in host memory.
-  Offloaded blocks never move (`Core.movable`), and the face's hold on each
+  Offloaded blocks never move (`threads.Scope.blocker`), and the face's hold on each
   keeps it alive until it is reloaded, so a host page never becomes an
   empty page the core could hand out. Reload swaps device pages back under
   whole pages (every block on them comes back) and drops the holds.
 
-Every step is a transaction (`vmm.Transaction`): a driver fault at any call
+What backs each page changes only through the core's backing
+(`defrag.backing`: `put_to_sleep`, `wake_pages`, `reback`,
+`release_to_driver`); this module decides what to copy and when, and keeps
+the fillers and holds. Every step is a transaction (`vmm.Transaction`): a driver fault at any call
 leaves every block's bytes and the books as they were. The device handles a
 sleep or an offload gives up are released only after the new state is
 complete (copy first, then swap, then free); a driver that refuses one of
@@ -56,7 +59,7 @@ from .compactor import PROGRESS_BYTES, Mover, PhaseTimer, move_blocks, progress_
 from .core import Block, Core, Scope
 from .errors import CudaError, NotSupportedError, PoolClosedError, ResidencyError
 from .units import format_bytes
-from .vmm import ASLEEP, ASLEEP_HANDLE, DEVICE, HOST, Region, Transaction, page_runs
+from .vmm import DEVICE, HOST, Region, Transaction
 
 _log = logging.getLogger("defrag")
 
@@ -149,20 +152,9 @@ def _peak(core: Core, key: str, value: int) -> None:
 
 
 def _release_to_driver(core: Core, handles: list[int], report: ResidencyReport) -> None:
-    """After a committed sleep or offload: give these device handles back to the driver.
-
-    Through the store, so that one the driver refuses stays cached (consistent
-    books, reused first) instead of leaking; counted in `kept_pages` and logged.
-    """
-    store = core.space.store
-    keep = len(store.cached)
-    store.put(handles)
-    try:
-        store.trim(keep)
-    except CudaError as exc:
-        report.kept_pages = len(store.cached) - keep
-        _log.warning("defrag: %s: the driver refused to release %d device page(s) (%s); they stay cached in "
-                     "the pool (trim() retries)", report.action, report.kept_pages, str(exc))
+    """After a committed sleep or offload: give these device handles back to the driver
+    (`Backing.release_to_driver`; one it refuses stays cached, counted in `kept_pages`)."""
+    report.kept_pages = core.backing.release_to_driver(handles)
 
 
 # ---------------------------------------------------------------------- sleep / wake
@@ -180,23 +172,18 @@ def sleep(core: Core, *, discard=(), progress: bool | None = None) -> ResidencyR
     res = state(core)
     report = ResidencyReport("sleep", page_size=P)
     t0 = time.perf_counter()
-    core.drain()
-    core.wait_pending()
+    core.settle()
     with PhaseTimer(report.phases, "sync"):
         driver.synchronize()
     # 1. What holds nothing goes first (a failure here leaves an awake, consistent pool).
     with PhaseTimer(report.phases, "trim"):
-        core.unmap_empty(core.empty_mapped_pages())
-        space.store.trim(0)
+        core.backing.trim()
     dropped = {b.address for b in discard}
     blocks = sorted((b for b in core.blocks() if not b.retired and not b.offloaded), key=lambda b: b.address)
     keep = [b for b in blocks if b.address not in dropped]
     lost = [b for b in blocks if b.address in dropped]
     total = sum(b.size for b in keep)
-    pages = [(region, int(p)) for region in space.regions
-             for p in np.flatnonzero((region.handles != 0) & (region.backing == DEVICE))]
-    unmapped: list[tuple[Region, int, int]] = []  # (region, page, handle): the handle keeps the bytes until released
-    buffer, saved = 0, []
+    buffer, saved, handles = 0, [], []
     bar = progress_bar(total, progress, "defrag sleep", large=total > PROGRESS_BYTES)
     try:
         with Transaction() as txn:
@@ -214,23 +201,15 @@ def sleep(core: Core, *, discard=(), progress: bool | None = None) -> ResidencyR
                 driver.synchronize()
             # 3. Unmap every device page; undone by mapping the same handle again.
             with PhaseTimer(report.phases, "unmap"):
-                txn.on_rollback(_remap_own, core, unmapped)
-                for region, page in pages:
-                    handle = int(region.handles[page])
-                    driver.unmap(region.address(page), P)
-                    space.unmap_calls += 1
-                    region.handles[page], region.backing[page] = ASLEEP_HANDLE, ASLEEP
-                    space.mapped -= 1
-                    space.asleep += 1
-                    unmapped.append((region, page, handle))
+                handles = core.backing.put_to_sleep(txn)
     finally:
         bar.close()
     space.sleeping = True
     res.buffer, res.saved, res.discarded = buffer, saved, [(b.address, b.size) for b in lost]
     # 4. Release the handles (the bytes are in the host buffer now).
     with PhaseTimer(report.phases, "release"):
-        _release_to_driver(core, [h for _, _, h in unmapped], report)
-    report.pages = len(unmapped)
+        _release_to_driver(core, handles, report)
+    report.pages = len(handles)
     report.tensors = len(blocks)
     report.copied_bytes = total
     report.discarded_bytes = sum(b.size for b in lost)
@@ -239,31 +218,6 @@ def sleep(core: Core, *, discard=(), progress: bool | None = None) -> ResidencyR
     core.counters["sleep.host_bytes"] = total
     _peak(core, "sleeping_bytes", space.asleep * P)
     return report
-
-
-def _remap_own(core: Core, unmapped: list) -> None:
-    """Undo of sleep's unmap step: map each page's own handle (its bytes intact) again."""
-    space, driver, P = core.space, core.driver, core.page_size
-    by_region = collections.defaultdict(list)
-    while unmapped:
-        region, page, handle = unmapped.pop()
-        driver.map(region.address(page), P, handle)
-        space.map_calls += 1
-        region.handles[page], region.backing[page] = handle, DEVICE
-        space.mapped += 1
-        space.asleep -= 1
-        by_region[region.index].append(page)
-    for index, pages in by_region.items():
-        region = space.regions[index]
-        for first, count in page_runs(pages):
-            driver.set_access(region.address(first), count * P)
-
-
-def _back_to_sleep(space, region: Region, pages: list[int]) -> None:
-    """Undo of wake's first step: these (unmapped again) pages are asleep once more."""
-    region.handles[pages] = ASLEEP_HANDLE
-    region.backing[pages] = ASLEEP
-    space.asleep += len(pages)
 
 
 def wake(core: Core, *, progress: bool | None = None) -> ResidencyReport:
@@ -290,16 +244,7 @@ def wake(core: Core, *, progress: bool | None = None) -> ResidencyReport:
         with Transaction() as txn:
             # 1. Map device pages (from the store: cached first, then new) where the pool slept.
             with PhaseTimer(report.phases, "map"):
-                for region in space.regions:
-                    pages = np.flatnonzero(region.backing == ASLEEP).tolist()
-                    if not pages:
-                        continue
-                    region.handles[pages] = 0
-                    region.backing[pages] = DEVICE
-                    space.asleep -= len(pages)
-                    txn.on_rollback(_back_to_sleep, space, region, pages)
-                    space.map(region, pages, txn)
-                    report.pages += len(pages)
+                report.pages = core.backing.wake_pages(txn)
             # 2. Copy the bytes back; what sleep discarded reads zeros.
             with PhaseTimer(report.phases, "copy"):
                 for address, size, offset in res.saved:
@@ -339,7 +284,7 @@ def _touched(core: Core, blocks) -> dict[int, set[int]]:
     """region index -> pages touched by `blocks`."""
     out = collections.defaultdict(set)
     for b in blocks:
-        first, end = core.pages_of(b)
+        first, end = core.backing.pages_of(b)
         out[b.region.index].update(range(first, end))
     return out
 
@@ -349,7 +294,7 @@ def _free_run(core: Core, region: Region, k: int) -> int | None:
     used = np.zeros(region.npages, dtype=bool)
     for b in core.blocks():
         if b.region is region:
-            first, end = core.pages_of(b)
+            first, end = core.backing.pages_of(b)
             used[first:end] = True
     free = np.concatenate(([False], ~used, [False])).astype(np.int8)
     edges = np.flatnonzero(np.diff(free))
@@ -376,19 +321,19 @@ def _pack(core: Core, mover: Mover, cold: list[Block], scope: Scope, engine, rep
         shared = set()
         for other in core.blocks():
             if other.region is region and id(other) not in cold_ids:
-                first, end = core.pages_of(other)
+                first, end = core.backing.pages_of(other)
                 shared.update(p for p in range(first, end) if p in pages)
         if not shared:
             continue
         # Every cold block touching a shared page moves, and so (transitively, through pages
         # those share with other cold blocks) does none other: the rest keep pages of their own.
-        movers = [b for b in blocks if any(p in shared for p in range(*core.pages_of(b)))]
+        movers = [b for b in blocks if any(p in shared for p in range(*core.backing.pages_of(b)))]
         if not pack:
             raise ResidencyError(f"offload(pack=False): {len(movers)} of these tensors share pages with tensors "
                                  f"that stay on the device; nothing was offloaded (pack=True moves them first)")
         for b in movers:
-            ok, why = core.movable(b, scope, mover.can_rewrite)
-            if not ok:
+            why = scope.blocker(b, mover.can_rewrite)
+            if why:
                 raise ResidencyError(
                     f"offload: a {format_bytes(b.nbytes)} tensor shares a page with tensors that stay on the "
                     f"device and cannot be packed into pages of its own ({why}); nothing was offloaded")
@@ -407,18 +352,18 @@ def _pack(core: Core, mover: Mover, cold: list[Block], scope: Scope, engine, rep
         base = region.address(start)
         vacated = set()
         for b in movers:
-            vacated.update(range(*core.pages_of(b)))
+            vacated.update(range(*core.backing.pages_of(b)))
         moved = move_blocks(core, mover, [(b, base + d) for b, d in zip(movers, dests)], engine=engine, scope=scope)
         report.moved_tensors += moved.moved_tensors
         report.moved_bytes += moved.moved_bytes
         now = {id(b): core.block_at(base + d) for b, d in zip(movers, dests)}
         cold = [now.get(id(b), b) for b in cold]
         # Pages the packing emptied go back to the driver too (not pages that were empty before).
-        emptied = [(r, p) for r, p in core.empty_mapped_pages() if r is region and p in vacated]
+        emptied = [(r, p) for r, p in core.backing.empty_mapped() if r is region and p in vacated]
         if emptied:
             store = core.space.store
             keep = len(store.cached)
-            core.unmap_empty(emptied)
+            core.backing.unmap_empty(emptied)
             try:
                 store.trim(keep)
             except CudaError:
@@ -426,125 +371,15 @@ def _pack(core: Core, mover: Mover, cold: list[Block], scope: Scope, engine, rep
     return cold
 
 
-def _map_scratch(core: Core, handles: list[int], txn: Transaction):
-    """Map `handles` side by side in a fresh reservation (undone by `txn`).
-
-    Returns (its base, `teardown()`): teardown unmaps and frees it now, after
-    which its undo steps find nothing left to do.
-    """
-    driver, P = core.driver, core.page_size
-    n = len(handles)
-    scratch = driver.reserve(n * P, P if P & (P - 1) == 0 else driver.granularity)
-    reserved = [scratch]
-    txn.on_rollback(_free_scratch, driver, reserved, n * P)
-    staged: list[int] = []
-    txn.on_rollback(_unmap_each, driver, staged, P)
-    for i, h in enumerate(handles):
-        driver.map(scratch + i * P, P, h)
-        staged.append(scratch + i * P)
-    driver.set_access(scratch, n * P)
-
-    def teardown() -> None:
-        _unmap_each(driver, staged, P)
-        _free_scratch(driver, reserved, n * P)
-    return scratch, teardown
-
-
-def _unmap_each(driver, vas: list[int], size: int) -> None:
-    while vas:
-        driver.unmap(vas[-1], size)
-        vas.pop()
-
-
-def _free_scratch(driver, reserved: list[int], size: int) -> None:
-    while reserved:
-        driver.free_address(reserved[-1], size)
-        reserved.pop()
-
-
-def _rebacking(core: Core, region: Region, pages: list[int], handles: list[int], to: int,
-               txn: Transaction) -> list[int]:
-    """Put `handles` (one per page) under `pages` of `region` with their bytes; returns the old handles.
-
-    Copy first (each page into its new handle, mapped at a scratch address),
-    then swap (unmap the old mapping, map the new handle at the same address),
-    then grant access. Undone by `txn` until it commits: the old handles are
-    mapped back (they still hold every byte). The caller frees the old ones.
-
-    The device is synchronized before the copy (the copy runs on the legacy
-    stream, which does not wait for non-blocking streams: a write still in
-    flight there would land in the old page after the copy read it, and be
-    lost with that page) and, on rollback, before the scratch range is
-    unmapped (copies into it may still run).
-    """
-    space, driver, P = core.space, core.driver, core.page_size
-    scratch, teardown = _map_scratch(core, handles, txn)
-    txn.on_rollback(driver.synchronize)  # undone newest first: before the scratch is unmapped
-    driver.synchronize()
-    for i, page in enumerate(pages):
-        driver.copy(scratch + i * P, region.address(page), P)
-    driver.synchronize()
-    swapped: list = []  # [page, old handle, old backing, new handle mapped at the page?]
-    txn.on_rollback(_unswap, core, region, swapped, to)
-    olds = []
-    for page, h in zip(pages, handles):
-        old, was = int(region.handles[page]), int(region.backing[page])
-        entry = [page, old, was, False]
-        driver.unmap(region.address(page), P)
-        space.unmap_calls += 1
-        swapped.append(entry)
-        driver.map(region.address(page), P, h)
-        space.map_calls += 1
-        entry[3] = True
-        region.handles[page], region.backing[page] = h, to
-        _count(space, was, -1)
-        _count(space, to, +1)
-        olds.append(old)
-    for first, count in page_runs(pages):
-        driver.set_access(region.address(first), count * P)
-    teardown()
-    return olds
-
-
-def _count(space, backing: int, delta: int) -> None:
-    if backing == HOST:
-        space.host_mapped += delta
-    else:
-        space.mapped += delta
-
-
-def _unswap(core: Core, region: Region, swapped: list, to: int) -> None:
-    """Undo of `_rebacking`'s swap: the old handles go back under their pages."""
-    space, driver, P = core.space, core.driver, core.page_size
-    restored = []
-    while swapped:
-        page, old, was, mapped_new = swapped[-1]
-        va = region.address(page)
-        if mapped_new:
-            driver.unmap(va, P)
-            region.handles[page], region.backing[page] = old, was
-            _count(space, to, -1)
-            _count(space, was, +1)
-            swapped[-1][3] = False
-        driver.map(va, P, old)
-        swapped.pop()
-        restored.append(page)
-    for first, count in page_runs(restored):
-        driver.set_access(region.address(first), count * P)
-
-
 def _fill(core: Core, region: Region, page: int, res: Residency, txn: Transaction) -> None:
     """Hold the free space of one page with filler blocks (undone by `txn`)."""
     P = core.page_size
     lo, hi = region.address(page), region.address(page) + P
-    heap = core.heap(region)
-    for off, size in heap.free_ranges():
+    for off, size in core.free_ranges(region):
         a, b = max(off, lo), min(off + size, hi)
         if a >= b:
             continue
-        heap.allocate_at(a, b - a)
-        filler = core.carve(region, a, b - a, 0, counted=False)
-        filler.retired, filler.info = True, _Filler()
+        filler = core.fill(region, a, b - a, _Filler())
         res.fillers[(region.index, page)].append(filler)
         txn.on_rollback(_unfill, core, res, region.index, page, filler)
 
@@ -595,8 +430,7 @@ def offload(core: Core, mover: Mover, blocks, *, keep, scope: Scope | None = Non
         raise NotSupportedError(f"offload: the pool's page size ({format_bytes(P)}) is not a multiple of the host "
                                 f"page granularity ({format_bytes(driver.host_granularity)})")
     scope = scope if scope is not None else core.scope(None)
-    core.drain()
-    core.wait_pending()
+    core.settle()
     # 1. Pack: the cold blocks get pages no other block touches.
     with PhaseTimer(report.phases, "pack"):
         cold = _pack(core, mover, cold, scope, engine, report, pack)
@@ -605,7 +439,7 @@ def offload(core: Core, mover: Mover, blocks, *, keep, scope: Scope | None = Non
     for index, pages in touched.items():
         for other in core.blocks():
             if other.region.index == index and id(other) not in cold_ids:
-                first, end = core.pages_of(other)
+                first, end = core.backing.pages_of(other)
                 if any(p in pages for p in range(first, end)):  # packing guarantees this never happens
                     raise ResidencyError("offload: packing left a cold tensor sharing a page; nothing was offloaded")
     total = sum(len(p) for p in touched.values()) * P
@@ -626,7 +460,7 @@ def offload(core: Core, mover: Mover, blocks, *, keep, scope: Scope | None = Non
                     for _ in pages:
                         hosts.append(driver.create(P, host=True))
                     # Undone newest first: the swap (new handles unmapped), the scratch, then `hosts` released.
-                    olds += _rebacking(core, region, pages, list(hosts), HOST, txn)
+                    olds += core.backing.reback(region, pages, list(hosts), HOST, txn)
                 report.pages += len(pages)
                 bar.update(len(pages) * P)
     finally:
@@ -683,13 +517,13 @@ def reload(core: Core, blocks=None, *, progress: bool | None = None) -> Residenc
     # Device pages for them: cached or creatable first, then empty mapped pages unmapped.
     short = need - space.store.available
     if short > 0:
-        donors = core.empty_mapped_pages()
+        donors = core.backing.empty_mapped()
         if len(donors) < short:
             raise ResidencyError(
                 f"reload needs {need} device pages ({format_bytes(need * P)}) but only "
                 f"{space.store.available + len(donors)} are free in the pool: free or offload other tensors "
                 f"first; nothing was reloaded")
-        core.unmap_empty(donors[:short])
+        core.backing.unmap_empty(donors[:short])
     bar = progress_bar(need * P, progress, "defrag reload", large=need * P > PROGRESS_BYTES)
     olds: list[int] = []
     back: list[Block] = []
@@ -701,7 +535,7 @@ def reload(core: Core, blocks=None, *, progress: bool | None = None) -> Residenc
                     # Undone newest first: the swap (new handles unmapped), the scratch, then the
                     # store's own undo puts `handles` back in its cache.
                     handles = space.store.take(len(pages), txn)
-                    olds += _rebacking(core, region, pages, list(handles), DEVICE, txn)
+                    olds += core.backing.reback(region, pages, list(handles), DEVICE, txn)
                 report.pages += len(pages)
                 bar.update(len(pages) * P)
     finally:
@@ -714,7 +548,7 @@ def reload(core: Core, blocks=None, *, progress: bool | None = None) -> Residenc
     page_sets = {i: set(p) for i, p in touched.items()}
     for b in list(core.blocks()):
         if b.offloaded and b.region.index in page_sets:
-            first, end = core.pages_of(b)
+            first, end = core.backing.pages_of(b)
             if any(p in page_sets[b.region.index] for p in range(first, end)):
                 b.offloaded = False
                 back.append(b)

@@ -349,11 +349,11 @@ class CompactMachine(PoolMachine):
     def compact(self, verify, release):
         pinned = {a.address for a in self.pool.live_tensors() if a.pinned}
         before = self.pool.stats()
-        pages_before = self.pool.core.live_pages()
+        pages_before = self.pool.core.backing.live_pages()
         report = self.pool.compact(verify=verify, release=release)
         after = self.pool.stats()
         assert pinned == {a.address for a in self.pool.live_tensors() if a.pinned}
-        assert (report.pages_before, report.pages_after) == (pages_before, self.pool.core.live_pages())
+        assert (report.pages_before, report.pages_after) == (pages_before, self.pool.core.backing.live_pages())
         assert report.pages_after <= report.pages_before
         # An explicit compaction never maps more pages than were mapped before it, not even transiently.
         assert after["reserved_bytes.all.peak"] == before["reserved_bytes.all.peak"]

@@ -1,0 +1,401 @@
+"""The backing: the one place that maps, unmaps, stitches and re-backs the pool's pages. No torch.
+
+Every change to what backs a virtual page goes through a `Backing`:
+
+- the ladder maps new pages for a placement (`map_for_placement`) and
+  *stitches* a large request from the physical pages of empty mapped pages
+  elsewhere (`stitch`);
+- a compaction opens destination pages (`map`, `make_room`) and gives back
+  what it emptied (`unmap_empty`);
+- `trim` and `close` release what holds nothing (`trim`, `release_idle`);
+- sleep takes every device page away at the same addresses (`put_to_sleep`)
+  and wake brings device pages back (`wake_pages`);
+- offload and reload put other physical pages, with the bytes, under the
+  same addresses (`reback`), and hand the old ones to the driver
+  (`release_to_driver`).
+
+Each operation keeps three things in step: the driver's mappings and the
+store of physical pages (`defrag.vmm.AddressSpace`), the free space and
+empty-page count in the core's native books (a mapped page with no block
+is free space of its region's heap), and the history recorder. Each is
+undone by the `vmm.Transaction` it is given, newest step first.
+
+What it does not do: decide. Which pages, when, and whether a request may
+have them is the caller's (the core's placement, `defrag.compactor`,
+`defrag.residency`); the backing never touches a block.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+
+import numpy as np
+
+from . import native
+from .driver import Driver
+from .errors import CudaError, CudaOutOfMemoryError
+from .heap import ALIGNMENT
+from .vmm import ASLEEP, ASLEEP_HANDLE, DEVICE, HOST, AddressSpace, Region, Transaction, page_runs
+
+_log = logging.getLogger("defrag")
+
+
+class NoSpace(Exception):
+    """No room for a placement or a mapping; the message says what was tried (the ladder goes on from here)."""
+
+
+class Backing:
+    """The pages under one core's regions, and the books' view of them (see the module docstring).
+
+    `books`: the core's native books (each region's heap and page counts
+    live there). `peaks`: the core's peaks (`reserved_bytes` is raised where
+    pages are mapped). `history`: the core's history recorder, or None.
+    """
+
+    def __init__(self, driver: Driver, books, page_size: int, capacity_pages: int, peaks):
+        self.driver = driver
+        self.books = books
+        self.page_size = page_size
+        self.capacity_pages = capacity_pages
+        self.space = AddressSpace(driver, page_size, capacity_pages)
+        self.heaps: list = []  # per region: its native Heap (`defrag/native/heap.h`), owned by the books
+        self.live_count: list[np.ndarray] = []  # per region: blocks per page (a view of the books' memory)
+        self.peaks = peaks
+        self.history = None
+
+    # ------------------------------------------------------------------ regions and pages
+    def add_region(self, npages: int) -> Region:
+        """Reserve a region of `npages` virtual pages, none mapped, with its heap in the books."""
+        region = self.space.reserve(npages)
+        heap = native.load_module().Heap(region.base, region.size, ALIGNMENT)
+        index = self.books.add_region(heap, region.base, npages)
+        assert index == region.index, "the books' regions follow the address space's"
+        self.heaps.append(heap)
+        self.live_count.append(self.books.counts(index))
+        return region
+
+    def pages_of(self, block_or_addr, size=None) -> tuple[int, int]:
+        """[first, end) page indices, in its region, of a block or of (address, size)."""
+        if size is None:
+            addr, size, region = block_or_addr.address, block_or_addr.size, block_or_addr.region
+        else:
+            addr, region = block_or_addr, self.space.region_of(block_or_addr)
+        first = (addr - region.base) // self.page_size
+        last = (addr + size - 1 - region.base) // self.page_size
+        return first, last + 1
+
+    def untouched(self, region: Region) -> np.ndarray:
+        """One bool per page of `region`: no block touches it (mapped and empty, or unmapped)."""
+        return self.live_count[region.index] == 0
+
+    @property
+    def empty(self) -> int:
+        """Mapped pages that no block touches (the books keep it as blocks come and go)."""
+        return self.books.empty
+
+    def free_physical(self) -> int:
+        """Pages that could back a new request now: cached, creatable, or mapped but empty."""
+        return self.space.store.available + self.books.empty
+
+    def live_pages(self) -> int:
+        """Pages that hold at least one block."""
+        space = self.space
+        if not space.host_mapped and not space.asleep:
+            return space.mapped - self.books.empty  # blocks lie on mapped pages only
+        return int(sum(int((c > 0).sum()) for c in self.live_count))
+
+    def empty_mapped(self, keep: Region | None = None, keep_pages=()) -> list[tuple[Region, int]]:
+        """Mapped pages that hold no block, except `keep_pages` of region `keep`
+        (a request's or a wave's own destination pages, when looking for donors)."""
+        out = []
+        for region in self.space.regions:
+            mask = (region.handles != 0) & self.untouched(region)
+            if region is keep:
+                mask[np.fromiter(keep_pages, dtype=np.int64)] = False
+            out.extend((region, int(p)) for p in np.flatnonzero(mask))
+        return out
+
+    def first_unmapped_page(self) -> tuple[Region, int]:
+        """The first unmapped virtual page, reserving a region of the capacity's size when none is left."""
+        for region in self.space.regions:
+            free = np.flatnonzero(region.handles == 0)
+            if free.size:
+                return region, int(free[0])
+        return self.add_region(self.capacity_pages), 0
+
+    # ------------------------------------------------------------------ mapping and unmapping
+    def map(self, region: Region, pages: list[int], txn: Transaction) -> None:
+        """Map `pages` of `region` (physical pages from the store) as free space of its heap; undone by `txn`."""
+        self.space.map(region, pages, txn)
+        self.books.add_empty(len(pages))  # no block on a page that was unmapped
+        # Peaks are tracked where mapping happens, compaction transients included.
+        reserved = self.space.mapped * self.page_size
+        if reserved > self.peaks["reserved_bytes"]:
+            self.peaks["reserved_bytes"] = reserved
+        # Undo steps run newest first: this one unmaps and records it, so the
+        # history sees the unmap; the vmm's own undo then finds nothing to do.
+        txn.on_rollback(self._unmap_recorded, region, list(pages))
+        heap = self.heaps[region.index]
+        for first, count in page_runs(pages):
+            heap.insert_free(region.address(first), count * self.page_size)
+            txn.on_rollback(heap.remove_free, region.address(first), count * self.page_size)
+        if self.history is not None:
+            self.history.pages_mapped(region, pages)
+
+    def _unmap_recorded(self, region: Region, pages: list[int]) -> None:
+        """Unmap pages that no block touches (they were counted empty), recording it."""
+        mapped = self.space.mapped
+        try:
+            self.space.unmap(region, pages)
+        finally:
+            self.books.add_empty(self.space.mapped - mapped)
+            if self.history is not None:
+                self.history.pages_unmapped(region, pages)
+
+    def unmap_empty(self, pages: list[tuple[Region, int]]) -> None:
+        """Unmap mapped pages that hold no block; their physical pages become cached in the store.
+        A failed unmap leaves the pages it did not reach mapped, with their free space back in the heap."""
+        self.books.flush_kept()  # an empty page's free space may sit in a range kept for reuse
+        by_region: dict[int, list[int]] = collections.defaultdict(list)
+        for region, page in pages:
+            by_region[region.index].append(page)
+        for index, plist in by_region.items():
+            region = self.space.regions[index]
+            heap = self.heaps[index]
+            for first, count in page_runs(plist):  # consecutive empty pages are one free range
+                heap.remove_free(region.address(first), count * self.page_size)
+            try:
+                self._unmap_recorded(region, plist)
+            finally:
+                for page in plist:
+                    if region.handles[page]:
+                        heap.insert_free(region.address(page), self.page_size)
+
+    def map_for_placement(self, region: Region, pages: list[int], txn: Transaction) -> None:
+        """`map` for a placement: when the device runs out of memory before the pool reaches its
+        capacity (other users of the device), empty mapped pages elsewhere are unmapped to back
+        `pages` from cached handles. NoSpace when even that cannot cover them."""
+        try:
+            self.map(region, pages, txn)
+            return
+        except CudaOutOfMemoryError as exc:
+            # Stats stop counting pages the device will not give until a later creation succeeds.
+            self.space.store.device_full = True
+            error = exc
+        donors = self.empty_mapped(region, pages)
+        need = len(pages) - len(self.space.store.cached)
+        if 0 < need <= len(donors):
+            self.unmap_empty(donors[:need])
+            self.map(region, pages, txn)  # from cached handles only: the device is not asked
+            return
+        raise NoSpace(f"the device has no free memory for {len(pages)} more page(s) ({error.name})") from error
+
+    def stitch(self, region: Region, window: list[int], new_pages: int, block_pages: int) -> None:
+        """Before mapping `new_pages` pages of `window` in `region` for a block of `block_pages` pages:
+        when the store's cached pages cannot back them and empty pages exist beyond the window's
+        own, unmap empty mapped pages outside the window to supply the rest, so that mapped pages
+        (reserved bytes) grow only when no empty page is left."""
+        shortfall = new_pages - len(self.space.store.cached)
+        if shortfall > 0 and self.books.empty > block_pages - new_pages:
+            self.unmap_empty(self.empty_mapped(region, window)[:shortfall])
+
+    def make_room(self, region: Region, keep_pages, needed: int) -> None:
+        """Before mapping `needed` pages of `region` (`keep_pages`, destinations included): unmap as
+        many empty mapped pages elsewhere first, so mapped pages never grow; the rest comes from
+        cached or new physical pages. NoSpace (nothing unmapped) when even that is not enough."""
+        if needed <= 0:
+            return
+        donors = self.empty_mapped(region, keep_pages)
+        available = self.space.store.available
+        if available + len(donors) < needed:
+            raise NoSpace(f"needs {needed} new pages but only {available + len(donors)} physical pages are free")
+        self.unmap_empty(donors[:needed])
+
+    def trim(self) -> int:
+        """Unmap every page that holds no block and release every cached physical page to the driver;
+        returns the bytes released."""
+        self.unmap_empty(self.empty_mapped())
+        return self.space.store.trim(0) * self.page_size
+
+    def release_idle(self) -> None:
+        """`trim` for a closed pool whose blocks are still live (their pages stay)."""
+        self.trim()
+
+    def release_to_driver(self, handles: list[int]) -> int:
+        """Give physical pages no mapping uses back to the driver, through the store: one the driver
+        refuses stays cached (reused first, released by `trim`). Returns how many stayed (logged)."""
+        store = self.space.store
+        keep = len(store.cached)
+        store.put(handles)
+        try:
+            store.trim(keep)
+        except CudaError as exc:
+            kept = len(store.cached) - keep
+            _log.warning("defrag: the driver refused to release %d device page(s) (%s); they stay cached in "
+                         "the pool (trim() retries)", kept, str(exc))
+            return kept
+        return 0
+
+    # ------------------------------------------------------------------ sleep and wake
+    def put_to_sleep(self, txn: Transaction) -> list[int]:
+        """Unmap every device page and mark it asleep (the books keep its free space and blocks); returns
+        the physical handles, which still hold the bytes until released. Undone by `txn`: each page's
+        own handle is mapped back."""
+        P, space, driver = self.page_size, self.space, self.driver
+        pages = [(region, int(p)) for region in space.regions
+                 for p in np.flatnonzero((region.handles != 0) & (region.backing == DEVICE))]
+        unmapped: list[tuple[Region, int, int]] = []  # (region, page, handle)
+        txn.on_rollback(self._remap_own, unmapped)
+        for region, page in pages:
+            handle = int(region.handles[page])
+            driver.unmap(region.address(page), P)
+            space.unmap_calls += 1
+            region.handles[page], region.backing[page] = ASLEEP_HANDLE, ASLEEP
+            space.mapped -= 1
+            space.asleep += 1
+            unmapped.append((region, page, handle))
+        return [h for _, _, h in unmapped]
+
+    def _remap_own(self, unmapped: list) -> None:
+        """Undo of `put_to_sleep`: map each page's own handle (its bytes intact) again."""
+        space, driver, P = self.space, self.driver, self.page_size
+        by_region = collections.defaultdict(list)
+        while unmapped:
+            region, page, handle = unmapped.pop()
+            driver.map(region.address(page), P, handle)
+            space.map_calls += 1
+            region.handles[page], region.backing[page] = handle, DEVICE
+            space.mapped += 1
+            space.asleep -= 1
+            by_region[region.index].append(page)
+        for index, pages in by_region.items():
+            region = space.regions[index]
+            for first, count in page_runs(pages):
+                driver.set_access(region.address(first), count * P)
+
+    def wake_pages(self, txn: Transaction) -> int:
+        """Map a device page (cached first, then new) at every page asleep; returns how many. Undone
+        by `txn`: the pages are unmapped and asleep again."""
+        space, woken = self.space, 0
+        for region in space.regions:
+            pages = np.flatnonzero(region.backing == ASLEEP).tolist()
+            if not pages:
+                continue
+            region.handles[pages] = 0
+            region.backing[pages] = DEVICE
+            space.asleep -= len(pages)
+            txn.on_rollback(self._back_to_sleep, region, pages)
+            space.map(region, pages, txn)
+            woken += len(pages)
+        return woken
+
+    def _back_to_sleep(self, region: Region, pages: list[int]) -> None:
+        """Undo of `wake_pages`' first step: these (unmapped again) pages are asleep once more."""
+        region.handles[pages] = ASLEEP_HANDLE
+        region.backing[pages] = ASLEEP
+        self.space.asleep += len(pages)
+
+    # ------------------------------------------------------------------ re-backing (offload, reload)
+    def reback(self, region: Region, pages: list[int], handles: list[int], to: int, txn: Transaction) -> list[int]:
+        """Put `handles` (one per page; `to` is their kind, `vmm.DEVICE` or `vmm.HOST`) under `pages` of
+        `region` with their bytes; returns the old handles, which the caller releases.
+
+        Copy first (each page into its new handle, mapped at a scratch
+        address), then swap (unmap the old mapping, map the new handle at the
+        same address), then grant access. Undone by `txn` until it commits:
+        the old handles are mapped back (they still hold every byte).
+
+        The device is synchronized before the copy (the copy runs on the legacy
+        stream, which does not wait for non-blocking streams: a write still in
+        flight there would land in the old page after the copy read it, and be
+        lost with that page) and, on rollback, before the scratch range is
+        unmapped (copies into it may still run).
+        """
+        space, driver, P = self.space, self.driver, self.page_size
+        scratch, teardown = self._map_scratch(handles, txn)
+        txn.on_rollback(driver.synchronize)  # undone newest first: before the scratch is unmapped
+        driver.synchronize()
+        for i, page in enumerate(pages):
+            driver.copy(scratch + i * P, region.address(page), P)
+        driver.synchronize()
+        swapped: list = []  # [page, old handle, old backing, new handle mapped at the page?]
+        txn.on_rollback(self._unswap, region, swapped, to)
+        olds = []
+        for page, h in zip(pages, handles):
+            old, was = int(region.handles[page]), int(region.backing[page])
+            entry = [page, old, was, False]
+            driver.unmap(region.address(page), P)
+            space.unmap_calls += 1
+            swapped.append(entry)
+            driver.map(region.address(page), P, h)
+            space.map_calls += 1
+            entry[3] = True
+            region.handles[page], region.backing[page] = h, to
+            self._count(was, -1)
+            self._count(to, +1)
+            olds.append(old)
+        for first, count in page_runs(pages):
+            driver.set_access(region.address(first), count * P)
+        teardown()
+        return olds
+
+    def _count(self, backing: int, delta: int) -> None:
+        if backing == HOST:
+            self.space.host_mapped += delta
+        else:
+            self.space.mapped += delta
+
+    def _unswap(self, region: Region, swapped: list, to: int) -> None:
+        """Undo of `reback`'s swap: the old handles go back under their pages."""
+        driver, P = self.driver, self.page_size
+        restored = []
+        while swapped:
+            page, old, was, mapped_new = swapped[-1]
+            va = region.address(page)
+            if mapped_new:
+                driver.unmap(va, P)
+                region.handles[page], region.backing[page] = old, was
+                self._count(to, -1)
+                self._count(was, +1)
+                swapped[-1][3] = False
+            driver.map(va, P, old)
+            swapped.pop()
+            restored.append(page)
+        for first, count in page_runs(restored):
+            driver.set_access(region.address(first), count * P)
+
+    def _map_scratch(self, handles: list[int], txn: Transaction):
+        """Map `handles` side by side in a fresh reservation (undone by `txn`).
+
+        Returns (its base, `teardown()`): teardown unmaps and frees it now, after
+        which its undo steps find nothing left to do.
+        """
+        driver, P = self.driver, self.page_size
+        n = len(handles)
+        scratch = driver.reserve(n * P, P if P & (P - 1) == 0 else driver.granularity)
+        reserved = [scratch]
+        txn.on_rollback(_free_scratch, driver, reserved, n * P)
+        staged: list[int] = []
+        txn.on_rollback(_unmap_each, driver, staged, P)
+        for i, h in enumerate(handles):
+            driver.map(scratch + i * P, P, h)
+            staged.append(scratch + i * P)
+        driver.set_access(scratch, n * P)
+
+        def teardown() -> None:
+            _unmap_each(driver, staged, P)
+            _free_scratch(driver, reserved, n * P)
+        return scratch, teardown
+
+
+def _unmap_each(driver, vas: list[int], size: int) -> None:
+    while vas:
+        driver.unmap(vas[-1], size)
+        vas.pop()
+
+
+def _free_scratch(driver, reserved: list[int], size: int) -> None:
+    while reserved:
+        driver.free_address(reserved[-1], size)
+        reserved.pop()

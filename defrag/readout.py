@@ -1,0 +1,214 @@
+"""Reading a core: statistics in PyTorch's key grammar, the layout picture, the invariant check and
+the explained out-of-memory error. No torch; nothing here changes a block or a page.
+
+Every function takes a `defrag.core.Core` whose gate the caller holds, and reads it through its
+public views (`Core.blocks`, `Core.counters`, `Core.peaks`, `Core.backing`). Ranges kept for reuse
+go back to the heaps first (`Core.flush_reuse`), so free-space figures are exact.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .heap import ALIGNMENT
+from .units import format_bytes
+from .vmm import ASLEEP, HOST
+
+
+class OutOfRoom(MemoryError):
+    """The ladder is exhausted: `message` explains; faces raise their own error from it.
+
+    Figures as attributes: `requested`, `capacity`, `live`, `stranded`,
+    `pinned`, `tried`.
+    """
+
+    def __init__(self, message: str, **figures):
+        super().__init__(message)
+        self.message = message
+        self.figures = figures
+
+
+def out_of_room(core, nbytes: int, tried: list[str], describe=None) -> OutOfRoom:
+    """The explained out-of-memory error for `nbytes` (see `OutOfRoom`)."""
+    st = stats(core)
+    pinned = sum(b.size for b in core.blocks() if b.pins)
+    largest = sorted((b for b in core.blocks() if not b.retired), key=lambda b: (-b.nbytes, -b.pins))[:5]
+    lines = [
+        f"defrag {core.label} ({core.kind}) cannot allocate {format_bytes(nbytes)} ({nbytes} bytes):",
+        f"  capacity {format_bytes(core.capacity)}, live {format_bytes(st['allocated_bytes.all.current'])}, "
+        f"stranded in half-used pages {format_bytes(st['stranded_bytes'])}, pinned {format_bytes(pinned)}, "
+        f"largest request possible now {format_bytes(st['largest_free_bytes'])}.",
+        "  tried: " + "; ".join(tried or ["placement"]),
+    ]
+    if largest:
+        lines.append("  largest live tensors: " + ", ".join(
+            (f"{format_bytes(b.nbytes)} {describe(b) if describe else ''}".strip()
+             + (" (pinned)" if b.pins else "")) for b in largest))
+    lines.append("  suggestion: " + _suggestion(core, nbytes, st["allocated_bytes.all.current"], pinned))
+    return OutOfRoom("\n".join(lines), requested=nbytes, capacity=core.capacity,
+                     live=st["allocated_bytes.all.current"], stranded=st["stranded_bytes"],
+                     pinned=pinned, tried=tuple(tried))
+
+
+def _suggestion(core, nbytes: int, live: int, pinned: int) -> str:
+    """What would really make room for `nbytes`: only advice that is true of this pool and device."""
+    device_total = core.driver.total_memory
+    if nbytes > core.capacity:
+        advice = f"the request is larger than the pool's capacity ({format_bytes(core.capacity)})"
+        if nbytes > device_total:
+            return advice + f" and than the whole device ({format_bytes(device_total)}): split the tensor."
+        return advice + f": create the pool with capacity >= {format_bytes(nbytes)}."
+    if core.space.store.device_full:
+        return (f"the device is the limit, not the pool: it has {format_bytes(device_total)} in all and gave "
+                f"no more pages (other pools, PyTorch's caching allocator or other processes hold the rest), "
+                f"so a larger capacity would not help; free memory held outside this pool "
+                f"(torch.cuda.empty_cache(), other pools' trim()) or ask for less.")
+    free_after_compaction = core.capacity - core.pages_needed_if_packed(core.scope(None)) * core.page_size
+    if nbytes <= free_after_compaction and not core.auto_compact:
+        return "pool.compact() (or auto_compact=True) would make room for this request."
+    steps = []
+    if pinned:
+        steps.append("unpin tensors you no longer need to keep in place")
+    if live:
+        steps.append("free tensors you no longer need")
+    if core.capacity < device_total:
+        steps.append(f"create the pool with a larger capacity (the device has {format_bytes(device_total)})")
+    elif not steps:
+        steps.append("ask for less: the pool already spans the whole device")
+    return ", ".join(steps[:-1]) + (" or " if len(steps) > 1 else "") + steps[-1] + "."
+
+
+def stats(core) -> dict:
+    """Counters and gauges in PyTorch's key grammar (the gate is held; see `Pool.stats`)."""
+    backing = core.backing
+    stranded, fragmentation = core.stranded()
+    P = core.page_size
+    allocated = core.counters["allocated_bytes"]
+    pending = core.counters["pending_bytes"]
+    mapped = core.space.mapped
+    empty = backing.empty
+    heap_free = stranded + empty * P
+    store = core.space.store
+    free_pages = len(store.cached) + (0 if store.device_full else store.creatable) + empty
+    if free_pages >= 1:
+        largest = free_pages * P
+    else:
+        largest = max((h.largest_free() for h in backing.heaps), default=0)
+        largest = min(largest, P - ALIGNMENT)
+    reserved = mapped * P
+    core.peaks["reserved_bytes"] = max(core.peaks["reserved_bytes"], reserved)
+    active = allocated + pending
+    c = core.counters
+    return {
+        "allocated_bytes.all.current": allocated,
+        "allocated_bytes.all.peak": core.peaks["allocated_bytes"],
+        "active_bytes.all.current": active,
+        "active_bytes.all.peak": core.peaks["active_bytes"],
+        "reserved_bytes.all.current": reserved,
+        "reserved_bytes.all.peak": core.peaks["reserved_bytes"],
+        "requested_bytes.all.current": sum(b.nbytes for b in core.blocks()),
+        "num_alloc_retries": c["num_alloc_retries"],
+        "num_ooms": c["num_ooms"],
+        "num_allocs": c["num_allocs"],
+        "num_frees": c["num_frees"],
+        "num_device_alloc": store.created,
+        "num_device_free": store.created - store.total,
+        "pages.mapped": mapped,
+        "pages.cached": len(store.cached),
+        "pages.total": store.total,
+        "pages.empty": empty,
+        "pages.capacity": core.capacity_pages,
+        "page_size": P,
+        "capacity_bytes": core.capacity,
+        "free_inside_mapped_bytes": heap_free,
+        "stranded_bytes": stranded,
+        "largest_free_bytes": largest,
+        "fragmentation": fragmentation,
+        "num_compactions": c["num_compactions"],
+        "num_compactions.explicit": c["num_compactions.explicit"],
+        "num_compactions.automatic": c["num_compactions.automatic"],
+        "compaction.moved_bytes": c["compaction.moved_bytes"],
+        "compaction.moved_tensors": c["compaction.moved_tensors"],
+        "compaction.released_pages": c["compaction.released_pages"],
+        "live_blocks": sum(1 for b in core.blocks() if not b.retired),
+        "pinned_blocks": sum(1 for b in core.blocks() if b.pins),
+        "regions": len(core.space.regions),
+        # Residency (defrag.residency): reserved_bytes above counts device pages only.
+        "offloaded_bytes.all.current": core.space.host_mapped * P,
+        "offloaded_bytes.all.peak": core.peaks["offloaded_bytes"],
+        "sleeping_bytes.all.current": core.space.asleep * P,
+        "sleeping_bytes.all.peak": core.peaks["sleeping_bytes"],
+        "pages.offloaded": core.space.host_mapped,
+        "pages.asleep": core.space.asleep,
+        "asleep": core.space.sleeping,
+        "sleep.host_bytes": c["sleep.host_bytes"],
+        "num_sleeps": c["num_sleeps"],
+        "num_wakes": c["num_wakes"],
+        "num_offloads": c["num_offloads"],
+        "num_reloads": c["num_reloads"],
+        "offload.moved_bytes": c["offload.moved_bytes"],
+    }
+
+
+def layout(core) -> dict:
+    """A plain-dict picture of the core (for `defrag.viz` and snapshots); see `Pool.layout`."""
+    backing = core.backing
+    core.flush_reuse()
+    regions = []
+    for region in core.space.regions:
+        live = backing.live_count[region.index] > 0
+        mapped = region.handles != 0
+        states = np.where(live, "live", np.where(mapped, "empty", "unmapped"))
+        # Pages behind host memory (offloaded) or released by a sleep.
+        states = np.where(region.backing == HOST, "offloaded", np.where(region.backing == ASLEEP, "asleep", states))
+        regions.append({"index": region.index, "base": region.base, "npages": region.npages,
+                        "pages": states.tolist(), "free_ranges": backing.heaps[region.index].free_ranges()})
+    blocks = []
+    for _, b in ((b.address, b) for b in sorted(core.blocks(), key=lambda b: b.address)):
+        dtype, shape = getattr(b.info, "dtype", None), getattr(b.info, "shape", None)
+        blocks.append({"address": b.address, "size": b.size, "nbytes": b.nbytes, "region": b.region.index,
+                       "kind": getattr(b.info, "kind", None) or "block",
+                       "pinned": b.pins > 0, "offloaded": b.offloaded,
+                       "dtype": str(dtype).replace("torch.", "") if dtype else None,
+                       "shape": list(shape) if shape is not None else None,
+                       "state": "retired" if b.retired else ("live" if b.counted else "pending-free")})
+    return {"kind": core.kind, "page_size": core.page_size, "capacity": core.capacity,
+            "cached_pages": len(core.space.store.cached), "regions": regions, "blocks": blocks}
+
+
+def check_invariants(core) -> None:
+    """Raise AssertionError if any of DESIGN.md's invariants is broken (a test aid).
+
+    Checks: blocks do not overlap; every byte of every block is mapped;
+    allocated + free-inside-mapped == mapped bytes; page live counts match
+    the blocks; heaps are internally consistent.
+    """
+    backing = core.backing
+    core.flush_reuse()
+    prev_end = None
+    counts = [np.zeros_like(c) for c in backing.live_count]
+    for address, b in ((b.address, b) for b in sorted(core.blocks(), key=lambda b: b.address)):
+        assert address == b.address
+        assert prev_end is None or address >= prev_end, f"blocks overlap at {address:#x}"
+        prev_end = address + b.size
+        first, end = backing.pages_of(b)
+        assert b.region.handles[first:end].all(), f"block at {address:#x} touches an unmapped page"
+        counts[b.region.index][first:end] += 1
+    for region, heap, expect, got in zip(core.space.regions, backing.heaps, counts, backing.live_count):
+        heap.check_invariants()
+        assert np.array_equal(expect, got), f"page live counts of region {region.index} disagree"
+        for off, size in heap.free_ranges():
+            first, end = backing.pages_of(off, size)
+            assert region.handles[first:end].all(), "free space recorded inside an unmapped page"
+    allocated = sum(b.size for b in core.blocks())
+    counted = sum(b.size for b in core.blocks() if b.counted)
+    assert counted == core.counters["allocated_bytes"], "allocated counter disagrees with blocks"
+    heap_free = sum(h.free_bytes() for h in backing.heaps)
+    assert allocated + heap_free == core.space.book_pages * core.page_size, (
+        f"allocated {allocated} + free {heap_free} != mapped {core.space.book_pages * core.page_size}")
+    assert core.space.store.total <= core.capacity_pages, "more physical pages than capacity"
+    assert core.space.mapped + len(core.space.store.cached) == core.space.store.total
+    empty = sum(int(((r.handles != 0) & (c == 0)).sum()) for r, c in zip(core.space.regions, backing.live_count))
+    assert empty == backing.empty, f"empty page count {backing.empty} != {empty}"
+    live = sum(int((c > 0).sum()) for c in backing.live_count)
+    assert live == backing.live_pages(), f"live page count {backing.live_pages()} != {live}"
