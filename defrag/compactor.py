@@ -60,6 +60,8 @@ run none of their own code, which is why their blocks may move.
 from __future__ import annotations
 
 import ctypes
+import functools
+import gc
 import logging
 import time
 import traceback
@@ -213,6 +215,24 @@ class PhaseTimer:
         self.phases[self.name] = self.phases.get(self.name, 0.0) + time.perf_counter() - self.t0
 
 
+def _gc_paused(fn):
+    """`fn` with Python's cyclic collector off while it runs (left as it was found). A compaction
+    makes a few objects per moved block, enough to set off collections whose pauses (a full one
+    walks every object of the program: ~10 ms with ten thousand tensors alive) would land inside
+    it; what it makes is acyclic and freed by reference counting."""
+    @functools.wraps(fn)
+    def paused(*args, **kwargs):
+        was = gc.isenabled()
+        gc.disable()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            if was:
+                gc.enable()
+    return paused
+
+
+@_gc_paused
 def compact_core(core: Core, mover: Mover, *, verify: bool = False, progress: bool | None = None,
                  engine: str | None = None, automatic: bool = False, release: bool = False,
                  hole_for: int | None = None, scope: Scope | None = None, callbacks=()) -> CompactionReport:
@@ -463,8 +483,8 @@ def _run_wave(core: Core, mover: Mover, region, plan: ArrayPlan, a: int, b: int,
         # rest left warm. (Whole blocks, 512-byte multiples: 16-byte aligned for the kernel, and the
         # rounding stays inside each block.)
         with PhaseTimer(phases, "prepare"):
-            dest_pages = {p for d, old in zip(offsets, olds) for p in range(d // P, (d + old.size - 1) // P + 1)}
-            to_map = sorted(p for p in dest_pages if not region.handles[p])
+            dest_pages = _pages_under(plan.dst[a:b], plan.size[a:b], P)
+            to_map = dest_pages[region.handles[dest_pages] == 0].tolist()
             _make_physical_room(core, region, dest_pages, len(to_map))
             core.backing.map(region, to_map, txn)
         moves = [(old.address, dst, old.size) for old, dst in zip(olds, dsts)]
@@ -531,7 +551,21 @@ def _run_wave(core: Core, mover: Mover, region, plan: ArrayPlan, a: int, b: int,
         core.settle()  # later waves' destinations lie in what this one vacated
 
 
-def _make_physical_room(core: Core, region, dest_pages: set, needed: int) -> None:
+def _pages_under(offsets: np.ndarray, sizes: np.ndarray, page_size: int) -> np.ndarray:
+    """Every page index that a range [offsets[i], offsets[i] + sizes[i]) touches, sorted, once each."""
+    first, last = offsets // page_size, (offsets + sizes - 1) // page_size
+    if not first.size:
+        return first
+    span = last - first + 1
+    if span.max() <= 2:
+        pages = np.concatenate((first, last))  # the common case: a block touches one or two pages
+    else:
+        starts = np.repeat(first - np.cumsum(span) + span, span)
+        pages = starts + np.arange(int(span.sum()))
+    return np.unique(pages)
+
+
+def _make_physical_room(core: Core, region, dest_pages, needed: int) -> None:
     """`Backing.make_room` for a wave's or a window's `needed` new pages; CompactionError (nothing
     unmapped, nothing moved) when the pool's free physical pages cannot back them."""
     try:
@@ -671,6 +705,7 @@ def rescue(core: Core, mover: Mover, nbytes: int, tried: list[str], callbacks=()
 
 
 # ---------------------------------------------------------------------- issue 15: moves the caller places
+@_gc_paused
 def move_blocks(core: Core, mover: Mover, moves, *, engine: str | None = None, verify: bool = False,
                 scope: Scope | None = None) -> CompactionReport:
     """Move each `(block, destination address)` of `moves` in one wave: the compaction protocol

@@ -5,10 +5,11 @@ from __future__ import annotations
 import copy
 import gc
 
+import numpy as np
 import pytest
 import torch
 from cuda.bindings.driver import CUresult
-from hypothesis import HealthCheck, settings
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import rule
 
@@ -426,3 +427,28 @@ def test_compaction_packs_blocks_of_a_page_or_more_end_to_end(make_pool):
         assert id(x) == ids[i] and check_pattern(x, i + 1)
         assert v.data_ptr() == x.data_ptr() + 1000
     pool.check_invariants()
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 1 << 24), st.integers(1, 1 << 23)), max_size=40),
+       st.sampled_from([4096, 65536, 2 << 20]))
+def test_the_pages_under_a_wave_are_every_page_its_ranges_touch(ranges, page):
+    offsets = np.array([o for o, _ in ranges], dtype=np.int64)
+    sizes = np.array([n for _, n in ranges], dtype=np.int64)
+    expect = sorted({p for o, n in ranges for p in range(o // page, (o + n - 1) // page + 1)})
+    assert compactor._pages_under(offsets, sizes, page).tolist() == expect
+
+
+def test_a_compaction_leaves_the_collector_as_it_found_it(make_pool):
+    pool = make_pool("8MiB")
+    keep = [pool.empty(40 * KiB, dtype=torch.uint8) for _ in range(20)][::2]
+    assert gc.isenabled()
+    pool.compact()
+    assert gc.isenabled()
+    gc.disable()
+    try:
+        pool.compact()
+        assert not gc.isenabled()
+    finally:
+        gc.enable()
+    del keep
