@@ -100,22 +100,24 @@ def draw(path: pathlib.Path = OUT) -> pathlib.Path:
          CORE)
 
     # ---- core
-    _band(ax, 246, 126, "core (its books native)")
+    _band(ax, 246, 126, "policy (no torch)")
     _box(ax, 40, 266, 450, 96, "core.py  Core",
-         "blocks (Block), placement + stitching, release queue (drain),\npage accounting, counters, the allocation "
-         "ladder,\nthread scopes (scope, movable) + threads.py Gate",
+         "blocks (Block), placement, release queue (drain, settle),\ncounters, the allocation ladder; "
+         "threads.py: Gate,\nUsers.scope, Scope.blocker; readout.py: stats, layout",
          CORE)
     _box(ax, 510, 266, 450, 96, "compactor.py  compact_core / rescue",
          "plan, prepare, copy, verify, commit, release, per wave\nin a Transaction; owners rewritten by the face's "
-         "Mover\n(stream, can_rewrite, hold, destination, check, commit)",
+         "Mover\n(hold, destinations, commit_all); residency.py beside it",
          CORE)
 
     # ---- pure parts, address space, kernels
-    _box(ax, 40, 400, 190, 78, "native/  Books", "C++: heaps (best fit), page\ncounts, kept ranges; the\nfast path over them",
+    _box(ax, 40, 400, 160, 78, "native/  Books", "C++: heaps (best fit),\npage counts, kept\nranges; the fast path",
          PURE, body_size=8.2)
-    _box(ax, 250, 400, 200, 78, "planner.py", "pure: layout arrays ->\nwaves of moves (ArrayPlan)", PURE)
-    _box(ax, 470, 400, 250, 78, "vmm.py", "AddressSpace, PageStore, Region,\nTransaction: reserve, map, unmap",
-         LOW)
+    _box(ax, 365, 400, 185, 78, "backing.py  Backing", "every map, unmap, stitch,\nsleep/wake, re-backing;\nbooks kept in step",
+         PURE, body_size=8.2)
+    _box(ax, 210, 400, 145, 78, "planner.py", "pure: layout ->\nwaves of moves", PURE, body_size=8.2)
+    _box(ax, 575, 400, 150, 78, "vmm.py", "AddressSpace,\nPageStore, Region,\nTransaction",
+         LOW, body_size=8.2)
     _box(ax, 740, 400, 220, 78, "defrag.kernels", "kernels/ (numba-cuda):\nbatched_move, fill, checksum", LOW)
 
     # ---- driver
@@ -135,8 +137,8 @@ def draw(path: pathlib.Path = OUT) -> pathlib.Path:
     notes = [
         "errors.py, units.py: used by every layer (no torch).   oom.py: OutOfMemoryError, raised by the torch faces"
         " from the core's OutOfRoom.",
-        "distributed.py: a face over Pool (ranks decide together over torch.distributed).   residency.py (core, no"
-        " torch): sleep/wake, offload/reload.",
+        "distributed.py: a face over Pool (ranks decide together over torch.distributed).   residency.py (policy, no"
+        " torch): sleep/wake, offload/reload, pages through the backing.",
         "core, compactor and residency also call the Driver itself.   stats.py and viz.py read the core's layout and"
         " counters and change nothing.",
         "pool.empty's fast path (native/module.cpp) places through the same books, under their lock, when no page"
@@ -160,12 +162,15 @@ def draw(path: pathlib.Path = OUT) -> pathlib.Path:
     # compactor -> core (sideways); core, compactor -> heap, planner, vmm, kernels
     ax.annotate("", xy=(490, H - 314), xytext=(510, H - 314),
                 arrowprops=dict(arrowstyle="-|>", color=ARROW, lw=1.2, mutation_scale=11))
-    _arrow(ax, 135, 362, 135, 400)
-    _arrow(ax, 300, 362, 560, 400)
-    _arrow(ax, 600, 362, 350, 400)
+    _arrow(ax, 120, 362, 120, 400)
+    _arrow(ax, 400, 362, 420, 400)
+    _arrow(ax, 560, 362, 300, 400)
+    _arrow(ax, 640, 362, 500, 400)
     _arrow(ax, 830, 362, 850, 400)
-    # vmm -> driver; kernels -> device
-    _arrow(ax, 595, 478, 595, 518)
+    # backing -> vmm; vmm -> driver; kernels -> device
+    ax.annotate("", xy=(575, H - 439), xytext=(550, H - 439),
+                arrowprops=dict(arrowstyle="-|>", color=ARROW, lw=1.2, mutation_scale=11))
+    _arrow(ax, 650, 478, 650, 518)
     _arrow(ax, 850, 478, 850, 518)
     # driver -> implementations
     _arrow(ax, 200, 586, 145, 620)

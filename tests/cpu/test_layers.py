@@ -157,11 +157,12 @@ def test_the_pure_parts_import_neither_torch_nor_the_driver():
 def test_modules_over_the_heap_planner_or_vmm_import_no_torch():
     low = {"defrag.heap", "defrag.planner", "defrag.vmm"}
     users = [m for m in MODULES if m not in low and any(t in low for t, _, _ in _imports(m))]
-    assert {"defrag.core", "defrag.compactor"} <= set(users)
+    assert {"defrag.core", "defrag.compactor", "defrag.backing"} <= set(users)
     assert [m for m in users if _imports_torch(m)] == []
 
 
 def test_the_core_layers_import_no_torch_at_all():
-    for module in ("defrag.core", "defrag.compactor", "defrag.vmm", "defrag.heap", "defrag.planner", "defrag.errors",
-                   "defrag.threads", "defrag.stats", "defrag.dry", "defrag.units"):
+    for module in ("defrag.core", "defrag.backing", "defrag.readout", "defrag.residency", "defrag.compactor",
+                   "defrag.vmm", "defrag.heap", "defrag.planner", "defrag.errors", "defrag.threads", "defrag.stats",
+                   "defrag.dry", "defrag.units"):
         assert not _imports_torch(module), module
