@@ -158,7 +158,8 @@ class Mover(Protocol):
       `dests` ((old, new, held, dest) tuples) as `check` would and, only if
       all pass, commits all of them as `commit` would (then it must not
       fail): -1, or the index of the first move that failed its check
-      (nothing committed).
+      (nothing committed). It may replace the destinations in `dests` (a
+      list) with ones it made itself.
     """
 
     def stream(self) -> int: ...

@@ -61,7 +61,7 @@ def status() -> str:
 class FastPath:
     """One pool's fast path as the core's front (`Core.front`).
 
-    `cpp` is the C++ object (`empty`, `bind_empty`, `storage`, `storages`, `native_empty`, `churn`, `collect`,
+    `cpp` is the C++ object (`empty`, `bind_empty`, `storage`, `storages`, `rebase`, `native_empty`, `churn`, `collect`,
     `collect_released`, `queue_python`, `close`, `live`, `enabled`, `hits`,
     `misses`) over the core's native books (`Core.books`).
     `make_info(dtype, shape, storage_ref)` builds the face's `Block.info` for
@@ -84,6 +84,21 @@ class FastPath:
         storages, first = self.cpp.storages([b.address for b in blocks], [b.nbytes for b in blocks])
         self._by_serial.update(zip(range(first, first + len(blocks)), blocks))
         return storages
+
+    def rebase(self, users: list, news: list, olds: list) -> int:
+        """A compaction wave's commit in one C++ call (`cpp.rebase`): each storage of `users` takes
+        the memory of the block at the same index of `news` from that of `olds` (its old range
+        already back in the books); no temporary storage, no release to apply later. -1 when done;
+        i when users[i] is not at olds[i] as a block of its size (nothing changed); -2 when some
+        user's memory was not made by this fast path (nothing changed: swap through temporaries)."""
+        failed, first, old_serials = self.cpp.rebase(users, [b.address for b in news], [b.address for b in olds],
+                                                     [b.nbytes for b in news])
+        if failed == -1:
+            by_serial = self._by_serial
+            for serial in old_serials:
+                by_serial.pop(serial, None)
+            by_serial.update(zip(range(first, first + len(news)), news))
+        return failed
 
     def storage_over(self, block: Block):
         """A torch UntypedStorage over `block` whose death queues the block's release (the face's

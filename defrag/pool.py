@@ -184,9 +184,16 @@ class _TorchMover:
 
     def destinations(self, blocks: list) -> list:
         pool = self.pool
+        if self._rebases():
+            return blocks  # nothing to make: `commit_all` gives each owner its block in place
         if pool._fast is not None:
             return pool.core.front.storages_over(blocks)
         return [pool._storage_over(block) for block in blocks]
+
+    def _rebases(self) -> bool:
+        # The owners take their new memory in place (`FastPath.rebase`) where the fast path made it
+        # and the old ranges go back to the books at once (`lets_go`).
+        return self.pool._fast is not None and self.lets_go()
 
     def check(self, old: Block, held, dest) -> bool:
         user = held[0]
@@ -198,8 +205,18 @@ class _TorchMover:
         return self.pool._can_swap
 
     def commit_all(self, dests) -> int | None:
-        # One C++ call for the whole wave (`fastpath.cpp`'s `swap_storages`: `_swap_data_ptr_` per pair
-        # after every check) where torch has it; else move by move.
+        # One C++ call for the whole wave: every owner rebased in place (`FastPath.rebase`), or, where
+        # some owner's memory was not the fast path's, swapped with a temporary made now
+        # (`swap_storages`: `_swap_data_ptr_` per pair after every check) where torch has it; else
+        # move by move.
+        if self._rebases():
+            front = self.pool.core.front
+            failed = front.rebase([held[0] for _, _, held, _ in dests], [new for _, new, _, _ in dests],
+                                  [old for old, _, _, _ in dests])
+            if failed != -2:
+                return failed
+            temps = front.storages_over([new for _, new, _, _ in dests])
+            dests[:] = [(old, new, held, temp) for (old, new, held, _), temp in zip(dests, temps)]
         swap_all = getattr(fastpath.module, "swap_storages", None) if self.pool._swap_mode == "native" else None
         if swap_all is None:
             return None

@@ -454,6 +454,62 @@ class FastPath {
     return py::make_tuple(out, first);
   }
 
+  // A compaction wave's commit, for storages whose memory this object made: `users[i]` moves
+  // from `old_addresses[i]` to `new_addresses[i]` (the copy is done; the books hold the new
+  // range and took the old one back). Every user is checked first: an UntypedStorage on this
+  // device whose memory is a collected block made here, at its old address. Then each gets a
+  // DataPtr over its new address (a new collected slot, serial `first + i`) and its old slot is
+  // deleted without its deleter (nothing to release: the books took the range back). Returns (-1, first, old serials); (i, 0, []) when
+  // user i is not at its old address or not of `nbytes[i]` bytes; (-2, 0, []) when some user's memory was not made here
+  // (the caller swaps through temporary storages instead). Nothing changes unless all pass.
+  py::tuple rebase(const py::list& users, const std::vector<uintptr_t>& new_addresses,
+                   const std::vector<uintptr_t>& old_addresses, const std::vector<int64_t>& nbytes) {
+    const size_t n = users.size();
+    if (new_addresses.size() != n || old_addresses.size() != n || nbytes.size() != n)
+      throw py::value_error("rebase: users, addresses and nbytes differ in length");
+    std::vector<c10::StorageImpl*> impls(n);
+    std::vector<Slot*> olds(n);
+    {
+      std::lock_guard<std::mutex> guard(st_->books->mu);  // slots' fields are read under it
+      for (size_t i = 0; i < n; ++i) {
+        PyObject* user = users[i].ptr();
+        if (!THPStorage_Check(user)) throw py::value_error("rebase: expects UntypedStorages");
+        c10::StorageImpl* impl = THPStorage_Unpack(user).unsafeGetStorageImpl();
+        const c10::DataPtr& data = impl->data_ptr();
+        if (data.get_deleter() != &release_slot || data.device() != device_)
+          return py::make_tuple(-2, 0, py::list());
+        auto* slot = static_cast<Slot*>(data.get_context());
+        if (slot->state != st_ || !slot->collected) return py::make_tuple(-2, 0, py::list());
+        if (reinterpret_cast<uintptr_t>(data.get()) != old_addresses[i] || slot->address != old_addresses[i] ||
+            static_cast<int64_t>(impl->nbytes()) != nbytes[i])
+          return py::make_tuple(static_cast<int64_t>(i), 0, py::list());
+        impls[i] = impl;
+        olds[i] = slot;
+      }
+    }
+    std::vector<Slot*> fresh(n);
+    for (size_t i = 0; i < n; ++i) fresh[i] = new Slot();  // before anything changes: may throw
+    uint64_t first;
+    py::list old_serials(n);
+    {
+      std::lock_guard<std::mutex> guard(st_->books->mu);  // `live` is unchanged: one slot for another
+      first = st_->next_serial;
+      st_->next_serial += n;
+    }
+    for (size_t i = 0; i < n; ++i) {
+      Slot* slot = fresh[i];
+      slot->state = st_;
+      slot->address = new_addresses[i];
+      slot->collected = true;
+      slot->serial = first + i;
+      old_serials[i] = olds[i]->serial;
+      c10::DataPtr old = impls[i]->set_data_ptr(
+          c10::DataPtr(reinterpret_cast<void*>(new_addresses[i]), slot, &release_slot, device_));
+      delete static_cast<Slot*>(old.release_context());
+    }
+    return py::make_tuple(-1, first, old_serials);
+  }
+
   // An UntypedStorage of `nbytes` at `address` for a block Python placed itself
   // (compaction destinations, adopt): (storage, serial). Its release is queued
   // by serial like a collected block's; the caller maps the serial to its block
@@ -886,6 +942,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       })
       .def("storage", &FastPath::storage)
       .def("storages", &FastPath::storages)
+      .def("rebase", &FastPath::rebase)
       .def("collect", &FastPath::collect)
       .def("collect_released", &FastPath::collect_released)
       .def("queue_python", &FastPath::queue_python)

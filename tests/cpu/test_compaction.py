@@ -253,16 +253,19 @@ def test_an_exception_mid_compaction_rolls_back(make_pool, monkeypatch, where):
     assert after["live_blocks"] == before["live_blocks"]
 
 
-@pytest.mark.parametrize("batched", [True, False])
-def test_a_storage_changed_during_the_copy_stops_the_wave(make_pool, monkeypatch, batched):
-    """The commit checks every owner before rewriting any (in one C++ call or move by move): an owner
-    whose memory changed meanwhile makes the wave roll back, every tensor where and as it was."""
+@pytest.mark.parametrize("commit", ["rebase", "rebase_then_swap_storages", "swap_storages", "move_by_move"])
+def test_a_storage_changed_during_the_copy_stops_the_wave(make_pool, monkeypatch, commit):
+    """The commit checks every owner before rewriting any (owners rebased in one C++ call, swapped with
+    temporaries in one C++ call, or move by move): an owner whose memory changed meanwhile makes the
+    wave roll back, every tensor where and as it was."""
     from defrag import fastpath
     from defrag.pool import _TorchMover
 
-    if batched and getattr(fastpath.module, "swap_storages", None) is None:
+    if commit.endswith("swap_storages") and getattr(fastpath.module, "swap_storages", None) is None:
         pytest.skip("no batched storage swap here (needs the fast path built against torch >= 2.13)")
-    if not batched:
+    if not commit.startswith("rebase"):
+        monkeypatch.setattr(_TorchMover, "_rebases", lambda self: False)
+    if commit == "move_by_move":
         monkeypatch.setattr(_TorchMover, "commit_all", lambda self, dests: None)
     pool = make_pool("1MiB", auto_compact=False)
     survivors = fragment(pool)
@@ -274,16 +277,31 @@ def test_a_storage_changed_during_the_copy_stops_the_wave(make_pool, monkeypatch
     def copy_then_meddle(core, mover, engine, moves):
         real_copy(core, mover, engine, moves)
         # The last moved tensor's storage takes other memory (as a stray thread might): its check fails.
+        # For the rebase, that memory is another pool tensor's of the same size, so that only the
+        # address tells (memory not made by the fast path sends the wave to the temporaries).
         seed = next(s for s, t in survivors.items() if t.data_ptr() == moves[-1][0])
         storage = survivors[seed].untyped_storage()
-        stray = torch.UntypedStorage(storage.nbytes())
+        if commit == "rebase":
+            stray = next(t.untyped_storage() for s, t in survivors.items()
+                         if s != seed and t.untyped_storage().nbytes() == storage.nbytes())
+        else:
+            stray = torch.UntypedStorage(storage.nbytes())
         storage._swap_data_ptr_(stray)
         victim.update(seed=seed, storage=storage, stray=stray)
 
     monkeypatch.setattr(compactor, "_copy", copy_then_meddle)
+    rebased = []
+    real_rebase = fastpath.FastPath.rebase
+    monkeypatch.setattr(fastpath.FastPath, "rebase", lambda self, *a: rebased.append(real_rebase(self, *a)) or rebased[-1])
     with pytest.raises(defrag.CompactionError, match="changed during compaction; nothing was moved"):
         pool.compact()
     monkeypatch.undo()
+    if commit == "rebase":
+        assert len(rebased) == 1 and rebased[0] >= 0  # the rebase itself found the changed owner
+    elif commit == "rebase_then_swap_storages":
+        assert rebased == [-2]  # memory the fast path did not make: the temporaries' swap found it
+    else:
+        assert rebased == []
     victim["storage"]._swap_data_ptr_(victim["stray"])  # give the tensor its pool memory back
     gc.collect()
     pool.check_invariants()
@@ -452,3 +470,32 @@ def test_a_compaction_leaves_the_collector_as_it_found_it(make_pool):
     finally:
         gc.enable()
     del keep
+
+
+def test_rebased_owners_release_their_new_blocks_and_nothing_else(make_pool):
+    """A wave committed by rebasing (no temporaries): nothing is queued for the old ranges, and each
+    moved tensor's death frees exactly its new block."""
+    from defrag import fastpath
+
+    pool = make_pool("1MiB", auto_compact=False)
+    survivors = fragment(pool)
+    calls = []
+    real_rebase = fastpath.FastPath.rebase
+    fastpath.FastPath.rebase = lambda self, *a: calls.append(real_rebase(self, *a)) or calls[-1]
+    try:
+        report = pool.compact()
+    finally:
+        fastpath.FastPath.rebase = real_rebase
+    assert report.moved_tensors > 0 and calls and all(c == -1 for c in calls)
+    assert not pool.core.has_backlog()
+    pool.check_invariants()
+    assert all(check_pattern(t, s) for s, t in survivors.items())
+    live = pool.stats()["live_blocks"]
+    for seed in list(survivors)[: len(survivors) // 2]:
+        del survivors[seed]
+        gc.collect()
+        live -= 1
+        assert pool.stats()["live_blocks"] == live
+    pool.check_invariants()
+    survivors.clear()
+    assert pool.stats()["allocated_bytes.all.current"] == 0
