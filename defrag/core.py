@@ -49,6 +49,7 @@ from __future__ import annotations
 import collections
 import math
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 
@@ -81,6 +82,15 @@ class Block:
     deferral: tuple | list = ()  # the face's "device done with it" markers (have .query())
     keepalive: object = None  # the face's release hook for this range (dropped when the block is freed)
     offloaded: bool = False  # on host-located pages (defrag.residency): never moved until reloaded
+
+
+class UnseenRange(NamedTuple):
+    """In the release queue: the range of a block the core never recorded (the fast path made and
+    freed it between two syncs), to keep for reuse at its turn among the queued Blocks."""
+
+    size: int
+    region: int  # index
+    address: int
 
 
 def _page_runs(mask: np.ndarray) -> list[tuple[int, int]]:
@@ -280,8 +290,8 @@ class Core:
             self._released.append(block)
 
     def requeue(self, items: list) -> None:
-        """A face's fast path hands over its releases in order (the gate is held): Blocks, and
-        (size, region index, address) ranges of blocks the core never recorded, to keep at their turn."""
+        """A face's fast path hands over its releases in order (the gate is held): Blocks, and the
+        `UnseenRange`s of blocks the core never recorded, to keep at their turn."""
         self._released.extend(items)
 
     def drain(self, *, made_too: bool = True) -> None:
@@ -294,8 +304,8 @@ class Core:
             self.front.sync(self, made_too=made_too)
         while self._released:
             block = self._released.popleft()
-            if type(block) is tuple:
-                self.books.release_range(*block)  # a block the core never recorded
+            if type(block) is UnseenRange:
+                self.books.release_range(*block)
                 continue
             if self._blocks.get(block.address) is not block:
                 continue  # already gone (defensive: each owner releases once)
@@ -469,14 +479,14 @@ class Core:
         if self.front is not None:
             self.front.sync(self)
         released = self._released
-        if released and any(type(item) is tuple for item in released):
+        if released and any(type(item) is UnseenRange for item in released):
             # Ranges the fast path freed wait in the release queue: they go to the heap
             # now too (nothing else records them: no block, not kept).
             books = self.books
             for item in released:
-                if type(item) is tuple:
+                if type(item) is UnseenRange:
                     books.release_range(*item)
-            blocks = [item for item in released if type(item) is not tuple]
+            blocks = [item for item in released if type(item) is not UnseenRange]
             released.clear()
             released.extend(blocks)
         self.books.flush_kept()

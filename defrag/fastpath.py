@@ -30,7 +30,7 @@ from __future__ import annotations
 import os
 
 from . import native
-from .core import Block
+from .core import Block, UnseenRange
 
 module = None  # the native module once a pool loaded it (read without a lock: set once)
 
@@ -144,7 +144,7 @@ class FastPath:
                 elif kind == 1:
                     item = self._by_token.pop(entry[1], None)
                 else:
-                    item = entry[1:]  # (size, region, address): a range to keep at its turn
+                    item = UnseenRange(*entry[1:])  # a range to keep at its turn
                 if item is not None:
                     items.append(item)
             core.requeue(items)
