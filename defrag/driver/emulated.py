@@ -41,11 +41,17 @@ shares its bytes); releasing a handle that is still mapped frees its memory only
 at its last unmap. Copies and memsets over addresses that are not mapped with
 access return CUDA_ERROR_INVALID_VALUE instead of faulting the process.
 
-Every host-memory side effect goes through the `_host_*` methods at the end
-of the class (create/release a page's memfd, reserve/free address space,
-map/unmap/protect, copy/set bytes); everything else is bookkeeping and rules.
-`defrag.driver.memoryless.MemorylessCuda` overrides only those methods, so the
-memory-less device follows exactly these rules with no bytes behind them.
+It is cut in three parts. `EmulatedCuda` holds the driver calls: each one's
+rules and error codes, the contexts, the physical handles and the capacity
+accounting, the queued work of streams, the pinned buffers. What its virtual
+address space holds (reservations, mappings, each granule's access) is kept
+in its `AddressBooks` (`address_books.py`), which checks no rule. Every
+host-memory side effect (create/release a page's memfd, reserve/free address
+space, map/unmap/protect, copy/set bytes, pinned buffers, the tombstone) is
+done by its `host_memory`, a `HostMemory` (`host_memory.py`), once the call's
+rules have passed. `defrag.driver.memoryless.MemorylessCuda` swaps only that
+part (`host_memory_class`), so the memory-less device follows exactly these
+rules with no bytes behind them.
 
 Host memory the device can use (issue 15: sleep, wake, offload) is a kind of
 its own, with its own capacity (`host_capacity`), separate from the device's:
@@ -68,16 +74,17 @@ documentation leaves open (those return CUDA_ERROR_INVALID_VALUE).
 
 from __future__ import annotations
 
-import bisect
 import ctypes
-import ctypes.util
 import itertools
 import mmap
-import os
 import threading
 from dataclasses import dataclass
 
 from cuda.bindings import driver as cu
+
+from .address_books import AddressBooks
+from .host_memory import MEMFD_NAME, TOMBSTONE_NAME  # noqa: F401  (still named from here: the memfds' names)
+from .host_memory import PROT_NONE, PROT_READ, PROT_RW, HostMemory
 
 R = cu.CUresult
 GiB = 1 << 30
@@ -87,49 +94,6 @@ DEFAULT_GRANULARITY = 2 * MiB  # what H100/H200 report for CU_MEM_ALLOC_GRANULAR
 DEFAULT_CAPACITY = 16 * GiB
 DEFAULT_HOST_CAPACITY = 64 * GiB  # host-located pages and pinned buffers (memfd/mmap pages cost nothing until written)
 HOST_NUMA_NODE = 0  # the one host NUMA node the emulated device offers
-MEMFD_NAME = "defrag-emulated-page"
-
-_PROT_NONE = 0
-_PROT_READ = mmap.PROT_READ
-_PROT_RW = mmap.PROT_READ | mmap.PROT_WRITE
-_MAP_SHARED = mmap.MAP_SHARED
-_MAP_PRIVATE = mmap.MAP_PRIVATE
-_MAP_ANONYMOUS = mmap.MAP_ANONYMOUS
-_MAP_FIXED = 0x10
-_MAP_NORESERVE = 0x4000
-_MAP_POPULATE = getattr(mmap, "MAP_POPULATE", 0x8000)  # Linux: fault every page in at mmap time
-_MAP_FAILED = ctypes.c_void_p(-1).value
-
-_libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
-# Without restype/argtypes ctypes truncates 64-bit pointers to int.
-_libc.mmap.restype = ctypes.c_void_p
-_libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
-_libc.munmap.restype = ctypes.c_int
-_libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
-_libc.fallocate.restype = ctypes.c_int
-_libc.fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_long, ctypes.c_long]
-_FALLOC_PUNCH_HOLE = 0x01 | 0x02  # FALLOC_FL_KEEP_SIZE | FALLOC_FL_PUNCH_HOLE
-TOMBSTONE_NAME = "defrag-emulated-unmapped"
-_libc.mprotect.restype = ctypes.c_int
-_libc.mprotect.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-
-# For each needed protection, a bytes.translate table that maps a granule's
-# protection to 0 when it grants that access and to 1 when it does not.
-_LACKS = {need: bytes(0 if p & need == need else 1 for p in range(256)) for need in (_PROT_READ, _PROT_RW)}
-
-
-def _os_mmap(addr: int, size: int, prot: int, flags: int, fd: int = -1, offset: int = 0) -> int:
-    result = _libc.mmap(addr or None, size, prot, flags, fd, offset)
-    if result is None or result == _MAP_FAILED:
-        err = ctypes.get_errno()
-        raise OSError(err, f"mmap failed: {os.strerror(err)}")
-    return result
-
-
-def _os_check(rc: int, what: str) -> None:
-    if rc != 0:
-        err = ctypes.get_errno()
-        raise OSError(err, f"{what} failed: {os.strerror(err)}")
 
 
 @dataclass
@@ -139,21 +103,6 @@ class _Physical:
     released: bool = False
     map_count: int = 0
     host: bool = False  # a host-located page (CU_MEM_LOCATION_TYPE_HOST_NUMA): counted in host_used
-
-
-@dataclass
-class _Mapping:
-    va: int
-    size: int
-    handle: int
-    offset: int
-    prots: bytearray = None  # protection per granule of this mapping (SetAccess may cover part of it)
-
-
-@dataclass
-class _Reservation:
-    base: int
-    size: int
 
 
 SIDE_STREAM = -1  # `defer_write`'s stream: only a device-wide synchronize waits for it
@@ -175,6 +124,10 @@ class EmulatedCuda:
     and fault plan, so tests can build a fresh device each. Thread-safe: every
     entry point holds one lock, like the driver's own serialization of VMM calls.
     """
+
+    #: What does each call's host side (`host_memory`): real memfd pages and mmap here, an address
+    #: counter with no bytes for `MemorylessCuda`. Built with (granularity, the device's lock).
+    host_memory_class: type[HostMemory] = HostMemory
 
     def __init__(self, *, capacity: int = DEFAULT_CAPACITY, granularity: int = DEFAULT_GRANULARITY,
                  device_count: int = 1, name: str = "defrag emulated device",
@@ -204,10 +157,7 @@ class EmulatedCuda:
         self._initialized = False
         self._handles: dict[int, _Physical] = {}
         self._next_handle = itertools.count(0x1000)
-        self._reservations: dict[int, _Reservation] = {}
-        self._res_starts: list[int] = []
-        self._mappings: dict[int, _Mapping] = {}
-        self._map_starts: list[int] = []
+        self._addresses = AddressBooks(self.granularity)  # reservations, mappings, each granule's access
         self._contexts: dict[int, int] = {}  # context id -> retain count
         self._thread = threading.local()  # .ctx: the calling thread's current context (0: none)
         self._ctx_handles: dict[int, object] = {}  # context id -> its CUcontext
@@ -216,7 +166,7 @@ class EmulatedCuda:
         self.late_faults = 0  # queued work that found its target unmapped (an illegal address on a GPU)
         self._closing = False
         self.calls: dict[str, int] = {}
-        self._tombstone: int | None = None  # memfd mapped over every unmapped granule (see _bury)
+        self.host_memory = self.host_memory_class(self.granularity, self._lock)  # every host side effect
 
     # ---------------------------------------------------------------- helpers
     def _count(self, name: str) -> None:
@@ -225,67 +175,13 @@ class EmulatedCuda:
     def _aligned(self, *values: int) -> bool:
         return all(int(v) % self.granularity == 0 for v in values)
 
-    def _reservation_of(self, va: int, size: int) -> _Reservation | None:
-        i = bisect.bisect_right(self._res_starts, va) - 1
-        if i < 0:
-            return None
-        res = self._reservations[self._res_starts[i]]
-        if va >= res.base and va + size <= res.base + res.size:
-            return res
-        return None
-
-    def _mappings_in(self, va: int, size: int) -> list[_Mapping]:
-        """Mappings intersecting [va, va+size), in address order."""
-        i = bisect.bisect_right(self._map_starts, va) - 1
-        i = max(i, 0)
-        out = []
-        end = va + size
-        while i < len(self._map_starts):
-            m = self._mappings[self._map_starts[i]]
-            if m.va >= end:
-                break
-            if m.va + m.size > va:
-                out.append(m)
-            i += 1
-        return out
-
-    def _covering(self, va: int, size: int) -> list[_Mapping] | None:
-        """The mappings that exactly tile [va, va+size) without gaps, else None."""
-        maps = self._mappings_in(va, size)
-        cursor = va
-        for m in maps:
-            if m.va > cursor:
-                return None
-            cursor = m.va + m.size
-        if not maps or maps[0].va > va or cursor < va + size:
-            return None
-        return maps
-
-    def _accessible(self, ptr: int, size: int, write: bool) -> bool:
-        maps = self._covering(ptr, size)
-        if maps is None:
-            return False
-        need = _PROT_RW if write else _PROT_READ
-        g = self.granularity
-        end = ptr + size
-        for m in maps:
-            first = (max(ptr, m.va) - m.va) // g
-            last = (min(end, m.va + m.size) - 1 - m.va) // g
-            if 1 in m.prots[first:last + 1].translate(_LACKS[need]):
-                return False
-        return True
-
     def _drop_physical(self, handle: int) -> None:
         phys = self._handles.pop(handle)
-        self._host_release(phys.fd)
+        self.host_memory.release_page(phys.fd)
         if phys.host:
             self.host_used -= phys.size
         else:
             self.used -= phys.size
-
-    @staticmethod
-    def _int(value) -> int:
-        return int(value)
 
     # ---------------------------------------------------------------- context
     def cuInit(self, flags):
@@ -423,9 +319,9 @@ class EmulatedCuda:
         source = ctypes.create_string_buffer(bytes(data), len(data))
 
         def run() -> bool:
-            if not self._accessible(ptr, len(source), True):
+            if not self._addresses.accessible(ptr, len(source), True):
                 return False
-            self._host_copy(ptr, ctypes.addressof(source), len(source))  # a host effect, as every one is
+            self.host_memory.copy(ptr, ctypes.addressof(source), len(source))  # a host effect, as every one is
             return True
 
         with self._lock:
@@ -452,9 +348,6 @@ class EmulatedCuda:
             return (R.CUDA_SUCCESS, self.capacity - self.used, self.capacity)
 
     # ---------------------------------------------------------------- physical
-    def _check_prop(self, prop) -> bool:
-        return self._prop_kind(prop) is not None
-
     def _prop_kind(self, prop) -> str | None:
         """"device" or "host" (a host NUMA location this device accepts), None for an invalid prop."""
         if not isinstance(prop, cu.CUmemAllocationProp):
@@ -471,7 +364,7 @@ class EmulatedCuda:
 
     def cuMemGetAllocationGranularity(self, prop, option):
         self._count("cuMemGetAllocationGranularity")
-        if not self._check_prop(prop):
+        if self._prop_kind(prop) is None:
             return (R.CUDA_ERROR_INVALID_VALUE, 0)
         if not isinstance(option, cu.CUmemAllocationGranularity_flags):
             raise TypeError("option must be a CUmemAllocationGranularity_flags")
@@ -489,7 +382,7 @@ class EmulatedCuda:
             host = kind == "host"
             if (self.host_used + size > self.host_capacity) if host else (self.used + size > self.capacity):
                 return (R.CUDA_ERROR_OUT_OF_MEMORY, cu.CUmemGenericAllocationHandle(0))
-            fd = self._host_create(size)
+            fd = self.host_memory.create_page(size)
             if fd is None:
                 return (R.CUDA_ERROR_OUT_OF_MEMORY, cu.CUmemGenericAllocationHandle(0))
             handle = next(self._next_handle)
@@ -524,25 +417,23 @@ class EmulatedCuda:
             if (size <= 0 or not self._aligned(size) or alignment & (alignment - 1)
                     or alignment % self.granularity or int(flags) != 0):
                 return (R.CUDA_ERROR_INVALID_VALUE, cu.CUdeviceptr(0))
-            base = self._host_reserve(size, alignment)  # the hint is ignored, as the driver may
+            base = self.host_memory.reserve(size, alignment)  # the hint is ignored, as the driver may
             if base is None:
                 return (R.CUDA_ERROR_OUT_OF_MEMORY, cu.CUdeviceptr(0))
-            self._reservations[base] = _Reservation(base, size)
-            bisect.insort(self._res_starts, base)
+            self._addresses.add_reservation(base, size)
             return (R.CUDA_SUCCESS, cu.CUdeviceptr(base))
 
     def cuMemAddressFree(self, ptr, size):
         self._count("cuMemAddressFree")
         ptr, size = int(ptr), int(size)
         with self._lock:
-            res = self._reservations.get(ptr)
-            if res is None or res.size != size or self._mappings_in(ptr, size):
+            res = self._addresses.reservations.get(ptr)
+            if res is None or res.size != size or self._addresses.mappings_in(ptr, size):
                 return (R.CUDA_ERROR_INVALID_VALUE,)
-            self._host_free(ptr, size)
-            del self._reservations[ptr]
-            del self._res_starts[bisect.bisect_left(self._res_starts, ptr)]
-            if not self._reservations:
-                self._host_idle()
+            self.host_memory.free_reserved(ptr, size)
+            self._addresses.remove_reservation(ptr)
+            if not self._addresses.reservations:
+                self.host_memory.drop_tombstone()
             return (R.CUDA_SUCCESS,)
 
     def cuMemMap(self, ptr, size, offset, handle, flags):
@@ -555,11 +446,10 @@ class EmulatedCuda:
             if (phys is None or phys.released or size <= 0 or int(flags) != 0
                     or offset != 0  # CUDA: "offset currently must be zero"
                     or not self._aligned(ptr, size) or size > phys.size
-                    or self._reservation_of(ptr, size) is None or self._mappings_in(ptr, size)):
+                    or self._addresses.reservation_of(ptr, size) is None or self._addresses.mappings_in(ptr, size)):
                 return (R.CUDA_ERROR_INVALID_VALUE,)
-            self._host_map(ptr, size, phys.fd, offset)
-            self._mappings[ptr] = _Mapping(ptr, size, handle, offset, bytearray(size // self.granularity))
-            bisect.insort(self._map_starts, ptr)
+            self.host_memory.map(ptr, size, phys.fd, offset)
+            self._addresses.add_mapping(ptr, size, handle, offset)
             phys.map_count += 1
             return (R.CUDA_SUCCESS,)
 
@@ -571,16 +461,13 @@ class EmulatedCuda:
         with self._lock:
             if size <= 0 or not self._aligned(ptr, size):
                 return (R.CUDA_ERROR_INVALID_VALUE,)
-            maps = self._covering(ptr, size)
+            maps = self._addresses.covering(ptr, size)
             # One unmap may cover several whole mappings but never split one.
             if maps is None or maps[0].va != ptr or maps[-1].va + maps[-1].size != ptr + size:
                 return (R.CUDA_ERROR_INVALID_VALUE,)
-            self._host_unmap(ptr, size)
-            # The mappings tile [ptr, ptr+size): their starts are adjacent in _map_starts.
-            first = bisect.bisect_left(self._map_starts, ptr)
-            del self._map_starts[first:first + len(maps)]
+            self.host_memory.unmap(ptr, size)
+            self._addresses.remove_mappings(maps)
             for m in maps:
-                del self._mappings[m.va]
                 phys = self._handles[m.handle]
                 phys.map_count -= 1
                 if phys.released and phys.map_count == 0:
@@ -599,7 +486,7 @@ class EmulatedCuda:
         with self._lock:
             if count != len(descs) or count < 1 or size <= 0 or not self._aligned(ptr, size):
                 return (R.CUDA_ERROR_INVALID_VALUE,)
-            maps = self._covering(ptr, size)
+            maps = self._addresses.covering(ptr, size)
             if maps is None:
                 return (R.CUDA_ERROR_INVALID_VALUE,)
             prot = None
@@ -608,18 +495,13 @@ class EmulatedCuda:
                 if (d.location.type != cu.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
                         or not 0 <= d.location.id < self.device_count):
                     return (R.CUDA_ERROR_INVALID_DEVICE,)
-                prot = {flags.CU_MEM_ACCESS_FLAGS_PROT_NONE: _PROT_NONE,
-                        flags.CU_MEM_ACCESS_FLAGS_PROT_READ: _PROT_READ,
-                        flags.CU_MEM_ACCESS_FLAGS_PROT_READWRITE: _PROT_RW}.get(d.flags)
+                prot = {flags.CU_MEM_ACCESS_FLAGS_PROT_NONE: PROT_NONE,
+                        flags.CU_MEM_ACCESS_FLAGS_PROT_READ: PROT_READ,
+                        flags.CU_MEM_ACCESS_FLAGS_PROT_READWRITE: PROT_RW}.get(d.flags)
                 if prot is None:
                     return (R.CUDA_ERROR_INVALID_VALUE,)
-            self._host_protect(ptr, size, prot)
-            g = self.granularity
-            for m in maps:
-                # SetAccess may cover part of a mapping: record it per granule.
-                first = (max(ptr, m.va) - m.va) // g
-                last = (min(ptr + size, m.va + m.size) - m.va) // g
-                m.prots[first:last] = bytes([prot]) * (last - first)
+            self.host_memory.protect(ptr, size, prot)
+            self._addresses.set_access(ptr, size, prot, maps)  # per granule: it may cover part of a mapping
             return (R.CUDA_SUCCESS,)
 
     # ---------------------------------------------------------------- copies
@@ -639,13 +521,14 @@ class EmulatedCuda:
         if nbytes == 0:
             return (R.CUDA_SUCCESS,)
         with self._lock:
-            if nbytes < 0 or not self._accessible(src, nbytes, False) or not self._accessible(dst, nbytes, True):
+            accessible = self._addresses.accessible
+            if nbytes < 0 or not accessible(src, nbytes, False) or not accessible(dst, nbytes, True):
                 return (R.CUDA_ERROR_INVALID_VALUE,)
 
             def run() -> bool:
-                if not (self._accessible(src, nbytes, False) and self._accessible(dst, nbytes, True)):
+                if not (accessible(src, nbytes, False) and accessible(dst, nbytes, True)):
                     return False
-                self._host_copy(dst, src, nbytes)
+                self.host_memory.copy(dst, src, nbytes)
                 return True
             return self._issue(device, stream, run)
 
@@ -666,13 +549,13 @@ class EmulatedCuda:
         if nbytes == 0:
             return (R.CUDA_SUCCESS,)
         with self._lock:
-            if nbytes < 0 or not self._accessible(dst, nbytes, True):
+            if nbytes < 0 or not self._addresses.accessible(dst, nbytes, True):
                 return (R.CUDA_ERROR_INVALID_VALUE,)
 
             def run() -> bool:
-                if not self._accessible(dst, nbytes, True):
+                if not self._addresses.accessible(dst, nbytes, True):
                     return False
-                self._host_set(dst, value, nbytes)
+                self.host_memory.fill(dst, value, nbytes)
                 return True
             return self._issue(device, int(stream), run)
 
@@ -687,7 +570,7 @@ class EmulatedCuda:
                 return (R.CUDA_ERROR_INVALID_VALUE, 0)
             if self.host_used + size > self.host_capacity:
                 return (R.CUDA_ERROR_OUT_OF_MEMORY, 0)
-            ptr = self._host_pinned_alloc(size)
+            ptr = self.host_memory.alloc_pinned(size)
             if ptr is None:
                 return (R.CUDA_ERROR_OUT_OF_MEMORY, 0)
             self._pinned[ptr] = size
@@ -701,7 +584,7 @@ class EmulatedCuda:
             size = self._pinned.pop(ptr, None)
             if size is None:
                 return (R.CUDA_ERROR_INVALID_VALUE,)
-            self._host_pinned_free(ptr, size)
+            self.host_memory.free_pinned(ptr, size)
             self.host_used -= size
             return (R.CUDA_SUCCESS,)
 
@@ -730,145 +613,29 @@ class EmulatedCuda:
             return (R.CUDA_SUCCESS,)
         device, host = (dst, src) if to_device else (src, dst)
         with self._lock:
-            if nbytes < 0 or not self._accessible(device, nbytes, to_device) or not self._in_pinned(host, nbytes):
+            if (nbytes < 0 or not self._addresses.accessible(device, nbytes, to_device)
+                    or not self._in_pinned(host, nbytes)):
                 return (R.CUDA_ERROR_INVALID_VALUE,)
-            self._host_copy(dst, src, nbytes)
+            self.host_memory.copy(dst, src, nbytes)
             return (R.CUDA_SUCCESS,)
 
-    # ---------------------------------------------------------------- host memory
-    # Every host-memory side effect of the driver calls above, and nothing else.
-    # They run under the lock, after the call's rules have been checked; a
-    # subclass (MemorylessCuda) overrides exactly these to hold no bytes.
-
-    def _host_create(self, size: int) -> int | None:
-        """Back a new physical allocation of `size` bytes; returns its fd, or None if out of memory."""
-        fd = os.memfd_create(MEMFD_NAME, os.MFD_CLOEXEC)
-        try:
-            os.ftruncate(fd, size)
-        except OSError:
-            os.close(fd)
-            return None
-        return fd
-
-    def _host_pinned_alloc(self, size: int) -> int | None:
-        """Page-locked host memory of `size` bytes (here: an anonymous mapping, its pages faulted in at
-        once, as page-locking does); its address, or None."""
-        try:
-            return _os_mmap(0, size, _PROT_RW, _MAP_PRIVATE | _MAP_ANONYMOUS | _MAP_POPULATE)
-        except OSError:
-            return None
-
-    def _host_pinned_free(self, ptr: int, size: int) -> None:
-        """Free a buffer from `_host_pinned_alloc`."""
-        _os_check(_libc.munmap(ptr, size), "munmap")
-
-    def _host_release(self, fd: int) -> None:
-        """Free a physical allocation's memory (it is no longer mapped anywhere)."""
-        os.close(fd)
-
-    def _host_reserve(self, size: int, alignment: int) -> int | None:
-        """Reserve `size` bytes of address space aligned to `alignment`; the base, or None if exhausted."""
-        # Over-reserve by the alignment, then trim both ends: mmap only
-        # promises host-page alignment.
-        span = size + alignment
-        try:
-            raw = _os_mmap(0, span, _PROT_NONE, _MAP_PRIVATE | _MAP_ANONYMOUS | _MAP_NORESERVE)
-        except OSError:
-            return None
-        base = (raw + alignment - 1) // alignment * alignment
-        if base > raw:
-            _os_check(_libc.munmap(raw, base - raw), "munmap")
-        tail = raw + span - (base + size)
-        if tail:
-            _os_check(_libc.munmap(base + size, tail), "munmap")
-        return base
-
-    def _host_free(self, base: int, size: int) -> None:
-        """Give back a reservation's address space (nothing is mapped inside it)."""
-        _os_check(_libc.munmap(base, size), "munmap")
-
-    def _host_idle(self) -> None:
-        """The last reservation is gone: drop per-device host resources (the tombstone)."""
-        if self._tombstone is not None:
-            os.close(self._tombstone)  # no granule of it is mapped any more
-            self._tombstone = None
-
-    def _host_map(self, ptr: int, size: int, fd: int, offset: int) -> None:
-        """Map `size` bytes of the allocation `fd` from `offset` at `ptr`, with no access."""
-        _os_mmap(ptr, size, _PROT_NONE, _MAP_SHARED | _MAP_FIXED, fd, offset)
-
-    def _host_unmap(self, ptr: int, size: int) -> None:
-        """Unmap [ptr, ptr+size): bury it under the tombstone (see `_bury`)."""
-        self._bury(ptr, size)
-
-    def _host_protect(self, ptr: int, size: int, prot: int) -> None:
-        """Set the access of mapped [ptr, ptr+size) to `prot` (PROT_NONE, PROT_READ or both)."""
-        _os_check(_libc.mprotect(ptr, size, prot), "mprotect")
-
-    def _host_copy(self, dst: int, src: int, nbytes: int) -> None:
-        """Copy `nbytes` between accessible ranges (they may overlap)."""
-        ctypes.memmove(dst, src, nbytes)
-
-    def _host_set(self, dst: int, value: int, nbytes: int) -> None:
-        """Set `nbytes` bytes of an accessible range to the byte `value`."""
-        ctypes.memset(dst, value, nbytes)
-
-    # ---------------------------------------------------------------- unmapped pages
-    def _bury(self, ptr: int, size: int) -> None:
-        """Unmap [ptr, ptr+size): map the tombstone over each granule instead of PROT_NONE.
-
-        A real GPU turns an access to an unmapped page into an illegal-address
-        error; a host would segfault, killing the process. So an unmapped
-        granule of the emulated device is backed by one shared, never-written
-        memfd: a stale read or write (a kernel still using a tensor's old
-        address) lands there harmlessly and allocates a host page in it, which
-        `touched_unmapped()` reports. The driver itself still treats the range
-        as unmapped (copies, memsets and SetAccess refuse it).
-        """
-        g = self.granularity
-        tombstone = self._tombstone_fd()
-        for va in range(ptr, ptr + size, g):
-            _os_mmap(va, g, _PROT_RW, _MAP_SHARED | _MAP_FIXED, tombstone, 0)
-
-    def _tombstone_fd(self) -> int:
-        if self._tombstone is None:
-            fd = os.memfd_create(TOMBSTONE_NAME, os.MFD_CLOEXEC)
-            os.ftruncate(fd, self.granularity)
-            self._tombstone = fd
-        return self._tombstone
-
+    # ---------------------------------------------------------------- stale accesses
     def stale_probe_fd(self) -> int:
         """The file whose allocated blocks are the stale accesses `touched_unmapped` reports, made now if
         needed (a fast path reads it with fstat). Valid while any reservation of this device lives."""
-        with self._lock:
-            return self._tombstone_fd()
+        return self.host_memory.stale_probe_fd()
 
     def touched_unmapped(self) -> int:
-        """Bytes of unmapped device memory read or written since the last call (host pages), then reset.
-
-        0 unless something accessed an address whose page was unmapped: on a
-        GPU that access would have been an illegal-address error.
-        """
-        fd = self._tombstone
-        try:
-            if fd is None or not os.fstat(fd).st_blocks:
-                return 0  # the common case, without the lock
-        except OSError:
-            pass  # closed meanwhile (the device is closing): decide under the lock
-        with self._lock:
-            fd = self._tombstone
-            if fd is None:
-                return 0
-            touched = os.fstat(fd).st_blocks * 512
-            if touched:
-                _os_check(_libc.fallocate(fd, _FALLOC_PUNCH_HOLE, 0, self.granularity), "fallocate")
-            return touched
+        """Bytes of unmapped device memory read or written since the last call, then reset: 0 unless
+        something accessed an address whose page was unmapped (an illegal address on a GPU).
+        `HostMemory.unmap` says how the emulated device notices."""
+        return self.host_memory.touched_unmapped()
 
     # ---------------------------------------------------------------- inspection
     def is_accessible(self, ptr: int, size: int, write: bool = True) -> bool:
         """Whether [ptr, ptr+size) is mapped with (write) access: a test aid."""
         with self._lock:
-            return self._accessible(int(ptr), int(size), write)
+            return self._addresses.accessible(int(ptr), int(size), write)
 
     def host_state(self) -> dict:
         """Counts of host-located pages and pinned host buffers still held: the host side's leak check."""
@@ -879,21 +646,22 @@ class EmulatedCuda:
     def state(self) -> dict:
         """Counts of live handles, mappings and reservations: a leak check."""
         with self._lock:
-            return {"handles": len(self._handles), "mappings": len(self._mappings),
-                    "reservations": len(self._reservations), "used_bytes": self.used}
+            return {"handles": len(self._handles), "mappings": len(self._addresses.mappings),
+                    "reservations": len(self._addresses.reservations), "used_bytes": self.used}
 
     def close(self) -> None:
         """Tear down everything still held (a process exit for this device), from any thread."""
         with self._lock:
             self._closing = True  # a process exit needs no current context
             self._queued.clear()
-            for va in list(self._map_starts):
-                m = self._mappings[va]
+            mappings, _ = self._addresses.in_address_order()
+            for m in mappings:
                 self.cuMemUnmap(m.va, m.size)
             for handle in list(self._handles):
                 self._handles[handle].released = True
                 self._drop_physical(handle)
-            for base in list(self._res_starts):
-                self.cuMemAddressFree(base, self._reservations[base].size)
+            _, reservations = self._addresses.in_address_order()
+            for res in reservations:
+                self.cuMemAddressFree(res.base, res.size)
             for ptr in list(self._pinned):
                 self.cuMemFreeHost(ptr)

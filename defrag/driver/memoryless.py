@@ -1,8 +1,9 @@
 """A memory-less CUDA driver: the emulated driver's rules and bookkeeping, no bytes.
 
-`MemorylessCuda` is `EmulatedCuda` with every host-memory side effect (its
-`_host_*` methods) replaced by bookkeeping alone, for dry replays of traces far
-larger than this machine's RAM (80 GB-class workloads):
+`MemorylessCuda` is `EmulatedCuda` with every host-memory side effect
+replaced by bookkeeping alone (its `host_memory` is an `AddressCounter`, a
+`HostMemory` with no bytes), for dry replays of traces far larger than this
+machine's RAM (80 GB-class workloads):
 
 - handles, reservations, mappings, access flags, capacity accounting and every
   rule and error code are the emulated driver's own code, not a copy of it:
@@ -31,39 +32,45 @@ driver must not build tensors over its memory (it has none).
 from __future__ import annotations
 
 from .emulated import DEFAULT_CAPACITY, DEFAULT_GRANULARITY, DEFAULT_HOST_CAPACITY, EmulatedCuda
+from .host_memory import HostMemory
 
-__all__ = ["MemorylessCuda", "VA_START", "VA_LIMIT"]
+__all__ = ["MemorylessCuda", "AddressCounter", "VA_START", "VA_LIMIT"]
 
 VA_START = 1 << 48   # first address handed out: above every Linux user-space mapping (47-bit, or 56-bit opt-in)
 VA_LIMIT = 1 << 63   # reservations end below this: addresses fit in int64
 _NO_FD = -1          # what a physical allocation holds instead of a memfd
 
 
-class MemorylessCuda(EmulatedCuda):
-    """One memory-less GPU: `EmulatedCuda`'s rules over a virtual address counter."""
+class AddressCounter(HostMemory):
+    """The host side of a memory-less device: addresses from a counter, no bytes behind them.
 
-    def __init__(self, *, capacity: int = DEFAULT_CAPACITY, granularity: int = DEFAULT_GRANULARITY,
-                 device_count: int = 1, name: str = "defrag memoryless device",
-                 host_capacity: int = DEFAULT_HOST_CAPACITY, host_pages: bool = True):
-        super().__init__(capacity=capacity, granularity=granularity, device_count=device_count, name=name,
-                         host_capacity=host_capacity, host_pages=host_pages)
+    Every side effect of `HostMemory` is bookkeeping here: reservations and
+    pinned buffers are handed out by the counter (aligned, never overlapping,
+    never reused, one granule of guard between them); pages hold no memfd;
+    map, unmap, protect, copy and fill do nothing; `touched_unmapped()` is
+    always 0. `stale_probe_fd()` is still a real, empty file, so a fast path
+    that fstat's it finds nothing to report.
+    """
+
+    def __init__(self, granularity: int, lock):
+        super().__init__(granularity, lock)
         self._next_va = VA_START
 
-    # ---------------------------------------------------------------- host memory: none
-    def _host_create(self, size: int) -> int:
+    def create_page(self, size: int) -> int:
         return _NO_FD
 
-    def _host_release(self, fd: int) -> None:
+    def release_page(self, fd: int) -> None:
         pass
 
-    def _host_pinned_alloc(self, size: int) -> int | None:
+    def alloc_pinned(self, size: int) -> int | None:
         # Pinned buffers come from the same counter: never overlapping, never reused, never touched.
-        return self._host_reserve(-(-size // self.granularity) * self.granularity, self.granularity)
+        return self.reserve(-(-size // self.granularity) * self.granularity, self.granularity)
 
-    def _host_pinned_free(self, ptr: int, size: int) -> None:
+    def free_pinned(self, ptr: int, size: int) -> None:
         pass
 
-    def _host_reserve(self, size: int, alignment: int) -> int | None:
+    def reserve(self, size: int, alignment: int) -> int | None:
+        """The counter's next `alignment`-aligned base for `size` bytes; None once VA_LIMIT is reached."""
         base = -(-self._next_va // alignment) * alignment
         if base + size > VA_LIMIT:
             return None  # address space exhausted: CUDA_ERROR_OUT_OF_MEMORY, as from the driver
@@ -71,27 +78,39 @@ class MemorylessCuda(EmulatedCuda):
         self._next_va = base + size + self.granularity
         return base
 
-    def _host_free(self, base: int, size: int) -> None:
+    def free_reserved(self, base: int, size: int) -> None:
         pass  # addresses are never reused
 
-    def _host_idle(self) -> None:
+    def drop_tombstone(self) -> None:
         pass
 
-    def _host_map(self, ptr: int, size: int, fd: int, offset: int) -> None:
+    def map(self, ptr: int, size: int, fd: int, offset: int) -> None:
         pass
 
-    def _host_unmap(self, ptr: int, size: int) -> None:
+    def unmap(self, ptr: int, size: int) -> None:
         pass
 
-    def _host_protect(self, ptr: int, size: int, prot: int) -> None:
+    def protect(self, ptr: int, size: int, prot: int) -> None:
         pass
 
-    def _host_copy(self, dst: int, src: int, nbytes: int) -> None:
+    def copy(self, dst: int, src: int, nbytes: int) -> None:
         pass
 
-    def _host_set(self, dst: int, value: int, nbytes: int) -> None:
+    def fill(self, dst: int, value: int, nbytes: int) -> None:
         pass
 
     def touched_unmapped(self) -> int:
         """Always 0: no host access can reach a memory-less device's addresses."""
         return 0
+
+
+class MemorylessCuda(EmulatedCuda):
+    """One memory-less GPU: `EmulatedCuda`'s rules over a virtual address counter."""
+
+    host_memory_class = AddressCounter
+
+    def __init__(self, *, capacity: int = DEFAULT_CAPACITY, granularity: int = DEFAULT_GRANULARITY,
+                 device_count: int = 1, name: str = "defrag memoryless device",
+                 host_capacity: int = DEFAULT_HOST_CAPACITY, host_pages: bool = True):
+        super().__init__(capacity=capacity, granularity=granularity, device_count=device_count, name=name,
+                         host_capacity=host_capacity, host_pages=host_pages)
