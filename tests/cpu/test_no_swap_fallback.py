@@ -33,10 +33,12 @@ def no_swap(monkeypatch):
 
 @pytest.fixture
 def old_torch_with_extension(monkeypatch):
-    """The "extension" path: no native swap; counts the extension's swaps."""
+    """The "extension" path: no native swap; counts the extension's swaps. The fast path is off: the
+    owners of memory it makes are rebased in C++ without any swap (`test_old_torch_rebases_...`)."""
     if (missing := storage_ext._missing_tools()) is not None:
         pytest.skip(f"cannot build the storage-swap extension here: {missing}")
     monkeypatch.setenv("DEFRAG_FORCE_NO_SWAP_DATA_PTR", "1")
+    monkeypatch.setenv("DEFRAG_FASTPATH", "0")
     monkeypatch.delenv("DEFRAG_NO_STORAGE_EXT", raising=False)
     assert tz.swap_mode() == "extension", storage_ext.failure()
     calls = []
@@ -150,3 +152,28 @@ def test_old_torch_adopts_a_tensor_with_views(make_pool, old_torch_with_extensio
     pool.adopt(shared)
     assert pool.owns(shared) and view.data_ptr() == shared.data_ptr() + 20
     assert torch.equal(view, torch.arange(5.0, 50.0)) and old_torch_with_extension
+
+
+def test_old_torch_rebases_the_fast_paths_storages_without_a_swap(make_pool, monkeypatch):
+    """Without `_swap_data_ptr_` (torch < 2.12), the owners of memory the fast path made still move,
+    views and all, without the extension's swap: their DataPtr is replaced in C++ (`FastPath.rebase`)."""
+    if (missing := storage_ext._missing_tools()) is not None:
+        pytest.skip(f"cannot build the storage-swap extension here: {missing}")
+    monkeypatch.setenv("DEFRAG_FORCE_NO_SWAP_DATA_PTR", "1")
+    monkeypatch.delenv("DEFRAG_NO_STORAGE_EXT", raising=False)
+    assert tz.swap_mode() == "extension", storage_ext.failure()
+    swaps = []
+    real = storage_ext.swap
+    monkeypatch.setattr(storage_ext, "swap", lambda a, b: (swaps.append(1), real(a, b)))
+    pool = make_pool("1MiB", auto_compact=False)
+    if pool._fast is None:
+        pytest.skip("the fast path is off here")
+    survivors = _quarter_filled(pool)
+    viewed = survivors[61]
+    view = viewed[10:20]
+    viewed_at = viewed.data_ptr()
+    versions = {s: t._version for s, t in survivors.items()}
+    report = pool.compact()
+    assert report.moved_tensors >= 12 and viewed.data_ptr() != viewed_at and swaps == []
+    assert view.data_ptr() == viewed.data_ptr() + 10
+    _intact_and_usable(pool, survivors, versions)
