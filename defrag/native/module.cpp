@@ -907,6 +907,7 @@ py::int_ swap_storages(const py::list& users, const py::list& dests, const py::l
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   defrag_native::bind_heap(m);
   defrag_native::bind_planner(m);
+  defrag_native::bind_plan_attempt(m);
   py::class_<Books, std::shared_ptr<Books>>(m, "Books", "A pool's books (see books.h): heaps, page counts, kept ranges.")
       .def(py::init<int64_t>(), py::arg("page_size"))
       .def("add_region", &Books::add_region, py::arg("heap"), py::arg("base"), py::arg("npages"))
