@@ -376,8 +376,8 @@ class Core:
         heap = self._heaps[region.index]
         sizes = [old.size for old in olds]
         frees = [old.address for old in olds] if vacate else []
-        heap.exchange(frees, list(zip(addresses, sizes)))
-        txn.on_rollback(heap.exchange, addresses, list(zip(frees, sizes)))
+        heap.exchange_lists(frees, addresses, sizes)
+        txn.on_rollback(heap.exchange_lists, addresses, frees, sizes[:len(frees)])
         blocks = [Block(address, old.size, old.nbytes, region, 0, True, False, False, old.owner)
                   for address, old in zip(addresses, olds)]
         if vacate:

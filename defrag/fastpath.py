@@ -91,8 +91,12 @@ class FastPath:
         already back in the books); no temporary storage, no release to apply later. -1 when done;
         i when users[i] is not at olds[i] as a block of its size (nothing changed); -2 when some
         user's memory was not made by this fast path (nothing changed: swap through temporaries)."""
-        failed, first, old_serials = self.cpp.rebase(users, [b.address for b in news], [b.address for b in olds],
-                                                     [b.nbytes for b in news])
+        new_addresses, old_addresses, nbytes = [], [], []
+        for new, old in zip(news, olds):
+            new_addresses.append(new.address)
+            old_addresses.append(old.address)
+            nbytes.append(new.nbytes)
+        failed, first, old_serials = self.cpp.rebase(users, new_addresses, old_addresses, nbytes)
         if failed == -1:
             by_serial = self._by_serial
             for serial in old_serials:

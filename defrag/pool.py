@@ -211,8 +211,12 @@ class _TorchMover:
         # move by move.
         if self._rebases():
             front = self.pool.core.front
-            failed = front.rebase([held[0] for _, _, held, _ in dests], [new for _, new, _, _ in dests],
-                                  [old for old, _, _, _ in dests])
+            users, news, olds = [], [], []
+            for old, new, held, _ in dests:
+                users.append(held[0])
+                news.append(new)
+                olds.append(old)
+            failed = front.rebase(users, news, olds)
             if failed != -2:
                 return failed
             temps = front.storages_over([new for _, new, _, _ in dests])

@@ -522,6 +522,16 @@ inline void bind_heap(pybind11::module_& m) {
              auto offsets = heap_py::offsets_of(frees);
              h.exchange(std::move(offsets), heap_py::ranges_of(takes));
            }, py::arg("frees"), py::arg("takes"))
+      // `exchange` with its takes as two parallel lists of ints (a compaction wave's, without
+      // building a tuple per range): the same checks, messages and effect.
+      .def("exchange_lists", [](Heap& h, std::vector<int64_t> frees, const std::vector<int64_t>& take_offsets,
+                                const std::vector<int64_t>& take_sizes) {
+             if (take_offsets.size() != take_sizes.size())
+               throw py::value_error("exchange_lists: take_offsets and take_sizes differ in length");
+             std::vector<Heap::Range> takes(take_offsets.size());
+             for (size_t i = 0; i < takes.size(); ++i) takes[i] = Heap::Range(take_offsets[i], take_sizes[i]);
+             h.exchange(std::move(frees), std::move(takes));
+           }, py::arg("frees"), py::arg("take_offsets"), py::arg("take_sizes"))
       .def("block_size", [](const Heap& h, py::handle offset) { return h.block_size(as_index(offset)); },
            py::arg("offset"))
       .def("is_free", [](const Heap& h, py::handle offset, py::handle size) {

@@ -178,6 +178,14 @@ class DifferentialMachine(RuleBasedStateMachine):
         self.same_batch("exchange", self.draw_frees(data), self.draw_takes(data))
 
     @rule(data=st.data())
+    def exchange_lists(self, data):
+        """The compaction's entry: the takes as two lists, the same outcome as the model's exchange."""
+        frees, takes = self.draw_frees(data), self.draw_takes(data)
+        want = outcome(self.model.exchange, frees, takes)
+        got = outcome(self.native.exchange_lists, frees, [o for o, _ in takes], [n for _, n in takes])
+        assert got == want, f"exchange_lists{frees, takes}: native {got}, model {want}"
+
+    @rule(data=st.data())
     def free_many(self, data):
         self.same_batch("free_many", self.draw_frees(data))
 
