@@ -16,9 +16,10 @@
 //   calling thread runs the pool's own code (inside a pool's gate: `books_held_here`; or inside the
 //   Python call this allocator makes: `t_pool_code`): never a recursion into the pool, never a
 //   deadlock on its gate. Also when the fast path is off (pool asleep, closed, recording history),
-//   when a thread Python never saw finds the books held by another thread (waiting for the gate
-//   there could deadlock: its holder may be waiting for this very thread), during interpreter
-//   finalization, and in a forked child.
+//   when a worker of a parallel region (a thread Python never saw, running part of another thread's
+//   op) cannot place natively (asking Python there could deadlock: that other thread may hold the
+//   GIL or the pool's gate while it waits for this very worker), during interpreter finalization,
+//   and in a forked child. Any other thread waits for the pool's answer.
 // - A DataPtr's context is its data pointer (torch's copy-on-write and lazy clones require it); the
 //   deleter finds the slot by address in the installs' `by_address` maps.
 // - Installs, their States and FastPaths are never destroyed (leaked on purpose): the deleter may
@@ -27,6 +28,7 @@
 // - fork: the child switches PyTorch back to the previous allocator (`pthread_atfork`) and its
 //   deleter forgets blocks it inherited: the pool's pages are memfd pages shared with the parent, so
 //   the child must never allocate from, nor free into, the parent's pool.
+#include <ATen/Parallel.h>
 #include <c10/core/CPUAllocator.h>
 #include <c10/util/Exception.h>
 
@@ -153,8 +155,11 @@ c10::DataPtr PoolCpuAllocator::from_pool(Installed* in, int64_t nbytes) {
       void* data = reinterpret_cast<void*>(address);
       return c10::DataPtr(data, data, &free_pooled, cpu);
     }
+    // A worker of a parallel region (a thread Python never saw, running part of an op for another
+    // thread) never waits for Python: that other thread may hold the GIL or the pool's gate and wait
+    // for this very worker.
     const bool declines = why == FastPath::Refusal::kNoLease ||
-                          (why == FastPath::Refusal::kHeld && PyGILState_GetThisThreadState() == nullptr);
+                          (at::in_parallel_region() && PyGILState_GetThisThreadState() == nullptr);
     std::string refusal;
     Answer answer = declines ? Answer::kDecline : Answer::kStocked;
     if (!declines && attempt == kNativeAttempts) {
