@@ -410,16 +410,19 @@ class Pool(TensorOwnership, PoolResidency, AllocatorSegments, PoolObservability)
         (it is called across the C boundary)."""
         return self._stock_for_allocator(nbytes) is None
 
-    def _stock_for_allocator(self, nbytes: int) -> "str | bool | None":
+    def _stock_for_allocator(self, nbytes: int, no_room: bool = True) -> "str | bool | None":
         """`_stock_for_native` for PyTorch's CPU allocator (`defrag.install`; native/cpu_allocator.cpp
         calls it with the GIL, its own allocations going to PyTorch's previous allocator meanwhile).
-        None: stocked (place again); a str: the pool cannot serve it, the explained OOM (raised to the
-        program as torch.OutOfMemoryError); False: the pool is closed, asleep or its fast path is off
-        (the previous allocator serves it). Never raises (it is called across the C boundary)."""
+        `no_room` False: the native placement found releases waiting or the books held, not a lack of
+        room: only apply the releases (the ladder would record every live block again, whose frees
+        would queue again). None: stocked (place again); a str: the pool cannot serve it, the
+        explained OOM (raised to the program as torch.OutOfMemoryError); False: the pool is closed,
+        asleep or its fast path is off (the previous allocator serves it). Never raises (it is
+        called across the C boundary)."""
         try:
             if self._fast is None or not self._fast.enabled:
                 return False
-            if self._refill():  # releases were waiting (the common case): their ranges may serve it
+            if self._refill() or not no_room:  # releases were waiting (the common case): their ranges may serve it
                 return None
             with self.core.gate:
                 self._enter()

@@ -112,9 +112,12 @@ enum class Answer { kStocked, kRefused, kDecline };
 
 // The pool's answer for `nbytes` it could not place natively (`Pool._stock_for_allocator`), with the
 // GIL: stocked (place again), refused (`refusal`: the explained OOM) or decline (previous allocator).
+// `no_room`: pages must be mapped (the ladder climbs); else releases wait for Python or Python held
+// the books (the pool only applies the releases: climbing the ladder there would record every live
+// block again, whose frees then queue again, and threads asking together would never get out).
 // The thread's pending Python error, if any, is kept; allocations meanwhile go to the previous
 // allocator (`t_pool_code`).
-Answer ask_pool(Installed* in, int64_t nbytes, std::string& refusal) {
+Answer ask_pool(Installed* in, int64_t nbytes, bool no_room, std::string& refusal) {
   if (!python_callable()) return Answer::kDecline;
   g_asked += 1;
   t_pool_code += 1;
@@ -124,8 +127,8 @@ Answer ask_pool(Installed* in, int64_t nbytes, std::string& refusal) {
   if (g_current.load(std::memory_order_acquire) == in) {
     PyObject *type, *value, *traceback;
     PyErr_Fetch(&type, &value, &traceback);
-    PyObject* said =
-        PyObject_CallMethod(in->fast->state().pool, "_stock_for_allocator", "L", static_cast<long long>(nbytes));
+    PyObject* said = PyObject_CallMethod(in->fast->state().pool, "_stock_for_allocator", "LO",
+                                         static_cast<long long>(nbytes), no_room ? Py_True : Py_False);
     if (said == nullptr) {
       PyErr_Clear();  // the method never raises; if it did, the request fails plainly
       refusal = "defrag: the pool failed while making room for a PyTorch allocation";
@@ -148,27 +151,31 @@ Answer ask_pool(Installed* in, int64_t nbytes, std::string& refusal) {
 
 c10::DataPtr PoolCpuAllocator::from_pool(Installed* in, int64_t nbytes) {
   const c10::Device cpu(c10::DeviceType::CPU);
-  for (int attempt = 0;; ++attempt) {
+  // Only climbs of the ladder count: applying releases always makes progress (each applies what
+  // other threads queued meanwhile, and only blocks recorded at the last climb queue).
+  int climbs = 0;
+  for (;;) {
     FastPath::Refusal why;
     const uintptr_t address = in->fast->place_for_allocator(nbytes, why);
     if (address != 0) {
       void* data = reinterpret_cast<void*>(address);
       return c10::DataPtr(data, data, &free_pooled, cpu);
     }
+    const bool no_room = why == FastPath::Refusal::kNoRoom;
     // A worker of a parallel region (a thread Python never saw, running part of an op for another
     // thread) never waits for Python: that other thread may hold the GIL or the pool's gate and wait
     // for this very worker.
     const bool declines = why == FastPath::Refusal::kNoLease ||
                           (at::in_parallel_region() && PyGILState_GetThisThreadState() == nullptr);
     std::string refusal;
-    Answer answer = declines ? Answer::kDecline : Answer::kStocked;
-    if (!declines && attempt == kNativeAttempts) {
+    Answer answer = Answer::kDecline;
+    if (!declines && no_room && climbs++ == kNativeAttempts) {
       // Every range stocked for this size was taken first by other threads (never by all of them).
       answer = Answer::kRefused;
       refusal = "defrag: out of memory: " + std::to_string(nbytes) + " bytes for PyTorch, after " +
                 std::to_string(kNativeAttempts) + " tries that other threads' allocations got first";
     } else if (!declines) {
-      answer = ask_pool(in, nbytes, refusal);
+      answer = ask_pool(in, nbytes, no_room, refusal);
     }
     if (answer == Answer::kDecline) {
       g_declined += 1;
