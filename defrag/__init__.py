@@ -5,7 +5,7 @@ moves live tensors so that the physical pages they strand become free, and the
 pool stitches free pages into one virtual range for a large request.
 """
 
-from .capture import TorchAllocator, install
+from .capture import TorchAllocator, install, uninstall
 from .compactor import CompactionReport
 from .errors import (CompactionError, ConcurrencyError, CudaError, CudaOutOfMemoryError, NativeBuildError,
                      NotSupportedError, PoolAsleepError, PoolClosedError, ResidencyError, SettingError,
@@ -23,7 +23,7 @@ __version__ = "0.1.0"
 __all__ = [
     "Pool", "compact", "retry_on_oom", "save_snapshot", "CompactionReport", "CompactionError", "LiveTensor", "open_pools",
     "ConcurrencyError", "CudaError", "CudaOutOfMemoryError", "OutOfMemoryError", "PoolClosedError", "StaleAccessError",
-    "parse_size", "format_bytes", "TorchAllocator", "install",
+    "parse_size", "format_bytes", "TorchAllocator", "install", "uninstall",
     "distributed", "CollectiveError",
     "ResidencyReport", "ResidencyError", "PoolAsleepError", "NotSupportedError", "SettingError", "NativeBuildError",
 ]

@@ -17,7 +17,8 @@ Two ways to route PyTorch to it:
   *segments* (2 MiB for requests up to 1 MiB, 20 MiB for 1-10 MiB, larger
   ones rounded up to 2 MiB) and sub-allocates tensors inside them; a NULL
   return becomes PyTorch's own `torch.OutOfMemoryError`.
-- `install(pool)`: `torch.cuda.memory.change_current_allocator`, process-wide,
+- `install(pool)` (a CUDA pool; an emulated pool becomes PyTorch's CPU allocator
+  instead, `defrag.cpu_allocator`): `torch.cuda.memory.change_current_allocator`, process-wide,
   before PyTorch's first CUDA allocation: every CUDA tensor is one segment.
   PyTorch does not check for NULL on that path: a failed allocation is a
   crash later, not an exception.
@@ -74,7 +75,7 @@ import torch
 from .errors import PoolClosedError
 from .oom import OutOfMemoryError
 
-__all__ = ["TorchAllocator", "capture", "install", "release_cached", "in_callback", "installed", "ALLOC_FN", "FREE_FN"]
+__all__ = ["TorchAllocator", "capture", "install", "install_cuda", "uninstall", "release_cached", "in_callback", "installed", "ALLOC_FN", "FREE_FN"]
 
 _log = logging.getLogger("defrag")
 
@@ -447,7 +448,34 @@ def release_cached(pool) -> int:
     return 0 if allocator is None else allocator.release_cached()
 
 
-def install(pool) -> TorchAllocator:
+def install(pool):
+    """Make `pool` PyTorch's allocator for the whole process, by the pool's device.
+
+    Emulated device: PyTorch's CPU allocator (`defrag.cpu_allocator.install`:
+    native, every CPU tensor made afterwards lives in the pool, a real
+    torch.OutOfMemoryError, undone by `defrag.uninstall()`); returns the pool.
+    CUDA: `install_cuda` below; returns its TorchAllocator.
+    """
+    if pool.kind == "emulated":
+        from . import cpu_allocator
+
+        return cpu_allocator.install(pool)
+    return install_cuda(pool)
+
+
+def uninstall() -> bool:
+    """Undo `install` of an emulated pool (PyTorch's previous CPU allocator again); False when none was
+    installed. RuntimeError while a pool is PyTorch's CUDA allocator (that cannot be undone)."""
+    from . import cpu_allocator
+
+    if cpu_allocator.uninstall():
+        return True
+    if installed() is not None:
+        raise RuntimeError("defrag.uninstall: a pool is PyTorch's CUDA allocator, which cannot be undone")
+    return False
+
+
+def install_cuda(pool) -> TorchAllocator:
     """Make `pool` PyTorch's CUDA allocator for the whole process (`change_current_allocator`); returns it.
 
     Must run before PyTorch's first CUDA allocation (RuntimeError otherwise)

@@ -132,10 +132,11 @@ class FastPath:
             blocks = []
             regions = core.regions
             for address, size, nbytes, region, serial, owner, weak, dtype, shape in made:
-                # No owner: made by a thread Python never saw (`native_empty`), which may be using it:
-                # pinned, so that no compaction moves it.
+                # No owner: made by a thread Python never saw (`native_empty`) or by PyTorch's CPU allocator
+                # (`defrag.install`), which may be using it: pinned, so that no compaction moves it.
                 block = Block(address, size, nbytes, regions[region], pins=owner is None, owner=owner)
-                block.info = self.make_info(dtype, shape, StorageWeakRef.from_weakref(weak))
+                # No storage (weak 0): PyTorch's CPU allocator made it; torch builds the storage itself.
+                block.info = self.make_info(dtype, shape, StorageWeakRef.from_weakref(weak) if weak else None)
                 self._by_serial[serial] = block
                 blocks.append(block)
             core.record_made(blocks, allocs, frees, peak)

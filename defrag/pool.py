@@ -58,7 +58,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from . import fastpath, residency
+from . import cpu_allocator, fastpath, residency
 from . import stats as observe
 from . import tensors as tz
 from . import threads
@@ -127,7 +127,7 @@ class TensorInfo:
     dtype: torch.dtype | None = None
     shape: tuple[int, ...] | None = None
     storage_ref: object | None = None  # StorageWeakRef to the user's storage
-    origin: str = "empty"  # empty | adopt
+    origin: str = "empty"  # empty | adopt | allocator (PyTorch's CPU allocator made it: defrag.install)
     streams: set = field(default_factory=set)  # CUDA streams that used it (record_stream)
     alloc_stream: int = 0
     tensors: list = field(default_factory=list)  # weakrefs to the tensors the pool made ("rebind" mode only)
@@ -383,7 +383,9 @@ class Pool(TensorOwnership, PoolResidency, AllocatorSegments, PoolObservability)
         alloc_stream = DEFAULT_STREAM_HANDLE
 
         def make_info(dtype, shape, storage_ref):
-            return TensorInfo(dtype, shape, storage_ref, "empty", alloc_stream=alloc_stream)
+            # No storage: a block of PyTorch's CPU allocator (`defrag.install`), never one of pool.empty().
+            origin = "empty" if storage_ref is not None else "allocator"
+            return TensorInfo(dtype, shape, storage_ref, origin, alloc_stream=alloc_stream)
 
         self.core.front = fastpath.FastPath(cpp, make_info)
         self.core.gate.books = self.core.books  # native placement waits while a thread holds the gate
@@ -410,21 +412,34 @@ class Pool(TensorOwnership, PoolResidency, AllocatorSegments, PoolObservability)
         through the ladder and keep its range for that size, for the native placement to take.
         False when the pool cannot (closed, asleep, out of memory, the fast path off); never raises
         (it is called across the C boundary)."""
+        return self._stock_for_allocator(nbytes) is None
+
+    def _stock_for_allocator(self, nbytes: int, no_room: bool = True) -> "str | bool | None":
+        """`_stock_for_native` for PyTorch's CPU allocator (`defrag.install`; native/cpu_allocator.cpp
+        calls it with the GIL, its own allocations going to PyTorch's previous allocator meanwhile).
+        `no_room` False: the native placement found releases waiting or the books held, not a lack of
+        room: only apply the releases (the ladder would record every live block again, whose frees
+        would queue again). None: stocked (place again); a str: the pool cannot serve it, the
+        explained OOM (raised to the program as torch.OutOfMemoryError); False: the pool is closed,
+        asleep or its fast path is off (the previous allocator serves it). Never raises (it is
+        called across the C boundary)."""
         try:
             if self._fast is None or not self._fast.enabled:
                 return False
-            if self._refill():  # releases were waiting (the common case): their ranges may serve it
-                return True
+            if self._refill() or not no_room:  # releases were waiting (the common case): their ranges may serve it
+                return None
             with self.core.gate:
                 self._enter()
                 block = self._allocate(nbytes)
                 self.core.unplace(block)
-            return True
-        except (OutOfMemoryError, PoolClosedError, PoolAsleepError, StaleAccessError):
+            return None
+        except (OutOfMemoryError, StaleAccessError) as exc:
+            return str(exc)
+        except (PoolClosedError, PoolAsleepError):
             return False
-        except Exception:
+        except Exception as exc:
             _log.error("defrag: stocking a range for a native allocation failed\n%s", traceback.format_exc())
-            return False
+            return f"defrag: making room for {nbytes} bytes failed: {exc!r}"
 
     def _update_fast(self) -> None:
         """Let the fast path serve only while nothing needs the Python path's eyes (gate held)."""
@@ -496,6 +511,8 @@ class Pool(TensorOwnership, PoolResidency, AllocatorSegments, PoolObservability)
             return ""
         if isinstance(info, SegmentInfo):
             return "(a segment of PyTorch's allocator)"
+        if getattr(info, "origin", None) == "allocator":
+            return "(PyTorch's CPU allocator)"
         dtype = str(info.dtype).replace("torch.", "") if info.dtype else ""
         return f"{dtype}{list(info.shape) if info.shape is not None else ''}"
 
@@ -711,6 +728,8 @@ class Pool(TensorOwnership, PoolResidency, AllocatorSegments, PoolObservability)
         live tensors stay mapped until the last of those tensors dies, then
         everything is released automatically. Idempotent.
         """
+        if not self.core.closed:
+            cpu_allocator.uninstall_pool(self)  # before the gate: PyTorch's allocations stop coming here first
         with self.core.gate:
             if self.core.closed:
                 return

@@ -32,6 +32,11 @@
 
 namespace defrag_native {
 
+// How many books the calling thread holds now (`Books::hold`: it is inside some pool's gate, running
+// the pool's own Python code). Read without a lock by the CPU allocator (module.cpp): an allocation
+// made by the pool's own code goes to PyTorch's previous allocator, never back into a pool.
+inline thread_local int books_held_here = 0;
+
 struct RegionBooks {
   std::shared_ptr<Heap> heap;
   int64_t base = 0;
@@ -120,10 +125,12 @@ class Books {
     std::unique_lock<std::mutex> lock(mu);
     held_ += 1;
     placed_.wait(lock, [this] { return placing_ == 0; });
+    books_held_here += 1;
   }
   void unhold() {
     std::lock_guard<std::mutex> guard(mu);
     if (held_ > 0) held_ -= 1;
+    if (books_held_here > 0) books_held_here -= 1;
   }
   bool held_locked() const { return held_ > 0; }
 

@@ -36,6 +36,9 @@
 // Every Python-facing method runs with the GIL held; the deleter synchronizes
 // on the books' mutex.
 //
+// PyTorch's CPU allocator over these books (`defrag.install` on the emulated device) is
+// `cpu_allocator.cpp`, compiled in this same unit after this file.
+//
 // Also here: `swap_storages`, a compaction wave's storage swaps in one call
 // (torch >= 2.13).
 #include <pybind11/pybind11.h>
@@ -130,6 +133,10 @@ struct State {
   uint64_t next_serial = 1;
   bool closed = false;
   PyObject* pool = nullptr;  // borrowed; strong (one reference) while live > 0
+  // Blocks of PyTorch's CPU allocator (cpu_allocator.cpp) by address: their DataPtr's context must be
+  // the data pointer itself (torch's copy-on-write checks it), so the deleter finds its slot here.
+  std::unordered_map<uintptr_t, Slot*> by_address;
+  int64_t allocator_blocks = 0;  // made for the CPU allocator, ever
   explicit State(std::shared_ptr<Books> b) : books(std::move(b)) { fresh.prev = fresh.next = &fresh; }
 };
 
@@ -168,33 +175,34 @@ int run_pool_work(void* arg) {
   return 0;  // an error is already reported: a pending call must not leave one set
 }
 
-// Runs when the storage of a block made here is freed: any thread, GIL or not.
-void release_slot(void* ctx) noexcept {
-  auto* slot = static_cast<Slot*>(ctx);
-  std::shared_ptr<State> st = std::move(slot->state);
-  bool last = false, notify = false;
-  {
-    std::lock_guard<std::mutex> guard(st->books->mu);
-    if (slot->collected) {
-      st->queue.push_back(Entry{0, slot->serial, 0, 0, 0});
-      notify = st->closed;
+// A block made here is released (books' mutex held): back to the books, or queued for Python in
+// order (see Entry). Returns whether it was the last live block made here; `notify`: the pool closed
+// and must hear of it (a collected block's release).
+bool release_locked(State& st, Slot* slot, bool& notify) {
+  if (slot->collected) {
+    st.queue.push_back(Entry{0, slot->serial, 0, 0, 0});
+    notify = st.closed;
+  } else {
+    unlink(slot);
+    if (st.queue.empty() && !st.books->held_locked()) {
+      st.books->release_range_locked(slot->size, slot->region, static_cast<int64_t>(slot->address));
     } else {
-      unlink(slot);
-      if (st->queue.empty() && !st->books->held_locked()) {
-        st->books->release_range_locked(slot->size, slot->region, static_cast<int64_t>(slot->address));
-      } else {
-        st->queue.push_back(Entry{2, 0, slot->size, slot->region, slot->address});
-      }
-      if (slot->counted) {
-        st->frees += 1;
-        st->allocated -= slot->size;
-      }
-      if (slot->owner != nullptr) st->garbage.push_back(slot->owner);
-      slot->owner = nullptr;
+      st.queue.push_back(Entry{2, 0, slot->size, slot->region, slot->address});
     }
-    last = --st->live == 0;
+    if (slot->counted) {
+      st.frees += 1;
+      st.allocated -= slot->size;
+    }
+    if (slot->owner != nullptr) st.garbage.push_back(slot->owner);
+    slot->owner = nullptr;
   }
-  delete slot;
+  return --st.live == 0;
+}
+
+// The Python side of a release, after the books' mutex is let go (see pool_work): nothing unless the
+// last live block died or the pool closed. Never raises, never waits for the GIL in a thread Python
+// never saw.
+void after_release(State& st, bool last, bool notify) noexcept {
   if (!last && !notify) return;
   if (!Py_IsInitialized()) return;
 #if PY_VERSION_HEX >= 0x030D0000
@@ -202,7 +210,7 @@ void release_slot(void* ctx) noexcept {
 #else
   if (_Py_IsFinalizing()) return;
 #endif
-  PyObject* pool = st->pool;
+  PyObject* pool = st.pool;
   if (pool == nullptr) return;
   if (PyGILState_GetThisThreadState() != nullptr) {
     // The usual case: a Python thread dropped the tensor (torch may have let go
@@ -225,6 +233,19 @@ void release_slot(void* ctx) noexcept {
   if (work == nullptr || Py_AddPendingCall(run_pool_work, work) != 0) {
     delete work;  // the queue is full: the pool reference stays (a leak, not a crash)
   }
+}
+
+// Runs when the storage of a block made here is freed: any thread, GIL or not.
+void release_slot(void* ctx) noexcept {
+  auto* slot = static_cast<Slot*>(ctx);
+  std::shared_ptr<State> st = std::move(slot->state);
+  bool last = false, notify = false;
+  {
+    std::lock_guard<std::mutex> guard(st->books->mu);
+    last = release_locked(*st, slot, notify);
+  }
+  delete slot;
+  after_release(*st, last, notify);
 }
 
 class FastPath {
@@ -348,6 +369,69 @@ class FastPath {
     }
     return at::Tensor();
   }
+
+  // Why `place_for_allocator` placed nothing.
+  enum class Refusal { kNone, kHeld, kQueued, kNoRoom, kNoLease };
+
+  // A block of `nbytes` for PyTorch's CPU allocator (cpu_allocator.cpp): any thread, no GIL, one
+  // critical section under the books' mutex. Placed like `native_empty`'s (same slot, counters and
+  // list: the core records it at its next sync, pinned, since it has no owner: PyTorch holds its raw
+  // pointer and it must never move) and found again by its address (`State::by_address`). Its
+  // address, or 0 with the reason: Python holds the books, releases wait for Python, no lease (no
+  // install holds the pool), or pages must be mapped.
+  uintptr_t place_for_allocator(int64_t nbytes, Refusal& why) {
+    const int64_t size = (nbytes + kAlignment - 1) / kAlignment * kAlignment;
+    auto* slot = new Slot();  // before the mutex: the one step that may throw (std::bad_alloc)
+    slot->size = size;
+    slot->nbytes = nbytes;
+    slot->dtype = static_cast<int8_t>(static_cast<int>(c10::ScalarType::Byte));
+    slot->ndim = 1;
+    slot->shape[0] = nbytes;
+    {
+      std::lock_guard<std::mutex> guard(st_->books->mu);
+      why = st_->books->held_locked() ? Refusal::kHeld
+            : !st_->queue.empty()     ? Refusal::kQueued
+            : st_->live == 0          ? Refusal::kNoLease  // the pool reference is taken only with the GIL
+                                      : Refusal::kNone;
+      std::optional<std::pair<int, int64_t>> where;
+      if (why == Refusal::kNone) {
+        try {
+          where = st_->books->place_mapped_locked(size);
+        } catch (...) {  // books that disagree with themselves: the Python path reports it
+          where.reset();
+        }
+        if (!where) why = Refusal::kNoRoom;
+      }
+      if (where) {
+        slot->region = where->first;
+        slot->address = static_cast<uintptr_t>(where->second);
+        try {
+          st_->by_address.emplace(slot->address, slot);
+        } catch (...) {  // no host memory for the map: the range goes back, the caller sees bad_alloc
+          st_->books->release_range_locked(size, slot->region, where->second);
+          delete slot;
+          throw;
+        }
+        slot->serial = st_->next_serial++;
+        slot->counted = true;
+        slot->prev = st_->fresh.prev;
+        slot->next = &st_->fresh;
+        st_->fresh.prev->next = slot;
+        st_->fresh.prev = slot;
+        st_->live += 1;
+        st_->allocs += 1;
+        st_->allocated += size;
+        if (st_->allocated > st_->peak) st_->peak = st_->allocated;
+        st_->allocator_blocks += 1;
+        return slot->address;
+      }
+    }
+    delete slot;
+    return 0;
+  }
+
+  State& state() { return *st_; }
+  const std::shared_ptr<State>& shared_state() const { return st_; }
 
   // Threads Python never saw, allocating and dropping (the benchmark's and the tests' C++ threads):
   // `threads` std::threads, each `iterations` times replacing one of `live` slots (round robin)
@@ -864,6 +948,9 @@ py::object bind_empty(py::object fast_object, py::object fallback, py::object po
   return py::reinterpret_steal<py::object>(function);
 }
 
+// PyTorch's CPU allocator over one pool's books: `cpu_allocator.cpp` (the next source, same unit).
+void bind_cpu_allocator(py::module_& m);
+
 }  // namespace
 
 #if TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 13)
@@ -957,4 +1044,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_readwrite("backlog", &FastPath::backlog)
       .def_readonly("hits", &FastPath::hits)
       .def_readonly("misses", &FastPath::misses);
+  bind_cpu_allocator(m);
 }
