@@ -551,24 +551,30 @@ class FastPath {
     const size_t n = users.size();
     if (new_addresses.size() != n || old_addresses.size() != n || nbytes.size() != n)
       throw py::value_error("rebase: users, addresses and nbytes differ in length");
+    // In passes, each over independent loads (the storages, then their DataPtrs, then the slots):
+    // after the wave's copy these are cold in the caches, and loads that do not wait on each
+    // other overlap.
     std::vector<c10::StorageImpl*> impls(n);
+    for (size_t i = 0; i < n; ++i) {
+      PyObject* user = users[i].ptr();
+      if (!THPStorage_Check(user)) throw py::value_error("rebase: expects UntypedStorages");
+      impls[i] = THPStorage_Unpack(user).unsafeGetStorageImpl();
+    }
     std::vector<Slot*> olds(n);
+    for (size_t i = 0; i < n; ++i) {
+      const c10::DataPtr& data = impls[i]->data_ptr();
+      if (data.get_deleter() != &release_slot || data.device() != device_) return py::make_tuple(-2, 0, py::list());
+      if (reinterpret_cast<uintptr_t>(data.get()) != old_addresses[i] ||
+          static_cast<int64_t>(impls[i]->nbytes()) != nbytes[i])
+        return py::make_tuple(static_cast<int64_t>(i), 0, py::list());
+      olds[i] = static_cast<Slot*>(data.get_context());
+    }
     {
       std::lock_guard<std::mutex> guard(st_->books->mu);  // slots' fields are read under it
       for (size_t i = 0; i < n; ++i) {
-        PyObject* user = users[i].ptr();
-        if (!THPStorage_Check(user)) throw py::value_error("rebase: expects UntypedStorages");
-        c10::StorageImpl* impl = THPStorage_Unpack(user).unsafeGetStorageImpl();
-        const c10::DataPtr& data = impl->data_ptr();
-        if (data.get_deleter() != &release_slot || data.device() != device_)
-          return py::make_tuple(-2, 0, py::list());
-        auto* slot = static_cast<Slot*>(data.get_context());
+        const Slot* slot = olds[i];
         if (slot->state != st_ || !slot->collected) return py::make_tuple(-2, 0, py::list());
-        if (reinterpret_cast<uintptr_t>(data.get()) != old_addresses[i] || slot->address != old_addresses[i] ||
-            static_cast<int64_t>(impl->nbytes()) != nbytes[i])
-          return py::make_tuple(static_cast<int64_t>(i), 0, py::list());
-        impls[i] = impl;
-        olds[i] = slot;
+        if (slot->address != old_addresses[i]) return py::make_tuple(static_cast<int64_t>(i), 0, py::list());
       }
     }
     std::vector<Slot*> fresh(n);
