@@ -140,6 +140,14 @@ struct State {
   explicit State(std::shared_ptr<Books> b) : books(std::move(b)) { fresh.prev = fresh.next = &fresh; }
 };
 
+// Append `s` to the blocks Python has not collected yet (the books' mutex held).
+void link_fresh_locked(State& st, Slot* s) {
+  s->prev = st.fresh.prev;
+  s->next = &st.fresh;
+  st.fresh.prev->next = s;
+  st.fresh.prev = s;
+}
+
 void unlink(Slot* s) {
   if (s->prev == nullptr) return;  // never linked (its tensor was never finished)
   s->prev->next = s->next;
@@ -414,10 +422,7 @@ class FastPath {
         }
         slot->serial = st_->next_serial++;
         slot->counted = true;
-        slot->prev = st_->fresh.prev;
-        slot->next = &st_->fresh;
-        st_->fresh.prev->next = slot;
-        st_->fresh.prev = slot;
+        link_fresh_locked(*st_, slot);
         st_->live += 1;
         st_->allocs += 1;
         st_->allocated += size;
@@ -768,10 +773,7 @@ class FastPath {
       std::lock_guard<std::mutex> guard(st_->books->mu);
       slot->owner = owner;
       slot->counted = true;
-      slot->prev = st_->fresh.prev;
-      slot->next = &st_->fresh;
-      st_->fresh.prev->next = slot;
-      st_->fresh.prev = slot;
+      link_fresh_locked(*st_, slot);
       st_->allocs += 1;
       st_->allocated += size;
       if (st_->allocated > st_->peak) st_->peak = st_->allocated;

@@ -31,20 +31,26 @@ def no_swap(monkeypatch):
     monkeypatch.undo()
 
 
-@pytest.fixture
-def old_torch_with_extension(monkeypatch):
-    """The "extension" path: no native swap; counts the extension's swaps. The fast path is off: the
-    owners of memory it makes are rebased in C++ without any swap (`test_old_torch_rebases_...`)."""
+def _torch_without_native_swap(monkeypatch) -> list:
+    """Torch as if it lacked `_swap_data_ptr_`, the storage-swap extension in its place; returns the
+    list that counts the extension's swaps."""
     if (missing := storage_ext._missing_tools()) is not None:
         pytest.skip(f"cannot build the storage-swap extension here: {missing}")
     monkeypatch.setenv("DEFRAG_FORCE_NO_SWAP_DATA_PTR", "1")
-    monkeypatch.setenv("DEFRAG_FASTPATH", "0")
     monkeypatch.delenv("DEFRAG_NO_STORAGE_EXT", raising=False)
     assert tz.swap_mode() == "extension", storage_ext.failure()
     calls = []
     real = storage_ext.swap
     monkeypatch.setattr(storage_ext, "swap", lambda a, b: (calls.append(1), real(a, b)))
     return calls
+
+
+@pytest.fixture
+def old_torch_with_extension(monkeypatch):
+    """The "extension" path: no native swap; counts the extension's swaps. The fast path is off: the
+    owners of memory it makes are rebased in C++ without any swap (`test_old_torch_rebases_...`)."""
+    monkeypatch.setenv("DEFRAG_FASTPATH", "0")
+    return _torch_without_native_swap(monkeypatch)
 
 
 def _quarter_filled(pool) -> dict:
@@ -157,14 +163,7 @@ def test_old_torch_adopts_a_tensor_with_views(make_pool, old_torch_with_extensio
 def test_old_torch_rebases_the_fast_paths_storages_without_a_swap(make_pool, monkeypatch):
     """Without `_swap_data_ptr_` (torch < 2.12), the owners of memory the fast path made still move,
     views and all, without the extension's swap: their DataPtr is replaced in C++ (`FastPath.rebase`)."""
-    if (missing := storage_ext._missing_tools()) is not None:
-        pytest.skip(f"cannot build the storage-swap extension here: {missing}")
-    monkeypatch.setenv("DEFRAG_FORCE_NO_SWAP_DATA_PTR", "1")
-    monkeypatch.delenv("DEFRAG_NO_STORAGE_EXT", raising=False)
-    assert tz.swap_mode() == "extension", storage_ext.failure()
-    swaps = []
-    real = storage_ext.swap
-    monkeypatch.setattr(storage_ext, "swap", lambda a, b: (swaps.append(1), real(a, b)))
+    swaps = _torch_without_native_swap(monkeypatch)
     pool = make_pool("1MiB", auto_compact=False)
     if pool._fast is None:
         pytest.skip("the fast path is off here")
