@@ -69,13 +69,16 @@ class CppExtension:
             cache = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
             root = os.path.join(cache, "defrag")
         tag = f"py{sys.version_info.major}{sys.version_info.minor}-torch{torch.__version__}".replace("+", "_")
-        return os.path.join(root, f"{self.folder}-{tag}")
+        # One folder per source too: processes of two defrag versions (an upgrade while one runs, two
+        # environments) neither rebuild each other's library nor import it half-way through a rebuild.
+        digest = hashlib.sha256(self.source.encode()).hexdigest()[:12]
+        return os.path.join(root, f"{self.folder}-{tag}-{digest}")
 
     def load(self, *, build: bool = True):
         """The module, building it on the first call; None if it cannot be had.
 
         Thread-safe; the build runs at most once per process (and, through the
-        build folder, once per machine and torch version). Never raises: a
+        build folder, once per machine, torch version and source). Never raises: a
         failure is remembered and returned as None (`failure()` says why).
         `build=False`: import what is built, never compile (a build elsewhere
         that left no library is then the failure).
@@ -161,7 +164,7 @@ class CppExtension:
         start = time.perf_counter()
         fresh = not os.path.exists(os.path.join(folder, f"{self.name}.so"))
         if fresh:
-            _log.info("defrag: building %s in %s (%s, once per torch version)", self.what, folder, self.expected)
+            _log.info("defrag: building %s in %s (%s, once per torch version and source)", self.what, folder, self.expected)
         _drop_stale_lock(folder)
         source = self._source_path(folder)
         _write_if_changed(source, self.source)
