@@ -346,3 +346,15 @@ def test_threads_allocating_and_compacting_through_the_fast_path_in_a_subprocess
     assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout}\n{proc.stderr[-3000:]}"
     words = proc.stdout.split()
     assert words[0] == "hits" and int(words[1]) > 1000 and words[-1] == "0", proc.stdout
+
+
+def test_each_source_builds_in_its_own_folder(monkeypatch, tmp_path):
+    """Two versions of a native source never share a build folder (neither rebuilds nor half-imports the
+    other's library); the same source always finds its own again."""
+    from defrag.extensions import CppExtension
+
+    monkeypatch.setenv("DEFRAG_EXT_DIR", str(tmp_path))
+    one = CppExtension("x", "native", "int a;", "x", "now").build_directory()
+    again = CppExtension("x", "native", "int a;", "x", "now").build_directory()
+    other = CppExtension("x", "native", "int b;", "x", "now").build_directory()
+    assert one == again != other and one.startswith(str(tmp_path))
