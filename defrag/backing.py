@@ -7,7 +7,8 @@ Every change to what backs a virtual page goes through a `Backing`:
   elsewhere (`stitch`);
 - a compaction opens destination pages (`map`, `make_room`) and gives back
   what it emptied (`unmap_empty`);
-- `trim` and `close` release what holds nothing (`trim`, `release_idle`);
+- `trim` and `close` release what holds nothing (`trim`), and packing for
+  an offload gives back what it emptied (`give_back`);
 - sleep takes every device page away at the same addresses (`put_to_sleep`)
   and wake brings device pages back (`wake_pages`);
 - offload and reload put other physical pages, with the bytes, under the
@@ -218,24 +219,33 @@ class Backing:
         self.unmap_empty(self.empty_mapped())
         return self.space.store.trim(0) * self.page_size
 
-    def release_idle(self) -> None:
-        """`trim` for a closed pool whose blocks are still live (their pages stay)."""
-        self.trim()
+    def give_back(self, pages: list[tuple[Region, int]]) -> int:
+        """Unmap these empty mapped pages and release their physical pages to the driver; one the driver
+        refuses stays cached (reused first, released by `trim`). Returns how many stayed."""
+        keep = len(self.space.store.cached)
+        self.unmap_empty(pages)
+        return self._trim_cache_to(keep)[0]
 
     def release_to_driver(self, handles: list[int]) -> int:
         """Give physical pages no mapping uses back to the driver, through the store: one the driver
         refuses stays cached (reused first, released by `trim`). Returns how many stayed (logged)."""
+        keep = len(self.space.store.cached)
+        self.space.store.put(handles)
+        kept, error = self._trim_cache_to(keep)
+        if kept:
+            _log.warning("defrag: the driver refused to release %d device page(s) (%s); they stay cached in "
+                         "the pool (trim() retries)", kept, str(error))
+        return kept
+
+    def _trim_cache_to(self, keep: int) -> tuple[int, CudaError | None]:
+        """Release cached physical pages beyond the first `keep`: (how many beyond stayed, the driver's
+        refusal) when the driver refuses one, else (0, None)."""
         store = self.space.store
-        keep = len(store.cached)
-        store.put(handles)
         try:
             store.trim(keep)
         except CudaError as exc:
-            kept = len(store.cached) - keep
-            _log.warning("defrag: the driver refused to release %d device page(s) (%s); they stay cached in "
-                         "the pool (trim() retries)", kept, str(exc))
-            return kept
-        return 0
+            return len(store.cached) - keep, exc
+        return 0, None
 
     # ------------------------------------------------------------------ sleep and wake
     def put_to_sleep(self, txn: Transaction) -> list[int]:

@@ -549,7 +549,8 @@ def _run_wave(core: Core, mover: Mover, region, plan: ArrayPlan, a: int, b: int,
         dests.clear()
         if lets_go:
             core.forget(olds)  # vacated before the copy; their queued releases find nothing to do
-        core.settle()  # later waves' destinations lie in what this one vacated
+        core.drain()
+        core.flush_reuse()  # later waves' destinations lie in what this one vacated
 
 
 def _pages_under(offsets: np.ndarray, sizes: np.ndarray, page_size: int) -> np.ndarray:

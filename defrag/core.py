@@ -725,4 +725,4 @@ class Core:
     def give_back_idle(self) -> None:
         """After close, with blocks still live: unmap what holds none and release cached pages."""
         self.flush_reuse()
-        self.backing.release_idle()
+        self.backing.trim()

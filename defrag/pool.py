@@ -219,7 +219,7 @@ class _TorchMover:
             failed = front.rebase(users, news, olds)
             if failed != -2:
                 return failed
-            temps = front.storages_over([new for _, new, _, _ in dests])
+            temps = front.storages_over(news)
             dests[:] = [(old, new, held, temp) for (old, new, held, _), temp in zip(dests, temps)]
         swap_all = getattr(fastpath.module, "swap_storages", None) if self.pool._swap_mode == "native" else None
         if swap_all is None:

@@ -361,13 +361,7 @@ def _pack(core: Core, mover: Mover, cold: list[Block], scope: Scope, engine, rep
         # Pages the packing emptied go back to the driver too (not pages that were empty before).
         emptied = [(r, p) for r, p in core.backing.empty_mapped() if r is region and p in vacated]
         if emptied:
-            store = core.space.store
-            keep = len(store.cached)
-            core.backing.unmap_empty(emptied)
-            try:
-                store.trim(keep)
-            except CudaError:
-                pass  # stays cached: usable, trim() retries
+            core.backing.give_back(emptied)  # a page the driver refuses stays cached: usable, trim() retries
     return cold
 
 

@@ -140,12 +140,17 @@ struct State {
   explicit State(std::shared_ptr<Books> b) : books(std::move(b)) { fresh.prev = fresh.next = &fresh; }
 };
 
-// Append `s` to the blocks Python has not collected yet (the books' mutex held).
-void link_fresh_locked(State& st, Slot* s) {
+// A block made here is whole (the books' mutex held): counted as an allocation, with its peak,
+// and appended to the blocks Python has not collected yet.
+void link_made_locked(State& st, Slot* s) {
+  s->counted = true;
   s->prev = st.fresh.prev;
   s->next = &st.fresh;
   st.fresh.prev->next = s;
   st.fresh.prev = s;
+  st.allocs += 1;
+  st.allocated += s->size;
+  if (st.allocated > st.peak) st.peak = st.allocated;
 }
 
 void unlink(Slot* s) {
@@ -421,12 +426,8 @@ class FastPath {
           throw;
         }
         slot->serial = st_->next_serial++;
-        slot->counted = true;
-        link_fresh_locked(*st_, slot);
+        link_made_locked(*st_, slot);
         st_->live += 1;
-        st_->allocs += 1;
-        st_->allocated += size;
-        if (st_->allocated > st_->peak) st_->peak = st_->allocated;
         st_->allocator_blocks += 1;
         return slot->address;
       }
@@ -548,9 +549,10 @@ class FastPath {
   // range and took the old one back). Every user is checked first: an UntypedStorage on this
   // device whose memory is a collected block made here, at its old address. Then each gets a
   // DataPtr over its new address (a new collected slot, serial `first + i`) and its old slot is
-  // deleted without its deleter (nothing to release: the books took the range back). Returns (-1, first, old serials); (i, 0, []) when
-  // user i is not at its old address or not of `nbytes[i]` bytes; (-2, 0, []) when some user's memory was not made here
-  // (the caller swaps through temporary storages instead). Nothing changes unless all pass.
+  // deleted without its deleter (nothing to release: the books took the range back).
+  // Returns (-1, first, old serials); (i, 0, []) when user i is not at its old address or not
+  // of `nbytes[i]` bytes; (-2, 0, []) when some user's memory was not made here (the caller
+  // swaps through temporary storages instead). Nothing changes unless all pass.
   py::tuple rebase(const py::list& users, const std::vector<uintptr_t>& new_addresses,
                    const std::vector<uintptr_t>& old_addresses, const std::vector<int64_t>& nbytes) {
     const size_t n = users.size();
@@ -582,8 +584,8 @@ class FastPath {
         if (slot->address != old_addresses[i]) return py::make_tuple(static_cast<int64_t>(i), 0, py::list());
       }
     }
-    std::vector<Slot*> fresh(n);
-    for (size_t i = 0; i < n; ++i) fresh[i] = new Slot();  // before anything changes: may throw
+    std::vector<std::unique_ptr<Slot>> fresh(n);
+    for (size_t i = 0; i < n; ++i) fresh[i] = std::make_unique<Slot>();  // before anything changes: may throw
     uint64_t first;
     py::list old_serials(n);
     {
@@ -592,7 +594,7 @@ class FastPath {
       st_->next_serial += n;
     }
     for (size_t i = 0; i < n; ++i) {
-      Slot* slot = fresh[i];
+      Slot* slot = fresh[i].release();  // the storage's from here
       slot->state = st_;
       slot->address = new_addresses[i];
       slot->collected = true;
@@ -772,11 +774,7 @@ class FastPath {
       // Linked only now, counted: `collect()` (another thread, with the GIL) sees it whole or not at all.
       std::lock_guard<std::mutex> guard(st_->books->mu);
       slot->owner = owner;
-      slot->counted = true;
-      link_fresh_locked(*st_, slot);
-      st_->allocs += 1;
-      st_->allocated += size;
-      if (st_->allocated > st_->peak) st_->peak = st_->allocated;
+      link_made_locked(*st_, slot);
       st_->books->end_placing_locked();
     }
     return tensor;
