@@ -1,4 +1,4 @@
-"""The `defrag` command: demo, doctor, bench, replay."""
+"""The `defrag` command: run, demo, doctor, bench, replay."""
 
 from __future__ import annotations
 
@@ -122,6 +122,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser = _OneLineParser(prog="defrag", description="Move live GPU tensors to end fragmentation OOMs.")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_OneLineParser)
 
+    # `defrag run` parses its own arguments (everything after the script is the program's): `main` hands
+    # them to defrag.run before argparse; this entry is for `defrag --help`.
+    sub.add_parser("run", add_help=False, help="run a program unmodified with every PyTorch allocation in a pool "
+                                                "(defrag run [options] script.py args... | -m module args...)")
+
     p = sub.add_parser("demo", help="build a fragmented pool, watch a big request fail, compact, watch it succeed")
     p.add_argument("--device", default=None, help="'emulated', 'cuda:N' (default: the GPU if one works, else emulated)")
     p.add_argument("--capacity", default="256MiB", help="pool capacity (default 256MiB)")
@@ -156,6 +161,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv=None) -> int:
     """Run one command; a `UsageError` becomes one line on stderr and exit code 2."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["run"]:
+        return _run(argv[1:])
     parser = build_parser()
     try:
         args, extra = parser.parse_known_args(argv)
@@ -174,6 +182,21 @@ def main(argv=None) -> int:
         return 2
     except NativeBuildError as exc:  # the machine, not the arguments: what to install, no traceback
         print(f"defrag {args.command}: error: {exc}", file=sys.stderr)
+        return 1
+
+
+def _run(argv: list[str]) -> int:
+    """`defrag run`: the program's exit code; a bad argument is one line and exit code 2."""
+    from . import run
+    from .errors import NativeBuildError, SettingError
+
+    try:
+        return run.main(argv)
+    except (UsageError, SettingError) as exc:
+        print(f"defrag run: error: {exc} (see defrag run --help)", file=sys.stderr)
+        return 2
+    except NativeBuildError as exc:
+        print(f"defrag run: error: {exc}", file=sys.stderr)
         return 1
 
 

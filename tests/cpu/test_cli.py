@@ -27,7 +27,7 @@ def test_doctor_says_what_works(capsys):
     assert "GPU:" in out
 
 
-@pytest.mark.parametrize("command", [[], ["demo"], ["doctor"], ["bench"], ["replay"]])
+@pytest.mark.parametrize("command", [[], ["run"], ["demo"], ["doctor"], ["bench"], ["replay"]])
 def test_every_command_has_help(command):
     result = subprocess.run([sys.executable, "-m", "defrag", *command, "--help"], capture_output=True, text=True,
                             timeout=120)

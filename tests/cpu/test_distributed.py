@@ -519,7 +519,7 @@ def test_the_hook_checks_its_arguments_when_made():
 def test_the_guide_ddp_example_runs_as_written(tmp_path):
     """docs/guide.md "Several GPUs": its example, saved as a file and run with python, on 2 gloo ranks."""
     guide = (ROOT / "docs" / "guide.md").read_text()
-    section = guide.split("## 15. Several GPUs", 1)[1].split("\n## ", 1)[0]
+    section = guide.split("## 16. Several GPUs", 1)[1].split("\n## ", 1)[0]
     code = re.search(r"```python\n(.*?)```", section, re.S).group(1)
     script = tmp_path / "train.py"
     script.write_text(code)

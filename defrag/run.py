@@ -1,0 +1,351 @@
+"""`defrag run`: an unmodified program with every allocation in a pool, in the spirit of `torchrun`.
+
+``defrag run [--capacity C] [--device D] [--report PATH] script.py args...``
+``defrag run [options] -m module args...``
+
+Makes a pool, installs it as PyTorch's allocator (`defrag.install`: on the
+emulated device PyTorch's CPU allocator, so every CPU tensor of the program
+lives in the pool; on a GPU PyTorch's CUDA allocator), then runs the program
+as ``__main__`` with its own ``sys.argv``, as ``python script.py args`` or
+``python -m module args`` would, and exits with its exit code. At the end it
+prints one summary line on stderr (the program's stdout stays the program's
+own): peak live, peak reserved, fragmentation, OOMs, compactions; with
+``--report PATH`` it also writes the pool's stats as JSON.
+
+What it guarantees: the install happens before the program's first line
+runs, so every allocation the program makes goes to the pool (except those
+the allocator hands to PyTorch's own allocator by rule: a forked child's, see
+`defrag.cpu_allocator`); an uncaught exception prints its traceback as Python
+would (from the program's first frame) and exits 1; ``sys.exit(code)`` exits
+with that code; Ctrl-C exits 130. The summary and the report are written
+whatever the exit code. Bad arguments (an unknown option, a missing script or
+module, a capacity the device cannot hold, a report path that cannot be
+written) get one line and exit code 2 before anything runs.
+
+What it does not do: it cannot see allocations of child processes started
+with ``spawn`` (they are fresh interpreters, PyTorch's own allocator serves
+them), nor report when the program ends with ``os._exit`` (no summary).
+"""
+
+from __future__ import annotations
+
+import builtins
+import json
+import os
+import runpy
+import sys
+import time
+import traceback
+import types
+import zipfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from .arguments import UsageError
+
+__all__ = ["main", "parse", "RunArgs", "summary_line"]
+
+USAGE = ("usage: defrag run [--capacity C] [--device D] [--report PATH] script.py [args ...]\n"
+         "       defrag run [--capacity C] [--device D] [--report PATH] -m module [args ...]")
+
+HELP = USAGE + """
+
+Run a Python program unmodified with every PyTorch allocation in a defrag pool.
+
+options (before the script or -m):
+  --capacity C     pool capacity, e.g. 40GiB (default: the device's free memory)
+  --device D       'emulated' or 'cuda:N' (default: the GPU if one works, else emulated;
+                   on the emulated device the program's CPU tensors live in the pool)
+  --report PATH    write the pool's stats (peaks included) as JSON to PATH at the end
+  -m MODULE        run a library module as a script, like python -m
+  -h, --help       show this help
+
+Prints one summary line on stderr at the end; exits with the program's exit code."""
+
+_VALUED = ("--capacity", "--device", "--report")
+
+
+@dataclass
+class RunArgs:
+    """What `defrag run` was asked: its options, and the program (a script path or a module) with its argv."""
+
+    capacity: str | None = None
+    device: str | None = None
+    report: str | None = None
+    script: str | None = None
+    module: str | None = None
+    args: list[str] = field(default_factory=list)
+    help: bool = False
+
+
+def parse(argv: list[str]) -> RunArgs:
+    """Split `argv` into defrag's options and the program; `UsageError` for an unknown or incomplete option.
+
+    defrag's options come first; the first token that is not one of them (the
+    script), ``-m MODULE`` or ``--`` ends them, and everything after belongs to
+    the program, options included (``defrag run train.py --capacity 1`` passes
+    ``--capacity 1`` to train.py).
+    """
+    out = RunArgs()
+    i = 0
+    while i < len(argv):
+        token = argv[i]
+        if token in ("-h", "--help"):
+            out.help = True
+            return out
+        if token == "--":
+            i += 1
+            break
+        name, eq, value = token.partition("=")
+        if name in _VALUED:
+            if not eq:
+                if i + 1 >= len(argv):
+                    raise UsageError(f"{name} needs a value")
+                value = argv[i + 1]
+                i += 1
+            setattr(out, name[2:], value)
+            i += 1
+            continue
+        if token == "-m" or token.startswith("-m"):
+            module = token[2:] or (argv[i + 1] if i + 1 < len(argv) else "")
+            if not module:
+                raise UsageError("-m needs a module name")
+            out.module = module
+            out.args = argv[i + (1 if token[2:] else 2):]
+            return out
+        if token.startswith("-") and token != "-":
+            raise UsageError(f"unknown option {token} (defrag's options go before the script: {USAGE.splitlines()[0][7:]})")
+        break
+    if i >= len(argv):
+        raise UsageError("no program to run: give a script (defrag run train.py args...) or -m module")
+    out.script, out.args = argv[i], argv[i + 1:]
+    return out
+
+
+def _checked(args: RunArgs):
+    """The driver and capacity `args` name, and the report path; `UsageError` before anything runs."""
+    from .arguments import capacity_fits, device_arg, out_file_arg, size_arg
+
+    if args.script is not None:
+        path = Path(args.script)
+        if not path.exists():
+            raise UsageError(f"cannot open the script {args.script}: no such file")
+        if path.is_dir() and not (path / "__main__.py").is_file():
+            raise UsageError(f"cannot run {args.script}: a folder without __main__.py")
+    if args.module is not None:
+        from importlib.util import find_spec
+
+        top = args.module.partition(".")[0]
+        saved_path = list(sys.path)
+        sys.path[0:1] = [os.getcwd()]  # where python -m looks first
+        try:
+            found = bool(top) and find_spec(top) is not None  # imports nothing for a top-level name
+        except (ImportError, ValueError):
+            found = False
+        finally:
+            sys.path[:] = saved_path
+        if not found:
+            raise UsageError(f"-m {args.module}: no module named {top!r}")
+    report = out_file_arg(args.report, "--report") if args.report is not None else None
+    driver = device_arg(args.device, torch_cuda=True)
+    if args.capacity is None:
+        free, _ = driver.mem_info()
+        capacity = free - free % driver.granularity
+        if capacity < driver.granularity:
+            raise UsageError(f"the device has {free} bytes free, less than one page: nothing to make a pool of")
+    else:
+        capacity = size_arg(args.capacity, "--capacity", at_least=driver.granularity,
+                            at_least_what=f"one page ({driver.granularity} bytes)")
+        capacity_fits(capacity, driver, why="the program's pool")
+    return driver, capacity, report
+
+
+def _open_pool(driver, capacity: int):
+    """A pool on `driver`, installed as PyTorch's allocator; `UsageError` when this machine cannot."""
+    from . import install
+    from .arguments import pool_open_error
+    from .errors import CudaError, NotSupportedError
+    from .pool import Pool
+
+    try:
+        pool = Pool(device=driver, capacity=capacity)
+    except (CudaError, OSError, MemoryError) as exc:
+        raise pool_open_error(exc, capacity) from None
+    try:
+        install(pool)
+    except NotSupportedError as exc:
+        pool.close()
+        raise UsageError(f"cannot install the pool here: {exc}") from None
+    return pool
+
+
+def _program_frames(tb):
+    """The traceback from the program's own first frame on (runpy's and this module's frames dropped)."""
+    mine = {os.path.abspath(__file__), os.path.abspath(runpy.__file__), "<frozen runpy>"}
+    start = tb
+    while start is not None and (start.tb_frame.f_code.co_filename in mine
+                                 or os.path.abspath(start.tb_frame.f_code.co_filename) in mine):
+        start = start.tb_next
+    return start or tb
+
+
+def _exit_code(exc: SystemExit) -> int:
+    """What Python's own exit would give for `sys.exit(code)` (a message is printed, code 1)."""
+    code = exc.code
+    if code is None:
+        return 0
+    if isinstance(code, int):
+        return code & 0xFF if code >= 0 else code % 256
+    print(code, file=sys.stderr)
+    return 1
+
+
+def _exec_as_main(script: str) -> None:
+    """Run the file `script` (an absolute path) as Python runs a script: a fresh `__main__` module whose
+    `__file__` is the absolute path, `sys.argv[0]` as given (runpy.run_path would make it the path it ran),
+    the previous `__main__` back afterwards."""
+    from importlib.machinery import SourceFileLoader
+
+    with open(script, "rb") as f:
+        source = f.read()
+    code = compile(source, script, "exec", dont_inherit=True)
+    module = types.ModuleType("__main__")
+    module.__dict__.update(__file__=script, __cached__=None, __package__=None, __spec__=None,
+                           __loader__=SourceFileLoader("__main__", script), __builtins__=builtins)
+    previous = sys.modules.get("__main__")
+    sys.modules["__main__"] = module
+    try:
+        exec(code, module.__dict__)
+    finally:
+        if previous is not None:
+            sys.modules["__main__"] = previous
+
+
+def _run_program(args: RunArgs) -> int:
+    """Run the program as __main__ with its own argv and sys.path[0]; its exit code, as Python's would be."""
+    saved_argv, saved_path = sys.argv, list(sys.path)
+    try:
+        if args.module is not None:
+            from importlib.util import find_spec
+
+            sys.path[0:1] = [os.getcwd()]
+            try:
+                spec = find_spec(args.module)
+            except (ImportError, ValueError) as exc:
+                raise UsageError(f"-m {args.module}: {exc}") from None
+            if spec is None:
+                raise UsageError(f"-m {args.module}: no module named {args.module!r}")
+            sys.argv = [spec.origin or args.module, *args.args]
+            runpy.run_module(args.module, run_name="__main__", alter_sys=True)
+        else:
+            script = os.path.abspath(args.script)
+            sys.argv = [args.script, *args.args]
+            sys.path[0:1] = [script if os.path.isdir(script) else os.path.dirname(script)]
+            if os.path.isfile(script) and not zipfile.is_zipfile(script):
+                _exec_as_main(script)
+            else:  # a folder with __main__.py, or a zip application
+                runpy.run_path(script, run_name="__main__")
+        return 0
+    except SystemExit as exc:
+        return _exit_code(exc)
+    except KeyboardInterrupt:
+        traceback.print_exc()
+        return 130
+    except UsageError:
+        raise
+    except BaseException as exc:  # noqa: BLE001 - the program's own uncaught exception, reported as Python would
+        traceback.print_exception(type(exc), exc, _program_frames(exc.__traceback__))
+        return 1
+    finally:
+        sys.argv = saved_argv
+        sys.path[:] = saved_path
+        sys.stdout.flush()
+
+
+def _allocator_counters() -> dict:
+    """What the installed allocator counted: the CPU allocator's counters, or the CUDA allocator's."""
+    from . import capture, cpu_allocator
+
+    counters = cpu_allocator.counters()
+    if counters.get("installed"):
+        return counters
+    torch_allocator = capture.installed()
+    if torch_allocator is None:
+        return {}
+    return {name: getattr(torch_allocator, name) for name in ("allocs", "frees", "failures", "errors", "foreign_frees")}
+
+
+def summary(pool, exit_code: int, seconds: float) -> dict:
+    """The figures of the summary line and the report: peaks, fragmentation, OOMs, compactions."""
+    from .arguments import device_label
+
+    stats = pool.stats()
+    peak_live, peak_reserved = stats["allocated_bytes.all.peak"], stats["reserved_bytes.all.peak"]
+    return {
+        "exit_code": exit_code,
+        "seconds": round(seconds, 3),
+        "device": device_label(pool.driver),
+        "capacity_bytes": stats["capacity_bytes"],
+        "peak_live_bytes": peak_live,
+        "peak_reserved_bytes": peak_reserved,
+        "reserved_over_live": round(peak_reserved / peak_live, 4) if peak_live else None,
+        "fragmentation_at_exit": stats["fragmentation"],
+        "ooms": stats["num_ooms"],
+        "compactions": stats["num_compactions"],
+        "allocations": stats["num_allocs"],
+    }
+
+
+def summary_line(figures: dict) -> str:
+    """One line a person reads at the end of the run."""
+    from .units import format_bytes
+
+    over = figures["reserved_over_live"]
+    over_text = f" (+{(over - 1) * 100:.1f}% over live)" if over else ""
+    return (f"defrag run: exit {figures['exit_code']} in {figures['seconds']:.1f} s on {figures['device']} · "
+            f"peak live {format_bytes(figures['peak_live_bytes'])} · peak reserved "
+            f"{format_bytes(figures['peak_reserved_bytes'])}{over_text} of {format_bytes(figures['capacity_bytes'])} · "
+            f"fragmentation at exit {figures['fragmentation_at_exit'] * 100:.1f}% · {figures['ooms']} OOMs · "
+            f"{figures['compactions']} compactions · {figures['allocations']} allocations in the pool")
+
+
+def _write_report(path: Path, figures: dict, pool, args: RunArgs) -> None:
+    """The report as JSON, written whole or not at all (a temporary file renamed into place)."""
+    report = {"program": {"script": args.script, "module": args.module, "args": args.args},
+              "summary": figures, "allocator": _allocator_counters(), "stats": pool.stats()}
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(report, indent=2, default=str) + "\n")
+    os.replace(tmp, path)
+
+
+def main(argv: list[str]) -> int:
+    """`defrag run`: check, make and install the pool, run the program, summarize; the program's exit code.
+
+    `UsageError` (one line, exit code 2 in `defrag.cli.main`) for bad
+    arguments, before the program runs.
+    """
+    args = parse(argv)
+    if args.help:
+        print(HELP)
+        return 0
+    driver, capacity, report = _checked(args)
+    pool = _open_pool(driver, capacity)
+    started = time.perf_counter()
+    try:
+        code = _run_program(args)
+    except UsageError:  # -m a.b whose package has no b: nothing of the program ran
+        if pool.kind == "emulated":  # PyTorch's CUDA allocator cannot be changed back
+            from . import uninstall
+
+            uninstall()
+            pool.close()
+        raise
+    figures = summary(pool, code, time.perf_counter() - started)
+    if report is not None:
+        try:
+            _write_report(report, figures, pool, args)
+        except OSError as exc:
+            print(f"defrag run: could not write the report {report}: {exc}", file=sys.stderr)
+    print(summary_line(figures), file=sys.stderr)
+    sys.stderr.flush()
+    return code

@@ -1,0 +1,164 @@
+"""`defrag run`: an unmodified program with every allocation in a pool (defrag/run.py).
+
+A run is a subprocess (it replaces PyTorch's CPU allocator process-wide); bad
+arguments are checked in-process, since they are refused before anything is
+installed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from defrag import cli, fastpath
+
+needs_native = pytest.mark.skipif(fastpath.setting() == "off", reason="DEFRAG_FASTPATH=0: no native allocator")
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+SUMMARY = re.compile(r"^defrag run: exit (\d+) in [\d.]+ s on emulated · peak live .+ · peak reserved .+ · "
+                     r"fragmentation at exit [\d.]+% · (\d+) OOMs · (\d+) compactions · (\d+) allocations in the pool$")
+
+
+def run(argv, cwd, defrag=True):
+    """`defrag run --device emulated ARGV` (or `python ARGV`) in `cwd`: (exit code, stdout, stderr)."""
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    cmd = [sys.executable, "-m", "defrag", "run", "--device", "emulated", "--capacity", "256MiB", *argv] if defrag \
+        else [sys.executable, *argv]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240, cwd=cwd, env=env)
+    assert "terminate called" not in proc.stderr and "Exception ignored" not in proc.stderr, proc.stderr
+    return proc.returncode, proc.stdout, proc.stderr
+
+
+def split_summary(stderr: str):
+    """The program's own stderr and the summary line defrag run printed last."""
+    lines = stderr.splitlines()
+    assert lines and SUMMARY.match(lines[-1]), f"no summary line at the end:\n{stderr}"
+    return "\n".join(lines[:-1]), SUMMARY.match(lines[-1])
+
+
+PROGRAM = textwrap.dedent("""
+    import sys, torch
+    print("argv", sys.argv, __name__, __file__.endswith("prog.py"))
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 4))
+    loss = model(torch.randn(8, 32)).square().mean()
+    loss.backward()
+    print("loss", loss.item(), model[0].weight.grad.sum().item())
+    if sys.argv[1:2] == ["raise"]:
+        def inner():
+            raise ValueError("the program's own error")
+        inner()
+    sys.exit(int(sys.argv[1]) if sys.argv[1:2] and sys.argv[1].isdigit() else None)
+""")
+
+
+@needs_native
+@pytest.mark.parametrize("argv", [["prog.py", "7", "--capacity", "x"], ["prog.py", "raise"], ["-m", "prog", "3"]],
+                         ids=["exit-code-and-its-own-options", "uncaught-exception", "module"])
+def test_the_program_prints_and_exits_as_under_python(tmp_path, argv):
+    """Same stdout, same stderr (traceback from the program's first frame), same exit code; then one summary line."""
+    (tmp_path / "prog.py").write_text(PROGRAM)
+    want = run(argv, tmp_path, defrag=False)
+    code, out, err = run(argv, tmp_path)
+    program_err, summary = split_summary(err)
+    assert (code, out, program_err.strip()) == (want[0], want[1], want[2].strip())
+    assert int(summary.group(1)) == code and int(summary.group(4)) > 0  # the program's tensors were the pool's
+    if argv[1:2] == ["raise"]:
+        assert code == 1 and program_err.splitlines()[1].startswith(f'  File "{tmp_path / "prog.py"}"')
+
+
+@needs_native
+def test_every_tensor_is_the_pools_an_oom_goes_on_and_the_report_says_so(tmp_path):
+    (tmp_path / "train.py").write_text(textwrap.dedent("""
+        import torch, defrag
+        made = defrag.fastpath.module.cpu_allocator_made
+        pool = defrag.cpu_allocator.installed()
+        assert pool is not None and pool.capacity == 256 << 20
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(128, 256), torch.nn.ReLU(), torch.nn.Linear(256, 8))
+        opt = torch.optim.Adam(model.parameters())
+        for _ in range(3):
+            opt.zero_grad()
+            model(torch.randn(16, 128)).logsumexp(1).mean().backward()
+            opt.step()
+        tensors = [*model.parameters(), *(p.grad for p in model.parameters())]
+        tensors += [t for state in opt.state.values() for t in state.values() if t.dim()]
+        assert len(tensors) == 16 and all(made(t) for t in tensors)
+        try:
+            torch.empty(1 << 30, dtype=torch.uint8)
+        except torch.OutOfMemoryError as exc:
+            print("OOM:", "cannot allocate" in str(exc))
+        print("after", torch.ones(1000).sum().item(), pool.stats()["num_ooms"])
+    """))
+    report = tmp_path / "out" / "report.json"
+    report.parent.mkdir()
+    code, out, err = run(["--report", str(report), "train.py"], tmp_path)
+    assert code == 0 and out.splitlines() == ["OOM: True", "after 1000.0 1"], err
+    _, summary = split_summary(err)
+    assert summary.group(2) == "1"
+    data = json.loads(report.read_text())
+    figures = data["summary"]
+    assert figures["exit_code"] == 0 and figures["ooms"] == 1 and figures["capacity_bytes"] == 256 << 20
+    params = (128 * 256 + 256 + 256 * 8 + 8) * 4
+    assert 4 * params <= figures["peak_live_bytes"] <= figures["peak_reserved_bytes"] <= 256 << 20
+    assert data["stats"]["allocated_bytes.all.peak"] == figures["peak_live_bytes"]
+    assert data["allocator"]["installed"] and data["allocator"]["ooms"] == 1 and data["allocator"]["blocks"] > 16
+    assert data["program"] == {"script": "train.py", "module": None, "args": []}
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--bogus", "x.py"], "unknown option --bogus"),
+    (["missing.py"], "cannot open the script missing.py: no such file"),
+    ([], "no program to run"),
+    (["--capacity"], "--capacity needs a value"),
+    (["--capacity", "lots", "{prog}"], "--capacity must be a byte count"),
+    (["--capacity", "1024TiB", "--device", "emulated", "{prog}"], "is more than the emulated device has"),
+    (["--device", "tpu", "{prog}"], "--device 'tpu' is not a device"),
+    (["--report", "{tmp}/no/such/folder/r.json", "{prog}"], "cannot write there"),
+    (["-m"], "-m needs a module name"),
+    (["-m", "no_such_module_anywhere.sub"], "no module named 'no_such_module_anywhere'"),
+])
+def test_bad_arguments_are_one_line_and_exit_2_before_anything_runs(tmp_path, capsys, argv, message):
+    prog = tmp_path / "prog.py"
+    prog.write_text("raise SystemExit('the program must not run')\n")
+    argv = [a.format(prog=prog, tmp=tmp_path) for a in argv]
+    assert cli.main(["run", *argv]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == "" and len(captured.err.strip().splitlines()) == 1 and message in captured.err, captured.err
+    assert captured.err.startswith("defrag run: error: ")
+
+
+def test_help_names_the_options_and_the_two_forms(capsys):
+    assert cli.main(["run", "--help"]) == 0
+    out = capsys.readouterr().out
+    assert "script.py [args ...]" in out and "-m module [args ...]" in out
+    assert all(flag in out for flag in ("--capacity", "--device", "--report"))
+
+
+@needs_native
+def test_the_guide_example_runs_as_written(tmp_path):
+    """docs/guide.md section 2: its train.py under its `defrag run` line prints its console block."""
+    from .test_guide_examples import EXAMPLES, GUIDE, matches
+
+    section = "2. Your program, unmodified: `defrag run`"
+    (program,) = [e for e in EXAMPLES if e.section == section]
+    (tmp_path / "train.py").write_text(program.code)
+    text = GUIDE.read_text().split(f"## {section}", 1)[1]
+    console = text.split("```console\n", 1)[1].split("```", 1)[0].splitlines()
+    command, expected = console[0], "\n".join(console[1:]) + "\n"
+    assert command.startswith("$ defrag run ")
+    argv = command[len("$ defrag run "):].split()
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    for name in ("DEFRAG_EMULATED_CAPACITY", "DEFRAG_EMULATED_GRANULARITY"):
+        env.pop(name, None)
+    proc = subprocess.run([sys.executable, "-m", "defrag", "run", "--device", "emulated", *argv], cwd=tmp_path,
+                          capture_output=True, text=True, timeout=240, env=env)
+    assert proc.returncode == 0, proc.stderr
+    assert matches(expected, proc.stdout + proc.stderr), f"printed:\n{proc.stdout}{proc.stderr}"
+    assert json.loads((tmp_path / "mem.json").read_text())["summary"]["peak_live_bytes"] > 0
