@@ -1,4 +1,4 @@
-"""`TorchAllocator`: a pool's pages as PyTorch's pluggable CUDA allocator; `capture` and `install` route PyTorch to it.
+"""PyTorch's CUDA allocations in a pool: `capture` (segments via `TorchAllocator`) and `install` (native entry points).
 
 PyTorch's pluggable-allocator interface is two C functions,
 ``void* alloc(ssize_t size, int device, cudaStream_t stream)`` and
@@ -9,19 +9,26 @@ PyTorch's pluggable-allocator interface is two C functions,
 pool's tensors, through the same ladder (empty pages, stitching, then
 compacting the pool's movable tensors) before a request fails.
 
-Two ways to route PyTorch to it:
+Two ways to route PyTorch to a pool:
 
 - `capture(pool)` (`with pool.capture():`): the calling thread's CUDA
-  allocations go to a `torch.cuda.MemPool` whose allocator is this one.
-  PyTorch's caching allocator stays in charge and asks us only for
-  *segments* (2 MiB for requests up to 1 MiB, 20 MiB for 1-10 MiB, larger
-  ones rounded up to 2 MiB) and sub-allocates tensors inside them; a NULL
-  return becomes PyTorch's own `torch.OutOfMemoryError`.
+  allocations go to a `torch.cuda.MemPool` whose allocator is the
+  `TorchAllocator`. PyTorch's caching allocator stays in charge and asks us
+  only for *segments* (2 MiB for requests up to 1 MiB, 20 MiB for 1-10 MiB,
+  larger ones rounded up to 2 MiB) and sub-allocates tensors inside them; a
+  NULL return becomes PyTorch's own `torch.OutOfMemoryError`.
 - `install(pool)` (a CUDA pool; an emulated pool becomes PyTorch's CPU allocator
   instead, `defrag.cpu_allocator`): `torch.cuda.memory.change_current_allocator`, process-wide,
-  before PyTorch's first CUDA allocation: every CUDA tensor is one segment.
-  PyTorch does not check for NULL on that path: a failed allocation is a
-  crash later, not an exception.
+  before PyTorch's first CUDA allocation: every CUDA tensor is one pool block.
+  Natively (`install_cuda`, `CudaInstall`): PyTorch's `CUDAPluggableAllocator`
+  over the entry points `defrag_cuda_alloc` / `defrag_cuda_free` of defrag's
+  own native module (`native/cuda_allocator.cpp`, found by the loaded
+  module's path, `native_library()`), over the pool's native books, sharing
+  the CPU allocator's ladder (`native/pool_allocator.h`): no Python on the
+  hot path, and a request the pool cannot serve raises torch.OutOfMemoryError
+  with the pool's explained OOM. A pool without the native fast path falls
+  back to the ctypes `TorchAllocator`, where PyTorch does not check for NULL:
+  a failed allocation there is a crash later, not an exception.
 
 The rules the trampolines keep (PyTorch holds raw function pointers and calls
 them from any thread, autograd's included, while holding the caching
@@ -57,7 +64,9 @@ block uses it and it holds no live tensor. Call `release_cached()` (or
 
 This module imports no `defrag.pool`: it sees a pool only through its public
 methods (`alloc_segment`, `free_segment`, `segments`, `driver`, `kind`,
-`device`, `closed`, `id`), so `Pool.capture()` can use it.
+`device`, `closed`, `id`), so `Pool.capture()` can use it; `install`'s
+native route also takes the pool's native FastPath (`pool.core.front.cpp`),
+as `defrag.cpu_allocator` does.
 """
 
 from __future__ import annotations
@@ -75,7 +84,8 @@ import torch
 from .errors import PoolClosedError
 from .oom import OutOfMemoryError
 
-__all__ = ["TorchAllocator", "capture", "install", "install_cuda", "uninstall", "release_cached", "in_callback", "installed", "ALLOC_FN", "FREE_FN"]
+__all__ = ["TorchAllocator", "CudaInstall", "capture", "install", "install_cuda", "register_native", "native_library",
+           "uninstall", "release_cached", "in_callback", "installed", "ALLOC_FN", "FREE_FN"]
 
 _log = logging.getLogger("defrag")
 
@@ -454,7 +464,8 @@ def install(pool):
     Emulated device: PyTorch's CPU allocator (`defrag.cpu_allocator.install`:
     native, every CPU tensor made afterwards lives in the pool, a real
     torch.OutOfMemoryError, undone by `defrag.uninstall()`); returns the pool.
-    CUDA: `install_cuda` below; returns its TorchAllocator.
+    CUDA: `install_cuda` below; returns its `CudaInstall` (native) or
+    `TorchAllocator` (the ctypes fallback).
     """
     if pool.kind == "emulated":
         from . import cpu_allocator
@@ -475,40 +486,191 @@ def uninstall() -> bool:
     return False
 
 
-def install_cuda(pool) -> TorchAllocator:
-    """Make `pool` PyTorch's CUDA allocator for the whole process (`change_current_allocator`); returns it.
+class CudaInstall:
+    """A pool serving one CUDA device through defrag's native entry points (`install_cuda`'s native route).
 
-    Must run before PyTorch's first CUDA allocation (RuntimeError otherwise)
-    and only once per process (again with the same pool: a no-op). Every
-    CUDA tensor is then its own pool segment (no caching: one callback per
-    allocation). Limits: PyTorch does not check the allocator's result on
-    this path, so a request the pool cannot serve (or one for another
-    device) returns NULL and crashes later instead of raising an OOM
-    (leave headroom, watch `failures` and the "defrag" log); PyTorch's
-    memory statistics, snapshots and `empty_cache` do not work with a
-    pluggable allocator; it cannot be undone.
+    The entry points `defrag_cuda_alloc` / `defrag_cuda_free` live in
+    defrag's native module (`native/cuda_allocator.cpp`) and place blocks in
+    the pool's books with no Python and no GIL, exactly as the fast path
+    does; the GIL only when pages must be mapped (the pool's ladder). A
+    request the pool cannot serve raises torch.OutOfMemoryError with the
+    pool's explained OOM. `pool`, `device` (the CUDA device index it serves);
+    `counters()` reads the entry's counters. Made by `register_native`, for
+    the life of the process (it cannot be undone).
     """
-    global _installed
-    _require_cuda(pool, "defrag.install(pool)")
+
+    def __init__(self, pool, device: int):
+        self.pool, self.device = pool, int(device)
+
+    def counters(self) -> dict:
+        """The entry's counters for this device: allocs and frees (blocks handed out and given back),
+        failures (errors thrown to PyTorch), ooms (of them, OutOfMemoryErrors), declined (requests the
+        pool could not serve now: closed, asleep, recording history...), asked (trips to the pool's
+        Python code), other_stream_allocs (allocations for a stream other than the default one),
+        foreign_frees (process-wide: frees of pointers no installed pool handed out), last_error
+        (process-wide), installed, forked_child."""
+        from . import fastpath
+
+        return dict(fastpath.module.cuda_allocator_counters(self.device))
+
+    def __repr__(self) -> str:
+        c = self.counters()
+        return (f"<defrag.capture.CudaInstall pool #{self.pool.id} cuda:{self.device} allocs={c['allocs']} "
+                f"frees={c['frees']} failures={c['failures']} foreign_frees={c['foreign_frees']}>")
+
+
+_routes: dict[int, CudaInstall] = {}  # device index -> the native route serving it (for the life of the process)
+_native_current = False  # whether PyTorch's CUDA allocator is the native entry points (change_current_allocator)
+
+
+def native_library() -> str:
+    """The path of defrag's native module, the library that exports `defrag_cuda_alloc` / `defrag_cuda_free`.
+
+    dlopen of an already-loaded library's path returns that library, so
+    PyTorch's `CUDAPluggableAllocator` finds the very entry points whose
+    books this process's pools use. NativeBuildError if the module cannot be had.
+    """
+    from . import native
+
+    return native.load_module().__file__
+
+
+def _fast_path(pool):
+    """The pool's native FastPath (`defrag.fastpath.FastPath.cpp`), or None (DEFRAG_FASTPATH=0, "rebind" mode)."""
+    front = getattr(getattr(pool, "core", None), "front", None)
+    return getattr(front, "cpp", None)
+
+
+def register_native(pool, device: int | None = None) -> CudaInstall:
+    """Make defrag's native CUDA entry points serve `device` from `pool`, for the life of the process.
+
+    The registration `install_cuda` makes before it hands the entry points to
+    PyTorch (`change_current_allocator`, which this does not call: on the
+    emulated device, tests call the entry points through the native module's
+    `cuda_allocator_call` / `cuda_allocator_free` hooks). `device`: the
+    pool's own CUDA index by default; any index for an emulated pool (a
+    rehearsal). One pool per device (the same pool again returns its route;
+    another raises RuntimeError); NotSupportedError for a pool without the
+    native fast path; PoolClosedError for a closed pool. The pool is then
+    kept alive by the route (the lease its blocks need), closed or not.
+    """
+    from .errors import NotSupportedError
+
+    if device is None:
+        if pool.kind != "cuda":
+            raise ValueError(f"register_native: pool #{pool.id} is on the {pool.kind} device; name the CUDA "
+                             "device index it should serve")
+        device = pool.device.index or 0
+    device = int(device)
+    if pool.kind == "cuda" and device != (pool.device.index or 0):
+        raise ValueError(f"register_native: pool #{pool.id} is on {pool.device}; it cannot serve cuda:{device}")
     with _registry:
-        current = _installed
-    if current is not None:
-        if current.pool is pool:
-            return current
-        raise RuntimeError(f"defrag.install: pool #{current.pool.id} is already PyTorch's allocator; a process has one")
-    allocator = TorchAllocator.for_pool(pool)
+        route = _routes.get(device)
+        if route is not None:
+            if route.pool is pool:
+                return route
+            raise RuntimeError(f"defrag.install: pool #{route.pool.id} already serves cuda:{device} (one pool per "
+                               f"device, for the life of the process)")
+        if pool.closed:
+            raise PoolClosedError(f"defrag.install: pool #{pool.id} is closed")
+        fast = _fast_path(pool)
+        if fast is None:
+            raise NotSupportedError(f"defrag.install: pool #{pool.id} has no native fast path (DEFRAG_FASTPATH=0 "
+                                    f"or the 'rebind' storage mode), which the native CUDA allocator is built on")
+        from . import fastpath
+
+        fastpath.module.register_cuda_pool(fast, device)
+        route = _routes[device] = CudaInstall(pool, device)
+    return route
+
+
+def install_cuda(pool) -> "CudaInstall | TorchAllocator":
+    """Make `pool` PyTorch's CUDA allocator for its device, for the whole process; returns the route.
+
+    Native route (the pool has the native fast path): PyTorch's
+    `CUDAPluggableAllocator` over defrag's own library (`native_library()`,
+    entry points `defrag_cuda_alloc` / `defrag_cuda_free`); every CUDA tensor
+    is one pool block, placed with no Python and no GIL unless pages must be
+    mapped, pinned (PyTorch holds its raw pointer: it never moves). A request
+    the pool cannot serve raises torch.OutOfMemoryError with the pool's
+    explained OOM, and the program can go on. One pool per device: pools on
+    other GPUs may be installed later (the same pool again returns its
+    `CudaInstall`; a second pool for one device raises RuntimeError), and an
+    allocation on a device with no pool raises RuntimeError. Returns the
+    `CudaInstall`.
+
+    Fallback (no native fast path: DEFRAG_FASTPATH=0, "rebind" mode): the
+    ctypes `TorchAllocator` (one Python call per allocation, ~90 us), one
+    pool per process; PyTorch does not check its NULL return on this path,
+    so a request the pool cannot serve crashes later instead of raising
+    (leave headroom, watch its `failures` and the "defrag" log). Returns the
+    `TorchAllocator`.
+
+    Both: the first install must run before PyTorch's first CUDA allocation
+    (RuntimeError otherwise: PyTorch cannot swap an initialized allocator);
+    nothing can undo it; PyTorch's memory statistics, snapshots and
+    `empty_cache` do not work with a pluggable allocator (`pool.stats()`
+    does). Does not: move the blocks PyTorch holds, order block reuse
+    between CUDA streams (a block freed on one stream may serve another at
+    once: exact for a program on one stream per device), serve a sleeping,
+    closed or history-recording pool (its allocations raise).
+    """
+    global _installed, _native_current
+    _require_cuda(pool, "defrag.install(pool)")
+    device = pool.device.index or 0
+    with _registry:
+        fallback, native_current, route = _installed, _native_current, _routes.get(device)
+    if fallback is not None:
+        if fallback.pool is pool:
+            return fallback
+        raise RuntimeError(f"defrag.install: pool #{fallback.pool.id} is already PyTorch's allocator (through "
+                           f"ctypes, one pool per process)")
+    if route is not None:
+        return register_native(pool)  # the same pool again: its route; another: RuntimeError
+    fast = _fast_path(pool)
+    if fast is None and native_current:
+        raise RuntimeError(f"defrag.install: pool #{pool.id} has no native fast path, and PyTorch's CUDA allocator "
+                           f"is already defrag's native one (which serves only pools that have it)")
+    if fast is None:
+        return _install_fallback(pool)
+    if not native_current:
+        _change_allocator(torch.cuda.memory.CUDAPluggableAllocator(native_library(), "defrag_cuda_alloc",
+                                                                   "defrag_cuda_free"))
+        with _registry:
+            _native_current = True
+    route = register_native(pool)
+    _log.info("defrag: pool #%d now serves PyTorch's CUDA allocations on cuda:%d (install, native)", pool.id, device)
+    return route
+
+
+def _change_allocator(handle) -> None:
+    """`change_current_allocator(handle)`, kept alive for the process (PyTorch keeps a raw pointer)."""
     try:
-        torch.cuda.memory.change_current_allocator(_Handle(allocator.torch_allocator()))
+        torch.cuda.memory.change_current_allocator(handle)
     except RuntimeError as exc:
         raise RuntimeError(f"defrag.install(pool) must run before PyTorch's first CUDA allocation (PyTorch: {exc}); "
                            "call it first thing, or route a block with `with pool.capture():` instead") from None
+    _KEEP.append(handle)
+
+
+def _install_fallback(pool) -> TorchAllocator:
+    global _installed
+    allocator = TorchAllocator.for_pool(pool)
+    _change_allocator(_Handle(allocator.torch_allocator()))
     with _registry:
         _installed = allocator
-    _log.info("defrag: pool #%d is now PyTorch's CUDA allocator (install)", pool.id)
+    _log.info("defrag: pool #%d is now PyTorch's CUDA allocator (install, ctypes fallback)", pool.id)
     return allocator
 
 
-def installed() -> TorchAllocator | None:
-    """The allocator `install` made PyTorch's, or None."""
+def installed(device: int | None = None) -> "CudaInstall | TorchAllocator | None":
+    """What `install_cuda` made PyTorch's for `device` (None: the ctypes fallback, else the native route
+    installed first), or None."""
     with _registry:
-        return _installed
+        if _installed is not None:
+            return _installed
+        if not _native_current:  # routes registered without PyTorch (register_native alone) are not installs
+            return None
+        if device is not None:
+            return _routes.get(int(device))
+        return next(iter(_routes.values()), None)

@@ -127,7 +127,7 @@ class TensorInfo:
     dtype: torch.dtype | None = None
     shape: tuple[int, ...] | None = None
     storage_ref: object | None = None  # StorageWeakRef to the user's storage
-    origin: str = "empty"  # empty | adopt | allocator (PyTorch's CPU allocator made it: defrag.install)
+    origin: str = "empty"  # empty | adopt | allocator (PyTorch's CPU or CUDA allocator made it: defrag.install)
     streams: set = field(default_factory=set)  # CUDA streams that used it (record_stream)
     alloc_stream: int = 0
     tensors: list = field(default_factory=list)  # weakrefs to the tensors the pool made ("rebind" mode only)
@@ -414,15 +414,16 @@ class Pool(TensorOwnership, PoolResidency, AllocatorSegments, PoolObservability)
         (it is called across the C boundary)."""
         return self._stock_for_allocator(nbytes) is None
 
-    def _stock_for_allocator(self, nbytes: int, no_room: bool = True) -> "str | bool | None":
-        """`_stock_for_native` for PyTorch's CPU allocator (`defrag.install`; native/cpu_allocator.cpp
-        calls it with the GIL, its own allocations going to PyTorch's previous allocator meanwhile).
-        `no_room` False: the native placement found releases waiting or the books held, not a lack of
-        room: only apply the releases (the ladder would record every live block again, whose frees
-        would queue again). None: stocked (place again); a str: the pool cannot serve it, the
-        explained OOM (raised to the program as torch.OutOfMemoryError); False: the pool is closed,
-        asleep or its fast path is off (the previous allocator serves it). Never raises (it is
-        called across the C boundary)."""
+    def _stock_for_allocator(self, nbytes: int, no_room: bool = True, compact: bool = True) -> "str | bool | None":
+        """`_stock_for_native` for PyTorch's CPU allocator and CUDA entry points (`defrag.install`;
+        native/pool_allocator.h calls it with the GIL; the calling thread's own allocations meanwhile
+        never come back here). `no_room` False: the native placement found releases waiting or the
+        books held, not a lack of room: only apply the releases (the ladder would record every live
+        block again, whose frees would queue again). `compact` False: the ladder stops before
+        compacting (CUDA: PyTorch may allocate mid-op). None: stocked (place again); a str: the pool
+        cannot serve it, the explained OOM (raised to the program as torch.OutOfMemoryError); False:
+        the pool is closed, asleep or its fast path is off (the CPU allocator's previous allocator
+        serves it; on CUDA it fails). Never raises (it is called across the C boundary)."""
         try:
             if self._fast is None or not self._fast.enabled:
                 return False
@@ -430,10 +431,15 @@ class Pool(TensorOwnership, PoolResidency, AllocatorSegments, PoolObservability)
                 return None
             with self.core.gate:
                 self._enter()
-                block = self._allocate(nbytes)
+                block = self._allocate(nbytes, compact=compact)
                 self.core.unplace(block)
             return None
-        except (OutOfMemoryError, StaleAccessError) as exc:
+        except OutOfMemoryError as exc:
+            if compact:
+                return str(exc)
+            return (f"{exc}\n  not tried inside PyTorch's CUDA allocator: compacting (an op may hold its inputs' "
+                    f"addresses); compact between steps (pool.compact()) or retry with defrag.retry_on_oom")
+        except StaleAccessError as exc:
             return str(exc)
         except (PoolClosedError, PoolAsleepError):
             return False
@@ -504,15 +510,14 @@ class Pool(TensorOwnership, PoolResidency, AllocatorSegments, PoolObservability)
     def _rescue(self, nbytes: int, tried: list[str]) -> Block | None:
         return rescue(self.core, self._mover, nbytes, tried, self.on_compact)
 
-    @staticmethod
-    def _describe(block: Block) -> str:
+    def _describe(self, block: Block) -> str:
         info = block.info
         if info is None:
             return ""
         if isinstance(info, SegmentInfo):
             return "(a segment of PyTorch's allocator)"
-        if getattr(info, "origin", None) == "allocator":
-            return "(PyTorch's CPU allocator)"
+        if getattr(info, "origin", None) == "allocator":  # defrag.install: the pool is PyTorch's allocator
+            return "(PyTorch's CUDA allocator)" if self.kind == "cuda" else "(PyTorch's CPU allocator)"
         dtype = str(info.dtype).replace("torch.", "") if info.dtype else ""
         return f"{dtype}{list(info.shape) if info.shape is not None else ''}"
 

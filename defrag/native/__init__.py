@@ -1,5 +1,6 @@
 """defrag's native module: the pool's books (`books.h` over `heap.h`), the allocation fast path
-(`module.cpp`), PyTorch's CPU allocator over the books (`cpu_allocator.cpp`), the planner's best fit
+(`module.cpp`), PyTorch's CPU allocator and its pluggable CUDA allocator's entry points over the books
+(`cpu_allocator.cpp`, `cuda_allocator.cpp`, sharing `pool_allocator.h`), the planner's best fit
 (`planner.h`) and its attempts (`plan_attempt.h`).
 
 Every pool keeps its books here (`defrag.core.Core.books`), so the module is
@@ -24,7 +25,8 @@ import threading
 from ..errors import NativeBuildError
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
-SOURCES = ("heap.h", "planner.h", "plan_attempt.h", "books.h", "module.cpp", "cpu_allocator.cpp")  # in dependency order
+SOURCES = ("heap.h", "planner.h", "plan_attempt.h", "books.h", "module.cpp", "pool_allocator.h", "cpu_allocator.cpp",
+           "cuda_allocator.cpp")  # in dependency order
 _LOCAL_INCLUDE = re.compile(r'^\s*(#pragma once|#include "[^"]+")\s*$')
 
 

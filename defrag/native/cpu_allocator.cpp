@@ -1,64 +1,36 @@
 // PyTorch's CPU allocator over one pool's books (`defrag.install(pool)` on the emulated device, whose
 // pool pages are host memory): every CPU tensor the program makes afterwards lives in the pool.
-// Compiled in the same unit as module.cpp, after it (it uses FastPath, State and Slot).
+// Compiled in the same unit as module.cpp, after `pool_allocator.h` (the placement ladder, install
+// records and release it shares with the CUDA entry points, `cuda_allocator.cpp`).
 //
 // Hot path (`allocate`, `free_pooled`): no Python, no GIL, no syscall; the books' mutex once each
-// way. A block is placed exactly like the fast path's `native_empty` (`FastPath::place_for_allocator`)
-// and recorded by the core at its next sync, pinned (PyTorch holds its raw pointer: it never moves).
-// Only when pages must be mapped, or releases wait for Python, or Python holds the books, does
-// `allocate` take the GIL and ask the pool (`Pool._stock_for_allocator`: the ladder places a block and
-// keeps its range for this size); when the pool cannot, the pool's explained OOM becomes
-// c10::OutOfMemoryError, which reaches Python as torch.OutOfMemoryError (thrown before any counter
-// changed: the program may catch it and go on).
+// way (`place_from_pool`, `release_installed`). When the pool cannot serve a request, the pool's
+// explained OOM becomes c10::OutOfMemoryError, which reaches Python as torch.OutOfMemoryError (thrown
+// before any counter changed: the program may catch it and go on).
 //
 // Invariants:
 // - An allocation goes to the allocator that was current before install ("previous") when the
 //   calling thread runs the pool's own code (inside a pool's gate: `books_held_here`; or inside the
 //   Python call this allocator makes: `t_pool_code`): never a recursion into the pool, never a
 //   deadlock on its gate. Also when the fast path is off (pool asleep, closed, recording history),
-//   when a worker of a parallel region (a thread Python never saw, running part of another thread's
-//   op) cannot place natively (asking Python there could deadlock: that other thread may hold the
-//   GIL or the pool's gate while it waits for this very worker), during interpreter finalization,
-//   and in a forked child. Any other thread waits for the pool's answer.
+//   when the pool declines (see `place_from_pool`: a worker of a parallel region that cannot place
+//   natively), during interpreter finalization, and in a forked child. Any other thread waits for
+//   the pool's answer.
 // - A DataPtr's context is its data pointer (torch's copy-on-write and lazy clones require it); the
 //   deleter finds the slot by address in the installs' `by_address` maps.
-// - Installs, their States and FastPaths are never destroyed (leaked on purpose): the deleter may
-//   run at any time, in any thread, at exit after Python is gone; it is noexcept and touches only
-//   them. The allocator object itself is never destroyed either (PyTorch keeps its pointer).
-// - fork: the child switches PyTorch back to the previous allocator (`pthread_atfork`) and its
-//   deleter forgets blocks it inherited: the pool's pages are memfd pages shared with the parent, so
-//   the child must never allocate from, nor free into, the parent's pool.
-#include <ATen/Parallel.h>
+// - Install records live forever (pool_allocator.h); the allocator object itself is never destroyed
+//   either (PyTorch keeps its pointer). The deleter is noexcept and touches only them.
+// - fork: the child switches PyTorch back to the previous allocator (`cpu_allocator_after_fork`) and
+//   its deleter forgets blocks it inherited (pool_allocator.h).
 #include <c10/core/CPUAllocator.h>
-#include <c10/util/Exception.h>
-
-#include <pthread.h>
-
-#include <string>
 
 namespace {
 
-constexpr int kMaxInstalls = 64;        // installs per process (uninstall + install again counts anew per pool)
 constexpr uint8_t kAllocatorPriority = 0;  // the default allocator's: SetCPUAllocator replaces on >=
-constexpr int64_t kLargestRequest = int64_t(1) << 62;
 
-// One pool as PyTorch's CPU allocator. Never freed; only `previous` changes (at each install, with the GIL).
-struct Installed {
-  FastPath* fast = nullptr;               // alive forever: `fast_object` is never dropped
-  PyObject* fast_object = nullptr;        // a strong reference, leaked on purpose
-  std::shared_ptr<State>* keep = nullptr;  // leaked: keeps `fast->state()` alive for late deleters
-  c10::Allocator* previous = nullptr;     // current before install; restored by uninstall
-};
-
-Installed g_installs[kMaxInstalls];          // trivially destructible: safe at exit
-std::atomic<int> g_install_count{0};         // published entries of g_installs
 std::atomic<Installed*> g_current{nullptr};  // the pool allocations go to; nullptr: none
 std::atomic<c10::Allocator*> g_previous{nullptr};
-std::atomic<bool> g_forked_child{false};
-bool g_atfork_registered = false;  // with the GIL
-std::atomic<int64_t> g_declined{0}, g_asked{0}, g_ooms{0};
-// Depth of the pool's Python code this allocator called on this thread (see the invariants).
-thread_local int t_pool_code = 0;
+EntryCounters g_cpu_counters;
 
 void free_pooled(void* data) noexcept;
 
@@ -91,118 +63,21 @@ c10::DataPtr PoolCpuAllocator::allocate(size_t n) {
   }
   if (n == 0) return c10::DataPtr(nullptr, c10::Device(c10::DeviceType::CPU));  // nothing to place or free
   if (n > static_cast<size_t>(kLargestRequest)) {
-    g_ooms += 1;
+    g_cpu_counters.ooms += 1;
     TORCH_CHECK_WITH(OutOfMemoryError, false, "defrag: PyTorch asked the pool for ", n,
                      " bytes, more than any pool can hold");
   }
   return from_pool(in, static_cast<int64_t>(n));
 }
 
-// Whether the pool's Python code may be called from this thread now (not while Python exits).
-bool python_callable() {
-  if (!Py_IsInitialized()) return false;
-#if PY_VERSION_HEX >= 0x030D0000
-  return !Py_IsFinalizing();
-#else
-  return !_Py_IsFinalizing();
-#endif
-}
-
-enum class Answer { kStocked, kRefused, kDecline };
-
-// The pool's answer for `nbytes` it could not place natively (`Pool._stock_for_allocator`), with the
-// GIL: stocked (place again), refused (`refusal`: the explained OOM) or decline (previous allocator).
-// `no_room`: pages must be mapped (the ladder climbs); else releases wait for Python or Python held
-// the books (the pool only applies the releases: climbing the ladder there would record every live
-// block again, whose frees then queue again, and threads asking together would never get out).
-// The thread's pending Python error, if any, is kept; allocations meanwhile go to the previous
-// allocator (`t_pool_code`).
-Answer ask_pool(Installed* in, int64_t nbytes, bool no_room, std::string& refusal) {
-  if (!python_callable()) return Answer::kDecline;
-  g_asked += 1;
-  t_pool_code += 1;
-  PyGILState_STATE gil = PyGILState_Ensure();
-  Answer answer = Answer::kDecline;
-  // Uninstalled meanwhile (uninstall holds the GIL): the pool may be gone, its reference borrowed.
-  if (g_current.load(std::memory_order_acquire) == in) {
-    PyObject *type, *value, *traceback;
-    PyErr_Fetch(&type, &value, &traceback);
-    PyObject* said = PyObject_CallMethod(in->fast->state().pool, "_stock_for_allocator", "LO",
-                                         static_cast<long long>(nbytes), no_room ? Py_True : Py_False);
-    if (said == nullptr) {
-      PyErr_Clear();  // the method never raises; if it did, the request fails plainly
-      refusal = "defrag: the pool failed while making room for a PyTorch allocation";
-      answer = Answer::kRefused;
-    } else if (said == Py_None) {
-      answer = Answer::kStocked;
-    } else if (PyUnicode_Check(said)) {
-      const char* text = PyUnicode_AsUTF8(said);
-      if (text == nullptr) PyErr_Clear();
-      refusal = text != nullptr ? text : "defrag: out of memory";
-      answer = Answer::kRefused;
-    }
-    Py_XDECREF(said);
-    PyErr_Restore(type, value, traceback);
-  }
-  PyGILState_Release(gil);
-  t_pool_code -= 1;
-  return answer;
-}
-
 c10::DataPtr PoolCpuAllocator::from_pool(Installed* in, int64_t nbytes) {
-  const c10::Device cpu(c10::DeviceType::CPU);
-  // Only climbs of the ladder count: applying releases always makes progress (each applies what
-  // other threads queued meanwhile, and only blocks recorded at the last climb queue).
-  int climbs = 0;
-  for (;;) {
-    FastPath::Refusal why;
-    const uintptr_t address = in->fast->place_for_allocator(nbytes, why);
-    if (address != 0) {
-      void* data = reinterpret_cast<void*>(address);
-      return c10::DataPtr(data, data, &free_pooled, cpu);
-    }
-    const bool no_room = why == FastPath::Refusal::kNoRoom;
-    // A worker of a parallel region (a thread Python never saw, running part of an op for another
-    // thread) never waits for Python: that other thread may hold the GIL or the pool's gate and wait
-    // for this very worker.
-    const bool declines = why == FastPath::Refusal::kNoLease ||
-                          (at::in_parallel_region() && PyGILState_GetThisThreadState() == nullptr);
-    std::string refusal;
-    Answer answer = Answer::kDecline;
-    if (!declines && no_room && climbs++ == kNativeAttempts) {
-      // Every range stocked for this size was taken first by other threads (never by all of them).
-      answer = Answer::kRefused;
-      refusal = "defrag: out of memory: " + std::to_string(nbytes) + " bytes for PyTorch, after " +
-                std::to_string(kNativeAttempts) + " tries that other threads' allocations got first";
-    } else if (!declines) {
-      answer = ask_pool(in, nbytes, no_room, refusal);
-    }
-    if (answer == Answer::kDecline) {
-      g_declined += 1;
-      return previous_allocate(static_cast<size_t>(nbytes));
-    }
-    if (answer == Answer::kRefused) {
-      g_ooms += 1;
-      TORCH_CHECK_WITH(OutOfMemoryError, false, refusal);
-    }
+  Placement placed = place_from_pool(in, g_current, nbytes, /*may_ask=*/true, /*compact=*/true, g_cpu_counters);
+  if (placed.address != 0) {
+    void* data = reinterpret_cast<void*>(placed.address);
+    return c10::DataPtr(data, data, &free_pooled, c10::Device(c10::DeviceType::CPU));
   }
-}
-
-// The pool block at `address` made for the allocator by `st`, released; false when `st` made none there.
-bool release_pooled(State& st, uintptr_t address) noexcept {
-  Slot* slot;
-  bool last, notify = false;
-  {
-    std::lock_guard<std::mutex> guard(st.books->mu);
-    auto it = st.by_address.find(address);
-    if (it == st.by_address.end()) return false;
-    slot = it->second;
-    st.by_address.erase(it);
-    last = release_locked(st, slot, notify);
-  }
-  delete slot;
-  after_release(st, last, notify);
-  return true;
+  if (placed.answer == Answer::kRefused) TORCH_CHECK_WITH(OutOfMemoryError, false, placed.refusal);
+  return previous_allocate(static_cast<size_t>(nbytes));
 }
 
 // The deleter of every DataPtr this allocator made (and its raw_deleter): any thread, any time.
@@ -211,13 +86,8 @@ void free_pooled(void* data) noexcept {
   // A block inherited from the parent: the pool and its pages are the parent's. Forgotten (the
   // child's copy of the books is never used again); likewise a raw allocation made before the fork.
   if (g_forked_child.load(std::memory_order_relaxed)) return;
-  const auto address = reinterpret_cast<uintptr_t>(data);
-  Installed* current = g_current.load(std::memory_order_acquire);
-  if (current != nullptr && release_pooled(current->fast->state(), address)) return;
-  const int count = g_install_count.load(std::memory_order_acquire);
-  for (int i = count - 1; i >= 0; --i) {  // a block of an earlier install (uninstalled since)
-    if (&g_installs[i] != current && release_pooled(g_installs[i].fast->state(), address)) return;
-  }
+  // The installed pool's block, or one of an earlier install (uninstalled since).
+  if (release_installed(g_current.load(std::memory_order_acquire), reinterpret_cast<uintptr_t>(data))) return;
   // Not a pool block: the previous allocator's, handed out through our raw_allocate (`allocate`
   // declined); its DataPtr's context was its data pointer, so its raw deleter frees it.
   c10::Allocator* previous = g_previous.load(std::memory_order_acquire);
@@ -227,46 +97,11 @@ void free_pooled(void* data) noexcept {
   }
 }
 
-// In the child right after fork(): PyTorch's previous allocator for everything from now on.
-void after_fork_in_child() {
-  g_forked_child.store(true);
+// In the child right after fork() (pool_allocator.h's handler): PyTorch's previous allocator for
+// everything from now on.
+void cpu_allocator_after_fork() noexcept {
   Installed* in = g_current.load();
   if (in != nullptr) c10::SetCPUAllocator(in->previous, kAllocatorPriority);
-}
-
-// The install record for `fast_object`'s pool: reused when this pool was installed before, else a
-// new one, published (with the GIL).
-Installed* record_for(py::object fast_object) {
-  auto* fast = fast_object.cast<FastPath*>();
-  const int count = g_install_count.load();
-  for (int i = 0; i < count; ++i) {
-    if (g_installs[i].fast == fast) return &g_installs[i];
-  }
-  if (count == kMaxInstalls)
-    throw std::runtime_error("defrag.install: " + std::to_string(kMaxInstalls) + " pools were installed in this "
-                             "process already; no more can be (each stays reachable for its late frees)");
-  Installed& in = g_installs[count];
-  in.fast = fast;
-  in.fast_object = fast_object.release().ptr();
-  in.keep = new std::shared_ptr<State>(fast->shared_state());
-  g_install_count.store(count + 1, std::memory_order_release);
-  return &in;
-}
-
-// Lease on the pool for as long as it is installed (with the GIL): blocks made meanwhile never take
-// the first pool reference themselves (that needs the GIL).
-void take_lease(State& st) {
-  std::lock_guard<std::mutex> guard(st.books->mu);
-  if (st.live++ == 0) Py_INCREF(st.pool);
-}
-
-void drop_lease(State& st) {
-  bool last;
-  {
-    std::lock_guard<std::mutex> guard(st.books->mu);
-    last = --st.live == 0;
-  }
-  if (last) Py_DECREF(st.pool);
 }
 
 // Make this pool PyTorch's CPU allocator (with the GIL). The caller checked the pool is open.
@@ -278,11 +113,7 @@ void install(py::object fast_object) {
   Installed* in = record_for(fast_object);
   c10::Allocator* previous = c10::GetCPUAllocator();
   if (previous == g_allocator) throw std::runtime_error("defrag.install: defrag's CPU allocator is current already");
-  if (!g_atfork_registered) {
-    if (pthread_atfork(nullptr, nullptr, &after_fork_in_child) != 0)
-      throw std::runtime_error("defrag.install: pthread_atfork failed");
-    g_atfork_registered = true;
-  }
+  ensure_fork_handler();
   take_lease(in->fast->state());
   in->previous = previous;
   g_previous.store(previous, std::memory_order_release);
@@ -313,9 +144,9 @@ py::dict counters() {
   out["installed"] = in != nullptr && !g_forked_child.load();
   out["current"] = c10::GetCPUAllocator() == g_allocator;
   out["forked_child"] = g_forked_child.load();
-  out["declined"] = g_declined.load();
-  out["asked"] = g_asked.load();
-  out["ooms"] = g_ooms.load();
+  out["declined"] = g_cpu_counters.declined.load();
+  out["asked"] = g_cpu_counters.asked.load();
+  out["ooms"] = g_cpu_counters.ooms.load();
   int64_t blocks = 0;
   if (in != nullptr) {
     std::lock_guard<std::mutex> guard(in->fast->state().books->mu);

@@ -37,7 +37,9 @@
 // on the books' mutex.
 //
 // PyTorch's CPU allocator over these books (`defrag.install` on the emulated device) is
-// `cpu_allocator.cpp`, compiled in this same unit after this file.
+// `cpu_allocator.cpp`, and PyTorch's pluggable CUDA allocator's entry points (`defrag.install` of a
+// CUDA pool) are `cuda_allocator.cpp`, both over `pool_allocator.h`, compiled in this same unit
+// after this file.
 //
 // Also here: `swap_storages`, a compaction wave's storage swaps in one call
 // (torch >= 2.13).
@@ -954,8 +956,10 @@ py::object bind_empty(py::object fast_object, py::object fallback, py::object po
   return py::reinterpret_steal<py::object>(function);
 }
 
-// PyTorch's CPU allocator over one pool's books: `cpu_allocator.cpp` (the next source, same unit).
+// PyTorch's CPU allocator and CUDA entry points over pools' books: `cpu_allocator.cpp` and
+// `cuda_allocator.cpp` (later sources, same unit).
 void bind_cpu_allocator(py::module_& m);
+void bind_cuda_allocator(py::module_& m);
 
 }  // namespace
 
@@ -1051,4 +1055,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_readonly("hits", &FastPath::hits)
       .def_readonly("misses", &FastPath::misses);
   bind_cpu_allocator(m);
+  bind_cuda_allocator(m);
 }
