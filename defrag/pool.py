@@ -414,16 +414,17 @@ class Pool(TensorOwnership, PoolResidency, AllocatorSegments, PoolObservability)
         (it is called across the C boundary)."""
         return self._stock_for_allocator(nbytes) is None
 
-    def _stock_for_allocator(self, nbytes: int, no_room: bool = True, compact: bool = True) -> "str | bool | None":
+    def _stock_for_allocator(self, nbytes: int, no_room: bool = True) -> "str | bool | None":
         """`_stock_for_native` for PyTorch's CPU allocator and CUDA entry points (`defrag.install`;
         native/pool_allocator.h calls it with the GIL; the calling thread's own allocations meanwhile
         never come back here). `no_room` False: the native placement found releases waiting or the
         books held, not a lack of room: only apply the releases (the ladder would record every live
-        block again, whose frees would queue again). `compact` False: the ladder stops before
-        compacting (CUDA: PyTorch may allocate mid-op). None: stocked (place again); a str: the pool
-        cannot serve it, the explained OOM (raised to the program as torch.OutOfMemoryError); False:
-        the pool is closed, asleep or its fast path is off (the CPU allocator's previous allocator
-        serves it; on CUDA it fails). Never raises (it is called across the C boundary)."""
+        block again, whose frees would queue again). The ladder stops before compacting: PyTorch may
+        allocate in the middle of an op whose inputs' addresses it has read (an output, a workspace),
+        so moving pool tensors there is unsafe. None: stocked (place again); a str: the pool cannot
+        serve it, the explained OOM (raised to the program as torch.OutOfMemoryError); False: the
+        pool is closed, asleep or its fast path is off (the CPU allocator's previous allocator serves
+        it; on CUDA it fails). Never raises (it is called across the C boundary)."""
         try:
             if self._fast is None or not self._fast.enabled:
                 return False
@@ -431,13 +432,11 @@ class Pool(TensorOwnership, PoolResidency, AllocatorSegments, PoolObservability)
                 return None
             with self.core.gate:
                 self._enter()
-                block = self._allocate(nbytes, compact=compact)
+                block = self._allocate(nbytes, compact=False)
                 self.core.unplace(block)
             return None
         except OutOfMemoryError as exc:
-            if compact:
-                return str(exc)
-            return (f"{exc}\n  not tried inside PyTorch's CUDA allocator: compacting (an op may hold its inputs' "
+            return (f"{exc}\n  not tried inside PyTorch's allocator: compacting (an op may hold its inputs' "
                     f"addresses); compact between steps (pool.compact()) or retry with defrag.retry_on_oom")
         except StaleAccessError as exc:
             return str(exc)

@@ -71,7 +71,7 @@ c10::DataPtr PoolCpuAllocator::allocate(size_t n) {
 }
 
 c10::DataPtr PoolCpuAllocator::from_pool(Installed* in, int64_t nbytes) {
-  Placement placed = place_from_pool(in, g_current, nbytes, /*may_ask=*/true, /*compact=*/true, g_cpu_counters);
+  Placement placed = place_from_pool(in, g_current, nbytes, /*may_ask=*/true, g_cpu_counters);
   if (placed.address != 0) {
     void* data = reinterpret_cast<void*>(placed.address);
     return c10::DataPtr(data, data, &free_pooled, c10::Device(c10::DeviceType::CPU));

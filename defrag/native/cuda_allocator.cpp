@@ -94,7 +94,7 @@ void* cuda_alloc(ssize_t size, int device, void* stream) {
     // The pool's own code (inside its gate, or inside the Python call an entry made) never asks the
     // pool again: a native placement only.
     const bool may_ask = t_pool_code == 0 && defrag_native::books_held_here == 0;
-    placed = place_from_pool(in, route->in, static_cast<int64_t>(size), may_ask, /*compact=*/false, route->counters);
+    placed = place_from_pool(in, route->in, static_cast<int64_t>(size), may_ask, route->counters);
     if (placed.address != 0) {
       route->allocs += 1;
       if (stream != nullptr) route->other_stream_allocs += 1;

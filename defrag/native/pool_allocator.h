@@ -129,11 +129,11 @@ enum class Answer { kStocked, kRefused, kDecline };
 // `no_room`: pages must be mapped (the ladder climbs); else releases wait for Python or Python held
 // the books (the pool only applies the releases: climbing the ladder there would record every live
 // block again, whose frees then queue again, and threads asking together would never get out).
-// `compact`: the ladder may end with an automatic compaction (the CPU allocator); false stops it
-// before (CUDA: PyTorch may allocate mid-op after a kernel's inputs' addresses were read).
+// The pool's ladder stops before compacting: PyTorch may allocate in the middle of an op whose inputs'
+// addresses it has read already (an output, a workspace), so moving pool tensors there is unsafe.
 // The thread's pending Python error, if any, is kept; the pool's own allocations meanwhile never ask
 // the pool (`t_pool_code`).
-Answer ask_pool(Installed* in, const std::atomic<Installed*>& route, int64_t nbytes, bool no_room, bool compact,
+Answer ask_pool(Installed* in, const std::atomic<Installed*>& route, int64_t nbytes, bool no_room,
                 EntryCounters& counters, std::string& refusal) {
   if (!python_callable()) return Answer::kDecline;
   counters.asked += 1;
@@ -143,9 +143,8 @@ Answer ask_pool(Installed* in, const std::atomic<Installed*>& route, int64_t nby
   if (route.load(std::memory_order_acquire) == in) {
     PyObject *type, *value, *traceback;
     PyErr_Fetch(&type, &value, &traceback);
-    PyObject* said = PyObject_CallMethod(in->fast->state().pool, "_stock_for_allocator", "LOO",
-                                         static_cast<long long>(nbytes), no_room ? Py_True : Py_False,
-                                         compact ? Py_True : Py_False);
+    PyObject* said = PyObject_CallMethod(in->fast->state().pool, "_stock_for_allocator", "LO",
+                                         static_cast<long long>(nbytes), no_room ? Py_True : Py_False);
     if (said == nullptr) {
       PyErr_Clear();  // the method never raises; if it did, the request fails plainly
       refusal = "defrag: the pool failed while making room for a PyTorch allocation";
@@ -175,11 +174,11 @@ struct Placement {
 
 // A block of `nbytes` (> 0) for PyTorch from `in`'s pool (see the header comment). `may_ask`: false
 // when the calling thread must not ask the pool's Python code (it runs that code now): a native miss
-// then declines. `compact`: whether the pool's ladder may compact (`ask_pool`). A worker of a parallel region (a thread Python never saw, running part of an op for
+// then declines. A worker of a parallel region (a thread Python never saw, running part of an op for
 // another thread) never asks either: that other thread may hold the GIL or the pool's gate and wait
 // for this very worker. Throws only std::bad_alloc (no host memory for the slot).
 Placement place_from_pool(Installed* in, const std::atomic<Installed*>& route, int64_t nbytes, bool may_ask,
-                          bool compact, EntryCounters& counters) {
+                          EntryCounters& counters) {
   // Only climbs of the ladder count: applying releases always makes progress (each applies what
   // other threads queued meanwhile, and only blocks recorded at the last climb queue).
   int climbs = 0;
@@ -198,7 +197,7 @@ Placement place_from_pool(Installed* in, const std::atomic<Installed*>& route, i
       out.refusal = "defrag: out of memory: " + std::to_string(nbytes) + " bytes for PyTorch, after " +
                     std::to_string(kNativeAttempts) + " tries that other threads' allocations got first";
     } else if (!declines) {
-      out.answer = ask_pool(in, route, nbytes, no_room, compact, counters, out.refusal);
+      out.answer = ask_pool(in, route, nbytes, no_room, counters, out.refusal);
     }
     if (out.answer == Answer::kDecline) counters.declined += 1;
     if (out.answer == Answer::kRefused) counters.ooms += 1;
