@@ -12,7 +12,7 @@ GIL only when pages must be mapped, and a request the pool cannot serve raises
 Limits of this first slice: the blocks it makes are pinned (PyTorch holds
 their raw pointers; a compaction never moves them); storages made before
 install keep their own memory; allocations made by the pool's own code, by a
-forked child, while the pool sleeps, is closed or records history, and by a
+forked child, while the pool sleeps or is closed, and by a
 thread Python never saw while another thread runs the pool's code go to
 PyTorch's previous allocator; `torch.profiler`'s memory view does not see the
 pool's blocks.

@@ -119,7 +119,11 @@ class FastPath:
 
     def sync(self, core, *, made_too: bool = True) -> None:
         """Record what the C++ side did and queue its releases on the core in order (gate held).
-        `made_too=False`: only the releases (see `Core.drain`)."""
+        `made_too=False`: only the releases (see `Core.drain`). While the core records history, the
+        allocator entries' logged events go to its recorder first."""
+        history = core.history
+        if history is not None:
+            history.absorb(*self.cpp.take_events())
         if made_too:
             made, released, allocs, frees, peak = self.cpp.collect()
         else:

@@ -313,6 +313,7 @@ class Pool(TensorOwnership, PoolResidency, AllocatorSegments, PoolObservability)
         # The allocation fast path (defrag.fastpath) over the core's native books; whenever it
         # declines, the Python path.
         self._fast = None
+        self._fast_recording = False  # whether the fast path logs the allocator entries' blocks (history)
         if fastpath.setting() != "off":
             with self.core.gate:
                 self._attach_fast()
@@ -426,7 +427,7 @@ class Pool(TensorOwnership, PoolResidency, AllocatorSegments, PoolObservability)
         pool is closed, asleep or its fast path is off (the CPU allocator's previous allocator serves
         it; on CUDA it fails). Never raises (it is called across the C boundary)."""
         try:
-            if self._fast is None or not self._fast.enabled:
+            if self._fast is None or not self._fast.serves_allocator:
                 return False
             if self._refill() or not no_room:  # releases were waiting (the common case): their ranges may serve it
                 return None
@@ -447,10 +448,18 @@ class Pool(TensorOwnership, PoolResidency, AllocatorSegments, PoolObservability)
             return f"defrag: making room for {nbytes} bytes failed: {exc!r}"
 
     def _update_fast(self) -> None:
-        """Let the fast path serve only while nothing needs the Python path's eyes (gate held)."""
+        """Let the fast path serve only while nothing needs the Python path's eyes (gate held). PyTorch's
+        allocator entries (`defrag.install`) keep serving while the pool records history: the fast path
+        logs their blocks for the recorder (`FastPath.sync` hands them over)."""
         if self._fast is not None:
-            core = self.core
-            self._fast.enabled = not (core.closed or core.space.sleeping or core.history is not None)
+            core, cpp = self.core, self._fast
+            serves = not (core.closed or core.space.sleeping)
+            recording = core.history is not None
+            if recording != self._fast_recording:
+                cpp.set_recording(recording)
+                self._fast_recording = recording
+            cpp.enabled = serves and not recording
+            cpp.serves_allocator = serves
 
     def _current_stream(self) -> int:
         """The cudaStream_t torch runs on now (0 on the emulated device).

@@ -45,8 +45,8 @@ from .arguments import UsageError
 
 __all__ = ["main", "parse", "RunArgs", "summary_line"]
 
-USAGE = ("usage: defrag run [--capacity C] [--device D] [--report PATH] script.py [args ...]\n"
-         "       defrag run [--capacity C] [--device D] [--report PATH] -m module [args ...]")
+USAGE = ("usage: defrag run [--capacity C] [--device D] [--report PATH] [--record PATH] script.py [args ...]\n"
+         "       defrag run [--capacity C] [--device D] [--report PATH] [--record PATH] -m module [args ...]")
 
 HELP = USAGE + """
 
@@ -57,12 +57,16 @@ options (before the script or -m):
   --device D       'emulated' or 'cuda:N' (default: the GPU if one works, else emulated;
                    on the emulated device the program's CPU tensors live in the pool)
   --report PATH    write the pool's stats (peaks included) as JSON to PATH at the end
+  --record PATH    record the program's allocation history and write it at the end as a memory
+                   snapshot (PyTorch's pickle format): `defrag replay PATH` replays it, PyTorch's
+                   memory_viz draws it (the newest 1,000,000 events are kept)
   -m MODULE        run a library module as a script, like python -m
   -h, --help       show this help
 
 Prints one summary line on stderr at the end; exits with the program's exit code."""
 
-_VALUED = ("--capacity", "--device", "--report")
+_VALUED = ("--capacity", "--device", "--report", "--record")
+RECORD_ENTRIES = 1_000_000  # events `--record` keeps (the newest); a training step makes a few hundred
 
 
 @dataclass
@@ -72,6 +76,7 @@ class RunArgs:
     capacity: str | None = None
     device: str | None = None
     report: str | None = None
+    record: str | None = None
     script: str | None = None
     module: str | None = None
     args: list[str] = field(default_factory=list)
@@ -147,6 +152,9 @@ def _checked(args: RunArgs):
         if not found:
             raise UsageError(f"-m {args.module}: no module named {top!r}")
     report = out_file_arg(args.report, "--report") if args.report is not None else None
+    record = out_file_arg(args.record, "--record") if args.record is not None else None
+    if record is not None and report is not None and record.absolute() == report.absolute():
+        raise UsageError(f"--record and --report name the same file ({args.record}): give each its own")
     driver = device_arg(args.device, torch_cuda=True)
     if args.capacity is None:
         free, _ = driver.mem_info()
@@ -157,11 +165,12 @@ def _checked(args: RunArgs):
         capacity = size_arg(args.capacity, "--capacity", at_least=driver.granularity,
                             at_least_what=f"one page ({driver.granularity} bytes)")
         capacity_fits(capacity, driver, why="the program's pool")
-    return driver, capacity, report
+    return driver, capacity, report, record
 
 
-def _open_pool(driver, capacity: int):
-    """A pool on `driver`, installed as PyTorch's allocator; `UsageError` when this machine cannot."""
+def _open_pool(driver, capacity: int, *, record: bool = False):
+    """A pool on `driver`, installed as PyTorch's allocator (`record`: recording its history from before
+    the install); `UsageError` when this machine cannot."""
     from . import install
     from .arguments import pool_open_error
     from .errors import CudaError, NotSupportedError
@@ -171,6 +180,8 @@ def _open_pool(driver, capacity: int):
         pool = Pool(device=driver, capacity=capacity)
     except (CudaError, OSError, MemoryError) as exc:
         raise pool_open_error(exc, capacity) from None
+    if record:
+        pool.record_history(max_entries=RECORD_ENTRIES)
     try:
         install(pool)
     except NotSupportedError as exc:
@@ -318,6 +329,19 @@ def _write_report(path: Path, figures: dict, pool, args: RunArgs) -> None:
     os.replace(tmp, path)
 
 
+def _write_snapshot(path: Path, pool) -> None:
+    """The pool's snapshot with its recorded history, pickled as `torch.cuda.memory._dump_snapshot` writes
+    one, whole or not at all."""
+    import pickle
+
+    snapshot = pool.snapshot()
+    pool.record_history(False)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    with open(tmp, "wb") as f:
+        pickle.dump(snapshot, f)
+    os.replace(tmp, path)
+
+
 def main(argv: list[str]) -> int:
     """`defrag run`: check, make and install the pool, run the program, summarize; the program's exit code.
 
@@ -328,8 +352,8 @@ def main(argv: list[str]) -> int:
     if args.help:
         print(HELP)
         return 0
-    driver, capacity, report = _checked(args)
-    pool = _open_pool(driver, capacity)
+    driver, capacity, report, record = _checked(args)
+    pool = _open_pool(driver, capacity, record=record is not None)
     started = time.perf_counter()
     try:
         code = _run_program(args)
@@ -346,6 +370,11 @@ def main(argv: list[str]) -> int:
             _write_report(report, figures, pool, args)
         except OSError as exc:
             print(f"defrag run: could not write the report {report}: {exc}", file=sys.stderr)
+    if record is not None:
+        try:
+            _write_snapshot(record, pool)
+        except OSError as exc:
+            print(f"defrag run: could not write the history {record}: {exc}", file=sys.stderr)
     print(summary_line(figures), file=sys.stderr)
     sys.stderr.flush()
     return code

@@ -106,6 +106,7 @@ class HistoryRecorder:
         self._entries: collections.deque[dict] = collections.deque(maxlen=self.max_entries)
         self.compactions: collections.deque[dict] = collections.deque(maxlen=self.max_entries)
         self.recorded = 0  # entries recorded since the start, dropped ones included
+        self.lost = 0  # the allocator entries' events the native log could not keep (see `absorb`)
         # Blocks whose free may be recorded: address -> requested bytes.
         self._tracked: dict[int, int] = {
             b["address"]: b["nbytes"] for b in core.layout()["blocks"] if b["state"] == "live"}
@@ -113,19 +114,42 @@ class HistoryRecorder:
     # ------------------------------------------------------------------ reading
     @property
     def entries(self) -> list[dict]:
-        """The recorded entries, oldest first (copies: callers may keep or edit them)."""
-        return [dict(e) for e in self._entries]
+        """The recorded entries, oldest first (copies: callers may keep or edit them).
+
+        Ordered by time: the allocator entries' events (`absorb`) arrive at the pool's next sync, after
+        entries the pool's Python code recorded meanwhile; within one microsecond a free comes before
+        an allocation (an address is freed before it is reused)."""
+        ordered = sorted(self._entries, key=lambda e: (e["time_us"], not e["action"].startswith("free")))
+        return [dict(e) for e in ordered]
 
     def __len__(self) -> int:
         return len(self._entries)
 
-    def _add(self, action: str, addr: int | None, size: int, **extra) -> None:
+    def _add(self, action: str, addr: int | None, size: int, *, time_us: int | None = None, **extra) -> None:
         entry = {"action": action}
         if addr is not None:
             entry["addr"] = int(addr)
-        entry.update(size=int(size), stream=0, time_us=_now_us(), frames=extra.pop("frames", []), **extra)
+        entry.update(size=int(size), stream=0, time_us=_now_us() if time_us is None else int(time_us),
+                     frames=extra.pop("frames", []), **extra)
         self._entries.append(entry)
         self.recorded += 1
+
+    def absorb(self, events, lost: int = 0) -> None:
+        """The allocator entries' blocks made and released natively (`defrag.install`), as logged by the
+        fast path (`FastPath.take_events`): (1 alloc / 2 free, address, requested bytes, time_us) each,
+        oldest first, with the time they happened; no frames (PyTorch's C++ made them). A free of a
+        block never seen allocated is ignored, as in `block_freed`. `lost`: events the native log
+        could not keep (no host memory), ever."""
+        tracked = self._tracked
+        for kind, address, nbytes, time_us in events:
+            if kind == 1:
+                tracked[address] = nbytes
+                self._add("alloc", address, nbytes, time_us=time_us)
+            elif tracked.pop(address, None) is not None:
+                self.frames.pop(address, None)
+                self._add("free_requested", address, nbytes, time_us=time_us)
+                self._add("free_completed", address, nbytes, time_us=time_us)
+        self.lost = int(lost)
 
     # ------------------------------------------------------------------ hooks (pool lock held)
     def block_allocated(self, alloc) -> None:

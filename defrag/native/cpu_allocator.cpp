@@ -12,7 +12,7 @@
 // - An allocation goes to the allocator that was current before install ("previous") when the
 //   calling thread runs the pool's own code (inside a pool's gate: `books_held_here`; or inside the
 //   Python call this allocator makes: `t_pool_code`): never a recursion into the pool, never a
-//   deadlock on its gate. Also when the fast path is off (pool asleep, closed, recording history),
+//   deadlock on its gate. Also when the pool does not serve the allocator (asleep, closed),
 //   when the pool declines (see `place_from_pool`: a worker of a parallel region that cannot place
 //   natively), during interpreter finalization, and in a forked child. Any other thread waits for
 //   the pool's answer.
@@ -58,7 +58,7 @@ c10::DataPtr PoolCpuAllocator::previous_allocate(size_t n) {
 c10::DataPtr PoolCpuAllocator::allocate(size_t n) {
   Installed* in = g_current.load(std::memory_order_acquire);
   if (in == nullptr || t_pool_code > 0 || defrag_native::books_held_here > 0 ||
-      g_forked_child.load(std::memory_order_relaxed) || !in->fast->enabled.load(std::memory_order_relaxed)) {
+      g_forked_child.load(std::memory_order_relaxed) || !in->fast->serves_allocator.load(std::memory_order_relaxed)) {
     return previous_allocate(n);
   }
   if (n == 0) return c10::DataPtr(nullptr, c10::Device(c10::DeviceType::CPU));  // nothing to place or free

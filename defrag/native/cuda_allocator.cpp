@@ -15,7 +15,7 @@
 // the program may catch it and go on). There is no other allocator to fall back to (PyTorch's
 // caching allocator was replaced, process-wide), so what the CPU allocator declines to its previous
 // allocator throws here too: c10::OutOfMemoryError when the pool cannot serve it now (closed, asleep,
-// recording history; asked by the pool's own code while it makes room; a parallel region's worker
+// asked by the pool's own code while it makes room; a parallel region's worker
 // that cannot place natively; the interpreter exiting), c10::Error for a device no pool was
 // installed for, a negative size, a forked child. Size 0 is NULL (what PyTorch expects), no error.
 //
@@ -88,7 +88,7 @@ void* cuda_alloc(ssize_t size, int device, void* stream) {
     route->counters.ooms += 1;
     fail(route, true, "defrag: PyTorch asked for " + what + ", more than any pool can hold");
   }
-  const bool declined_now = !in->fast->enabled.load(std::memory_order_relaxed);
+  const bool declined_now = !in->fast->serves_allocator.load(std::memory_order_relaxed);
   Placement placed;
   if (!declined_now) {
     // The pool's own code (inside its gate, or inside the Python call an entry made) never asks the
@@ -107,7 +107,7 @@ void* cuda_alloc(ssize_t size, int device, void* stream) {
   route->counters.ooms += 1;
   fail(route, true,
        "defrag: out of memory: the pool installed for cuda:" + std::to_string(device) + " cannot serve " +
-           std::to_string(size) + " bytes for PyTorch now: it is closed, asleep or recording history, or the "
+           std::to_string(size) + " bytes for PyTorch now: it is closed or asleep, or the "
            "request came from the pool's own code while it made room, from a parallel region's worker that "
            "must not wait for Python, or while Python exits (on CUDA no other allocator can serve it)");
 }

@@ -139,6 +139,13 @@ struct State {
   // the data pointer itself (torch's copy-on-write checks it), so the deleter finds its slot here.
   std::unordered_map<uintptr_t, Slot*> by_address;
   int64_t allocator_blocks = 0;  // made for the CPU allocator, ever
+  // While the pool records history: the allocator entries' blocks made and released here, in order,
+  // as (1 alloc / 2 free, address, requested bytes, wall-clock microseconds), until Python takes them
+  // (`FastPath::take_events`). Only a block's release before Python collected it is logged here: a
+  // collected block's release reaches the pool's Python code, which records it.
+  bool recording = false;
+  std::vector<std::array<int64_t, 4>> events;
+  int64_t events_lost = 0;  // no host memory to log them (never thrown from a deleter)
   explicit State(std::shared_ptr<Books> b) : books(std::move(b)) { fresh.prev = fresh.next = &fresh; }
 };
 
@@ -153,6 +160,17 @@ void link_made_locked(State& st, Slot* s) {
   st.allocs += 1;
   st.allocated += s->size;
   if (st.allocated > st.peak) st.peak = st.allocated;
+}
+
+// Log one event of `st` for the pool's history (books' mutex held; see State::events). Never throws.
+void log_event_locked(State& st, int64_t kind, uintptr_t address, int64_t nbytes) noexcept {
+  const auto now = std::chrono::duration_cast<std::chrono::microseconds>(
+      std::chrono::system_clock::now().time_since_epoch());
+  try {
+    st.events.push_back({kind, static_cast<int64_t>(address), nbytes, static_cast<int64_t>(now.count())});
+  } catch (...) {
+    st.events_lost += 1;
+  }
 }
 
 void unlink(Slot* s) {
@@ -207,6 +225,7 @@ bool release_locked(State& st, Slot* slot, bool& notify) {
     if (slot->counted) {
       st.frees += 1;
       st.allocated -= slot->size;
+      if (st.recording) log_event_locked(st, 2, slot->address, slot->nbytes);
     }
     if (slot->owner != nullptr) st.garbage.push_back(slot->owner);
     slot->owner = nullptr;
@@ -298,6 +317,10 @@ class FastPath {
   }
 
   std::atomic<bool> enabled{false};  // read by threads Python never saw
+  // Whether PyTorch's allocator entries (cpu_allocator.cpp, cuda_allocator.cpp) may place blocks: as
+  // `enabled`, but on while the pool records history (they log to State::events; `empty` and
+  // `native_empty` leave it to the Python path, which records each allocation's frames).
+  std::atomic<bool> serves_allocator{false};
   // Releases Python has taken from the queue but not applied yet (they wait for its next drain):
   // declining until then keeps the ranges reaching the books in release order, as on the Python path.
   bool backlog = false;
@@ -431,6 +454,7 @@ class FastPath {
         link_made_locked(*st_, slot);
         st_->live += 1;
         st_->allocator_blocks += 1;
+        if (st_->recording) log_event_locked(*st_, 1, slot->address, nbytes);
         return slot->address;
       }
     }
@@ -700,8 +724,36 @@ class FastPath {
   // collected block calls pool._release_after_close() (with the GIL).
   void close() {
     enabled = false;
+    serves_allocator = false;
     std::lock_guard<std::mutex> guard(st_->books->mu);
     st_->closed = true;
+  }
+
+  // Start (true) or stop logging the allocator entries' blocks for the pool's history; either way the
+  // events not taken yet are dropped (with the GIL).
+  void set_recording(bool on) {
+    std::lock_guard<std::mutex> guard(st_->books->mu);
+    st_->recording = on;
+    st_->events.clear();
+    st_->events.shrink_to_fit();
+  }
+
+  // The events logged since the last call, oldest first: [(kind, address, nbytes, time_us)], kind 1
+  // an allocation, 2 a release; and how many could not be logged, ever (with the GIL).
+  py::tuple take_events() {
+    std::vector<std::array<int64_t, 4>> taken;
+    int64_t lost;
+    {
+      std::lock_guard<std::mutex> guard(st_->books->mu);
+      taken.swap(st_->events);
+      lost = st_->events_lost;
+    }
+    py::list out(taken.size());
+    for (size_t i = 0; i < taken.size(); ++i) {
+      const auto& e = taken[i];
+      out[i] = py::make_tuple(e[0], e[1], e[2], e[3]);
+    }
+    return py::make_tuple(out, lost);
   }
 
   int64_t live() {
@@ -1049,6 +1101,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_property(
           "enabled", [](const FastPath& f) { return f.enabled.load(); },
           [](FastPath& f, bool on) { f.enabled.store(on); })
+      .def_property(
+          "serves_allocator", [](const FastPath& f) { return f.serves_allocator.load(); },
+          [](FastPath& f, bool on) { f.serves_allocator.store(on); })
+      .def("set_recording", &FastPath::set_recording, py::arg("on"))
+      .def("take_events", &FastPath::take_events)
       .def_property_readonly("native_hits", [](const FastPath& f) { return f.native_hits.load(); })
       .def_property_readonly("native_misses", [](const FastPath& f) { return f.native_misses.load(); })
       .def_readwrite("backlog", &FastPath::backlog)

@@ -8,8 +8,8 @@
 // Only when pages must be mapped, or releases wait for Python, or Python holds the books, does it
 // take the GIL and ask the pool (`ask_pool`: `Pool._stock_for_allocator`, the ladder places a block
 // and keeps its range for this size), then place again. Its answer is an address, or a refusal (the
-// pool's explained OOM) or a decline (the pool does not serve this request: closed, asleep, recording
-// history, or the caller must not wait for Python); each entry turns those into its own outcome
+// pool's explained OOM) or a decline (the pool does not serve this request: closed, asleep, or the
+// caller must not wait for Python); each entry turns those into its own outcome
 // (both throw c10::OutOfMemoryError for a refusal; the CPU allocator declines to PyTorch's previous
 // allocator, CUDA has none and throws). Nothing here throws but std::bad_alloc, and nothing calls
 // Python while holding the books' mutex.
