@@ -92,6 +92,11 @@ REGISTRY: dict[str, Benchmark] = {b.name: b for b in [
               "pool.sleep()/wake() and offload()/reload() in seconds per GiB vs a host copy of the same bytes in the "
               "same run (torch copy_ to pinned host memory on a GPU, a CPU copy_ on the emulated device)",
               "bench_sleep:plot_sleep"),
+    Benchmark("install", "bench_install:bench_install",
+              "defrag.install(pool) (emulated device: the pool as PyTorch's CPU allocator) vs PyTorch's own, in a "
+              "child process, same run: a torch.nn training step (MLP, transformer layer, conv net; goal: install "
+              "<= 1.1x plain) and ns per torch.empty / at::empty + drop over 48 sizes (16 B - 16 MiB)",
+              "bench_install:plot_install"),
     Benchmark("workloads", "bench_workloads:bench_workloads",
               "trace replays with compaction on/off (and PyTorch's allocator on a GPU): peak live, peak reserved, "
               "OOMs (goal: peak reserved <= 1.02x peak live + one page)",

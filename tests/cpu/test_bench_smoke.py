@@ -107,6 +107,21 @@ def test_ratios_are_computed_from_the_same_rows(smoke):
     assert math.isclose(rand["ratio_x"], rand["gbps"] / rand["baseline_gbps"], rel_tol=1e-9)
     assert rand["min_pair_ratio_x"] <= rand["median_pair_ratio_x"]
     assert rand["goal_met"] == (rand["ratio_x"] >= 0.7)
+    inst = b["install"]
+    if inst["status"] == "ok":  # skipped without the native fast path (DEFRAG_FASTPATH=0): install needs it
+        steps = [r for r in inst["rows"] if "ms" in r]
+        assert [r["workload"] for r in steps] == ["training step: mlp", "training step: transformer",
+                                                  "training step: conv"]
+        for r in steps:
+            assert math.isclose(r["ratio_x"], r["ms"] / r["baseline_ms"], rel_tol=1e-9)
+            assert r["min_pair_ratio_x"] <= r["median_pair_ratio_x"] <= r["max_pair_ratio_x"]
+            assert r["goal_met"] == (r["median_pair_ratio_x"] <= 1.1)
+            assert r["pool_blocks_per_step"] > 0 and r["declined"] == 0, r  # the steps' tensors were the pool's
+        calls = [r for r in inst["rows"] if "ns_per_op" in r]
+        assert len(calls) == 4
+        for r in calls:
+            assert math.isclose(r["ratio_x"], r["ns_per_op"] / r["baseline_ns_per_op"], rel_tol=1e-9)
+            assert r["pool_blocks"] > 0 and r["declined"] == 0, r
     for r in b["workloads"]["rows"]:
         if "peak_live_bytes" in r:
             assert r["peak_reserved_bytes"] >= r["peak_live_bytes"] > 0, r
