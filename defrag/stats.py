@@ -116,11 +116,11 @@ class HistoryRecorder:
     def entries(self) -> list[dict]:
         """The recorded entries, oldest first (copies: callers may keep or edit them).
 
-        Ordered by time: the allocator entries' events (`absorb`) arrive at the pool's next sync, after
-        entries the pool's Python code recorded meanwhile; within one microsecond a free comes before
-        an allocation (an address is freed before it is reused)."""
-        ordered = sorted(self._entries, key=lambda e: (e["time_us"], not e["action"].startswith("free")))
-        return [dict(e) for e in ordered]
+        In the order the pool learned of them: the allocator entries' events (`absorb`) arrive at the
+        pool's next sync, which comes before any event the pool's Python code records, so a range is
+        always freed in the trace before it is used again (their `time_us` may tie within a
+        microsecond: order by position, not by time)."""
+        return [dict(e) for e in self._entries]
 
     def __len__(self) -> int:
         return len(self._entries)

@@ -158,7 +158,7 @@ assert cap.installed() is None  # registered, but PyTorch was never handed the e
 assert defrag.uninstall() is False
 # A closed pool cannot serve: torch's OOM, saying why, and nothing else changes.
 pool.close()
-with pytest.raises(torch.OutOfMemoryError, match="closed, asleep or recording history"):
+with pytest.raises(torch.OutOfMemoryError, match="it is closed or asleep"):
     alloc(1024, 0)
 assert route.counters()["declined"] >= 1
 """)
@@ -271,4 +271,25 @@ p = alloc(4096, 0, 0x1234)  # a stream other than the default: served, counted
 assert counters()["other_stream_allocs"] == 1
 free(p, 4096, 0, 0x1234)
 pool.close()
+""")
+
+
+def test_the_entry_serves_while_the_pool_records_history_and_the_history_holds_its_blocks():
+    """Recording used to turn every CUDA allocation into an OOM; now the entry's blocks are logged natively
+    and the snapshot's trace holds each allocation and free, in order, with the bytes PyTorch asked for."""
+    run(r"""
+pool.record_history()
+a = alloc(3000, 0)
+b = alloc(5 * MiB, 0)  # pages must be mapped: the slow path, recorded by Python, between native events
+free(a, 3000, 0)
+c = alloc(100, 0)
+trace = pool.snapshot()["device_traces"][0]
+mine = [(e["action"], e["addr"], e["size"]) for e in trace if e["action"] in ("alloc", "free_completed")]
+assert mine == [("alloc", a, 3000), ("alloc", b, 5 * MiB), ("free_completed", a, 3000), ("alloc", c, 100)], mine
+assert any(e["action"] == "segment_map" for e in trace)
+pool.record_history(False)
+free(b, 5 * MiB, 0)
+free(c, 100, 0)
+assert route.counters()["ooms"] == 0
+pool.check_invariants()
 """)

@@ -162,3 +162,34 @@ def test_the_guide_example_runs_as_written(tmp_path):
     assert proc.returncode == 0, proc.stderr
     assert matches(expected, proc.stdout + proc.stderr), f"printed:\n{proc.stdout}{proc.stderr}"
     assert json.loads((tmp_path / "mem.json").read_text())["summary"]["peak_live_bytes"] > 0
+
+
+@needs_native
+def test_the_programs_recorded_history_replays_with_its_own_peaks(tmp_path):
+    """`--record`: every allocation of an unmodified training run, written as a snapshot; `defrag replay`
+    reads it back and finds the run's own peak live, with nothing live before the first event."""
+    (tmp_path / "train.py").write_text(textwrap.dedent("""
+        import torch
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(256, 1024), torch.nn.GELU(), torch.nn.Linear(1024, 256))
+        opt = torch.optim.AdamW(model.parameters())
+        for _ in range(4):
+            x = torch.randn(128, 256)
+            opt.zero_grad()
+            (model(x) - x).square().mean().backward()
+            opt.step()
+    """))
+    code, _, err = run(["--record", "hist.pickle", "--report", "mem.json", "train.py"], tmp_path)
+    assert code == 0, err
+    figures = json.loads((tmp_path / "mem.json").read_text())["summary"]
+    out = tmp_path / "replay.json"
+    assert cli.main(["replay", str(tmp_path / "hist.pickle"), "--dry", "--json", str(out)]) == 0
+    (device,) = json.loads(out.read_text())["devices"]
+    meta, stats = device["trace"]["meta"], device["trace"]["stats"]
+    assert meta["initial_allocs"] == 0 and meta["pre_trace_frees"] == 0  # recorded from before the first allocation
+    assert stats["allocs"] == stats["frees"] == figures["allocations"] > 100  # every one of the program's, in and out
+    # The trace holds the bytes PyTorch asked for; the pool counts them rounded to 512 B.
+    assert figures["peak_live_bytes"] - 512 * stats["peak_live_blocks"] <= stats["peak_live_bytes"] <= \
+        figures["peak_live_bytes"]
+    defrag_row = next(r for r in device["results"] if r["allocator"] == "defrag")
+    assert defrag_row["completed"] and defrag_row["peak_live_bytes"] == stats["peak_live_bytes"]
