@@ -76,8 +76,11 @@ from __future__ import annotations
 
 import ctypes
 import itertools
+import logging
 import mmap
+import os
 import threading
+import weakref
 from dataclasses import dataclass
 
 from cuda.bindings import driver as cu
@@ -167,6 +170,29 @@ class EmulatedCuda:
         self._closing = False
         self.calls: dict[str, int] = {}
         self.host_memory = self.host_memory_class(self.granularity, self._lock)  # every host side effect
+        _devices.add(self)  # a forked child keeps its writes to this device's pages to itself
+
+    # ---------------------------------------------------------------- fork
+    def _privatize_in_child(self) -> None:
+        """In a child just forked: every mapping again, copy-on-write (`HostMemory.privatize`).
+
+        The pages are memfds mapped MAP_SHARED, so without this a child's
+        write into memory it inherited (a DataLoader worker normalizing a
+        row in place) would land in the parent's tensor. Afterwards the
+        child sees the bytes as they were at the fork, plus its own writes;
+        the parent's later writes reach a child's page only until the child
+        first writes that page. Runs for forks through Python (`os.fork`,
+        multiprocessing, DataLoader workers); a fork from C code skips it.
+        """
+        locked = self._lock.acquire(blocking=False)  # a thread that held it at the fork is gone
+        try:
+            for m in list(self._addresses.mappings.values()):
+                phys = self._handles.get(m.handle)
+                if phys is not None:  # released handles stay alive while mapped
+                    self.host_memory.privatize(m.va, m.size, phys.fd, m.offset, m.prots)
+        finally:
+            if locked:
+                self._lock.release()
 
     # ---------------------------------------------------------------- helpers
     def _count(self, name: str) -> None:
@@ -665,3 +691,20 @@ class EmulatedCuda:
                 self.cuMemAddressFree(res.base, res.size)
             for ptr in list(self._pinned):
                 self.cuMemFreeHost(ptr)
+
+
+_devices: "weakref.WeakSet[EmulatedCuda]" = weakref.WeakSet()  # every emulated device of this process
+
+
+def _privatize_after_fork() -> None:
+    """`os.register_at_fork` hook: each emulated device's mappings copy-on-write in the child. Never raises
+    (a failure is logged: the child then shares those pages with its parent, as before)."""
+    for device in list(_devices):
+        try:
+            device._privatize_in_child()
+        except Exception:  # noqa: BLE001 - an at-fork hook must not raise
+            logging.getLogger("defrag").exception("defrag: could not make the emulated device's pages private "
+                                                  "in a forked child; its writes may reach the parent's")
+
+
+os.register_at_fork(after_in_child=_privatize_after_fork)

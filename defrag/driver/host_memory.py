@@ -10,7 +10,8 @@ process's memory:
 - mapping maps the memfd MAP_SHARED|MAP_FIXED with no access (`map`), so one
   page mapped at two addresses shares its bytes; access is mprotect
   (`protect`); unmapping buries each granule under the tombstone (`unmap`,
-  below);
+  below); a forked child maps every page again copy-on-write (`privatize`),
+  so that its writes stay its own, as fork treats any host memory;
 - copies are memmove, memsets are memset (`copy`, `fill`);
 - a pinned host buffer is an anonymous mapping whose pages are faulted in at
   once, as page-locking does (`alloc_pinned`, `free_pinned`).
@@ -155,6 +156,21 @@ class HostMemory:
     def map(self, ptr: int, size: int, fd: int, offset: int) -> None:
         """Map `size` bytes of the allocation `fd` from `offset` at `ptr`, with no access."""
         _os_mmap(ptr, size, PROT_NONE, _MAP_SHARED | _MAP_FIXED, fd, offset)
+
+    def privatize(self, ptr: int, size: int, fd: int, offset: int, prots: bytearray) -> None:
+        """In a forked child: map [ptr, ptr+size) of `fd` from `offset` again, MAP_PRIVATE (copy-on-write),
+        with each granule's protection `prots[i]`: what the child writes stays the child's, as fork
+        gives any host memory, instead of landing in the parent's pages through the shared memfd."""
+        _os_mmap(ptr, size, PROT_NONE, _MAP_PRIVATE | _MAP_FIXED, fd, offset)
+        g = self.granularity
+        i = 0
+        while i < len(prots):  # one mprotect per run of equal protections
+            j = i
+            while j < len(prots) and prots[j] == prots[i]:
+                j += 1
+            if prots[i] != PROT_NONE:
+                self.protect(ptr + i * g, (j - i) * g, prots[i])
+            i = j
 
     def unmap(self, ptr: int, size: int) -> None:
         """Unmap [ptr, ptr+size): map the tombstone over each granule instead of PROT_NONE.

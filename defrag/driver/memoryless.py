@@ -84,6 +84,9 @@ class AddressCounter(HostMemory):
     def drop_tombstone(self) -> None:
         pass
 
+    def privatize(self, ptr: int, size: int, fd: int, offset: int, prots: bytearray) -> None:
+        """No bytes to keep apart in a forked child."""
+
     def map(self, ptr: int, size: int, fd: int, offset: int) -> None:
         pass
 

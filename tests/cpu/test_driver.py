@@ -215,6 +215,32 @@ def test_aliasing_one_handle_two_addresses_share_bytes(drv):
     assert read(va2 + G + 5, 5) == b"alias"
 
 
+def test_a_forked_child_writes_its_own_copy_of_the_pages(drv):
+    """Pages are memfds mapped MAP_SHARED: a forked child maps them again copy-on-write, so its writes
+    (a DataLoader worker's in-place op on a tensor it inherited) never reach the parent's bytes, read-only
+    granules stay read-only there, and aliases of one page stay aliases in the parent."""
+    size = 2 * G
+    h = drv.create(size)
+    va1, va2 = drv.reserve(size), drv.reserve(size)
+    drv.map(va1, size, h)
+    drv.map(va2, size, h)
+    drv.set_access(va1, size)
+    drv.set_access(va2, size)
+    data = pattern(size, seed=5)
+    write(va1, data)
+    pid = os.fork()
+    if pid == 0:  # the child: never returns into pytest
+        ok = read(va1, size) == data and read(va2, size) == data
+        write(va1 + 7, b"child")
+        ok = ok and read(va1 + 7, 5) == b"child"
+        os._exit(0 if ok else 1)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    assert read(va1, size) == data and read(va2, size) == data
+    write(va2 + 7, b"after")
+    assert read(va1 + 7, 5) == b"after"  # still one page behind both addresses here
+
+
 def test_copy_and_memset_move_the_right_bytes(drv):
     _, a = mapped_rw(drv, 2 * G)
     _, b = mapped_rw(drv, 2 * G)

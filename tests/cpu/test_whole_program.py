@@ -244,11 +244,9 @@ print("installed:", "unchanged" if torch.equal(table, expect) else "changed")
 """
 
 
-@pytest.mark.xfail(raises=WorkerWroteIntoTheParent, strict=True,
-                   reason="known bug: the pool's pages are MAP_SHARED memfd pages, so a forked worker's write "
-                          "into a tensor it inherited lands in the parent's tensor (copy-on-write under "
-                          "PyTorch's own allocator)")
 def test_a_workers_write_into_an_inherited_tensor_stays_in_the_worker():
+    """The pool's pages are memfds mapped MAP_SHARED; a forked child maps them again copy-on-write
+    (EmulatedCuda._privatize_in_child), as fork treats PyTorch's own allocator's memory."""
     proc = run(WORKER_WRITES)
     assert "plain: unchanged" in proc.stdout, proc.stdout  # fork's copy-on-write, the baseline
     if "installed: unchanged" not in proc.stdout:
