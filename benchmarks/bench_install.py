@@ -25,6 +25,15 @@ the same work with and without install, in the same run:
   its first passes); then passes alternate A B B A, the first pass after
   each switch untimed; median of the timed passes.
 
+On a GPU (``--device cuda:N``, the GPU check's ``bench:install`` stage) the
+rows compare `defrag.install(pool)` as PyTorch's CUDA allocator with
+PyTorch's caching allocator: a training step of an MLP (4096-8192-4096,
+batch 256, Adam) and `torch.empty` + drop over the same size mix, each
+synchronized. PyTorch's CUDA allocator cannot be swapped back in a process,
+so each side runs in child processes of its own, alternating A B B A
+(`_bench_separate`; on the emulated device the same code is rehearsed by the
+tests on CPU tensors). No goal is judged there yet: no GPU has run it.
+
 Installing replaces PyTorch's process-wide CPU allocator, so all of it runs
 in a child process (`python -c`, the same defrag as here): nothing of this
 process's allocator state changes, whatever else `defrag bench` runs. The
@@ -300,13 +309,137 @@ def _child_main() -> int:
     return 0
 
 
-def _run_child(spec: dict) -> dict:
+# GPU rows: PyTorch's CUDA allocator cannot be swapped back once replaced, so each side runs in children
+# of its own, in the order ORDER, and the rows compare the children side by side in time.
+SEPARATE_FULL = {"children": 4, "blocks": 3, "steps": 20, "warmup_steps": 5, "calls": 5_000, "alloc_warmup_passes": 2}
+SEPARATE_SMOKE = {"children": 2, "blocks": 1, "steps": 3, "warmup_steps": 1, "calls": 300, "alloc_warmup_passes": 1}
+GPU_MLP = (4096, 8192, 256)  # width, hidden, batch: a step of a few ms on an H100-class GPU
+
+
+def _separate_child_main() -> int:
+    """One side of the GPU rows in a process of its own: spec (JSON) on stdin, one JSON line on stdout.
+
+    `mode` "install": a pool installed before this process's first CUDA allocation (every CUDA tensor
+    a pool block); "plain": PyTorch's caching allocator. `device` "emulated" rehearses the same code
+    on the CPU (CPU tensors, the pool as PyTorch's CPU allocator).
+    """
+    import time
+
+    import torch
+    from torch import nn
+
+    import defrag
+
+    spec = json.loads(sys.stdin.read())
+    device = spec["device"]
+    tdev = "cpu" if device == "emulated" else device
+    torch.set_num_threads(1)
+    pool = None
+    if spec["mode"] == "install":
+        pool = defrag.Pool(device=device, capacity=spec["capacity"], auto_compact=False)
+        defrag.install(pool)
+    sync = (lambda: torch.cuda.synchronize(tdev)) if tdev != "cpu" else (lambda: None)
+    width, hidden, batch = spec["mlp"]
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(width, hidden), nn.GELU(), nn.Linear(hidden, width)).to(tdev)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-4)
+    x = torch.randn(batch, width, device=tdev)
+
+    def step():
+        opt.zero_grad(set_to_none=True)
+        (model(x) - x).square().mean().backward()
+        opt.step()
+
+    import random
+
+    rng = random.Random(ALLOC_SEED)
+    seq = [rng.choice(ALLOC_SIZES) for _ in range(spec["calls"])]
+
+    def alloc_pass():
+        for n in seq:
+            t = torch.empty(n, dtype=torch.uint8, device=tdev)
+            del t
+        sync()
+
+    for _ in range(spec["warmup_steps"]):
+        step()
+    for _ in range(spec["alloc_warmup_passes"]):
+        alloc_pass()
+    sync()
+    allocs_before = pool.stats()["num_allocs"] if pool is not None else 0
+    step_s, alloc_s = [], []
+    for _ in range(spec["blocks"]):
+        for _ in range(spec["steps"]):
+            t0 = time.perf_counter()
+            step()
+            sync()
+            step_s.append(time.perf_counter() - t0)
+        t0 = time.perf_counter()
+        alloc_pass()
+        alloc_s.append(time.perf_counter() - t0)
+    out = {"mode": spec["mode"], "step_s": step_s, "alloc_s": alloc_s, "calls": len(seq),
+           "pool_allocs": (pool.stats()["num_allocs"] - allocs_before) if pool is not None else 0,
+           "parameters": sum(p.numel() for p in model.parameters())}
+    print(json.dumps(out))
+    return 0
+
+
+def _bench_separate(device: str, smoke: bool) -> list[dict]:
+    """The GPU rows (module doc): a training step and alloc+free under install against PyTorch's caching
+    allocator, each side in its own children, A B B A. On "emulated": a CPU rehearsal of the same code."""
+    import torch
+
+    cfg = SEPARATE_SMOKE if smoke else SEPARATE_FULL
+    if device == "emulated":
+        capacity, mlp = 1 << 30, (256, 512, 32)
+    else:
+        free, _ = torch.cuda.mem_get_info(torch.device(device)) if torch.cuda.is_available() else (0, 0)
+        if free < 4 << 30:
+            raise Skip(f"{device} has {free >> 20} MiB free; the GPU rows need 4 GiB")
+        capacity, mlp = min(free // 2, 16 << 30), GPU_MLP
+    by_mode = {"install": [], "plain": []}
+    for i in range(cfg["children"]):
+        mode = ORDER[i % len(ORDER)]
+        res = _run_child(dict(cfg, device=device, mode=mode, capacity=capacity, mlp=mlp), "_separate_child_main")
+        if mode == "install" and res["pool_allocs"] == 0:
+            raise RuntimeError("the installed pool made no block: the allocations did not reach it")
+        by_mode[mode].append(res)
+    where = "GPU" if device != "emulated" else "emulated rehearsal"
+    baseline = "PyTorch's caching allocator" if device != "emulated" else "PyTorch's CPU allocator"
+    timing = (f"perf_counter, synchronized; {cfg['children']} child processes alternating A B B A "
+              f"(PyTorch's CUDA allocator cannot be swapped back in one process)")
+    step_i = [statistics.median(r["step_s"]) for r in by_mode["install"]]
+    step_p = [statistics.median(r["step_s"]) for r in by_mode["plain"]]
+    alloc_i = [statistics.median(r["alloc_s"]) for r in by_mode["install"]]
+    alloc_p = [statistics.median(r["alloc_s"]) for r in by_mode["plain"]]
+    calls = by_mode["install"][0]["calls"]
+    return [{
+        "workload": f"training step ({where}): MLP {mlp[0]}-{mlp[1]}-{mlp[0]}, batch {mlp[2]}, Adam",
+        "parameters": by_mode["install"][0]["parameters"],
+        "method": "defrag.install(pool)", "baseline": baseline, "device": device,
+        "ms": statistics.median(step_i) * 1e3, "baseline_ms": statistics.median(step_p) * 1e3,
+        "ratio_x": statistics.median(step_i) / statistics.median(step_p),
+        "median_pair_ratio_x": statistics.median(i / p for i, p in zip(step_i, step_p)),
+        "pool_allocs": sum(r["pool_allocs"] for r in by_mode["install"]), "timing": timing,
+    }, {
+        "pattern": f"alloc+free ({where}), round trip",
+        "sizes": f"{len(ALLOC_SIZES)} log-spaced, 16 B - 16 MiB",
+        "method": "torch.empty + drop under defrag.install(pool)", "baseline": "torch.empty + drop, " + baseline,
+        "device": device, "calls": calls,
+        "ns_per_op": statistics.median(alloc_i) / calls * 1e9, "baseline_ns_per_op": statistics.median(alloc_p) / calls * 1e9,
+        "ratio_x": statistics.median(alloc_i) / statistics.median(alloc_p),
+        "median_pair_ratio_x": statistics.median(i / p for i, p in zip(alloc_i, alloc_p)),
+        "timing": timing,
+    }]
+
+
+def _run_child(spec: dict, entry: str = "_child_main") -> dict:
     import os
     import subprocess
 
     module = __spec__.name if __spec__ is not None else __name__
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))  # the same defrag as here
-    code = f"import importlib, sys; sys.exit(importlib.import_module({module!r})._child_main())"
+    code = f"import importlib, sys; sys.exit(importlib.import_module({module!r}).{entry}())"
     proc = subprocess.run([sys.executable, "-c", code], input=json.dumps(spec), capture_output=True, text=True,
                           env=env, timeout=900)
     if proc.returncode != 0:
@@ -326,8 +459,7 @@ def _pair_ratios(by_mode: dict) -> list:
 def bench_install(device: str, smoke: bool) -> list[dict]:
     """Training steps and alloc+free under `defrag.install(pool)` vs PyTorch's CPU allocator (module doc)."""
     if device != "emulated":
-        raise Skip("defrag.install on the emulated device is PyTorch's CPU allocator, what this measures; "
-                   "run with --device emulated (install on a GPU is a different allocator: not measured here)")
+        return _bench_separate(device, smoke)
     cfg = SMOKE if smoke else FULL
     spec = dict(cfg, threads=1, capacity=1 << 30, models=list(MODELS), patterns=list(ALLOC_PATTERNS))
     res = _run_child(spec)

@@ -81,6 +81,7 @@ GPU_BENCHMARKS = {
     "alloc_free": (None, 60),  # None: not in the smoke run
     "compaction": (None, 120),
     "sleep": (None, 90),  # issue 15: sleep/wake and offload/reload vs copy_ to pinned host memory
+    "install": (90, 150),  # issue 25: install as PyTorch's CUDA allocator vs the caching allocator (child processes)
 }
 OTHER_BENCH_TIMEOUT = (60, 150)
 MODEL_TIMEOUT = (45, 120)  # per model stage (native, expandable): (smoke, full)

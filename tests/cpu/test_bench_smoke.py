@@ -206,3 +206,15 @@ def test_bench_help_lists_the_names_only_takes(capsys):
     assert cli.main(["bench", "--smoke", "--only", "stitching,nope", "--out", "unused-bench-out"]) == 2
     err = capsys.readouterr().err
     assert len(err.strip().splitlines()) == 1 and "nope" in err and "stitching" in err
+
+
+@pytest.mark.skipif(__import__("defrag").fastpath.setting() == "off", reason="DEFRAG_FASTPATH=0: install needs it")
+def test_the_gpu_install_rows_code_runs_rehearsed_on_the_cpu():
+    """The GPU rows' children (install vs plain, each in processes of its own) on the emulated device: the
+    code the GPU check runs, its rows shaped as on a GPU, the installed side's allocations in its pool."""
+    from defrag.benchmarks import bench_install
+
+    step, alloc = bench_install._bench_separate("emulated", smoke=True)
+    assert step["pool_allocs"] > 0 and step["ms"] > 0 and step["baseline_ms"] > 0 and step["ratio_x"] > 0
+    assert "emulated rehearsal" in step["workload"] and alloc["calls"] == bench_install.SEPARATE_SMOKE["calls"]
+    assert alloc["ns_per_op"] > 0 and alloc["baseline_ns_per_op"] > 0
