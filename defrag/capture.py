@@ -505,7 +505,7 @@ class CudaInstall:
     def counters(self) -> dict:
         """The entry's counters for this device: allocs and frees (blocks handed out and given back),
         failures (errors thrown to PyTorch), ooms (of them, OutOfMemoryErrors), declined (requests the
-        pool could not serve now: closed, asleep, recording history...), asked (trips to the pool's
+        pool could not serve now: closed, asleep...), asked (trips to the pool's
         Python code), other_stream_allocs (allocations for a stream other than the default one),
         foreign_frees (process-wide: frees of pointers no installed pool handed out), last_error
         (process-wide), installed, forked_child."""

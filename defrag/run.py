@@ -273,17 +273,20 @@ def _run_program(args: RunArgs) -> int:
         sys.stdout.flush()
 
 
-def _allocator_counters() -> dict:
-    """What the installed allocator counted: the CPU allocator's counters, or the CUDA allocator's."""
+def _allocator_counters(pool) -> dict:
+    """What the installed allocator counted: the CPU allocator's counters, or the CUDA entry's for the
+    pool's device (or the ctypes fallback's)."""
     from . import capture, cpu_allocator
 
     counters = cpu_allocator.counters()
     if counters.get("installed"):
         return counters
-    torch_allocator = capture.installed()
-    if torch_allocator is None:
+    route = capture.installed(getattr(pool.driver, "ordinal", None))
+    if route is None:
         return {}
-    return {name: getattr(torch_allocator, name) for name in ("allocs", "frees", "failures", "errors", "foreign_frees")}
+    if hasattr(route, "counters"):  # the native route (capture.CudaInstall)
+        return route.counters()
+    return {name: getattr(route, name) for name in ("allocs", "frees", "failures", "errors", "foreign_frees")}
 
 
 def summary(pool, exit_code: int, seconds: float) -> dict:
@@ -323,7 +326,7 @@ def summary_line(figures: dict) -> str:
 def _write_report(path: Path, figures: dict, pool, args: RunArgs) -> None:
     """The report as JSON, written whole or not at all (a temporary file renamed into place)."""
     report = {"program": {"script": args.script, "module": args.module, "args": args.args},
-              "summary": figures, "allocator": _allocator_counters(), "stats": pool.stats()}
+              "summary": figures, "allocator": _allocator_counters(pool), "stats": pool.stats()}
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     tmp.write_text(json.dumps(report, indent=2, default=str) + "\n")
     os.replace(tmp, path)
