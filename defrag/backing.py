@@ -127,8 +127,23 @@ class Backing:
 
     # ------------------------------------------------------------------ mapping and unmapping
     def map(self, region: Region, pages: list[int], txn: Transaction) -> None:
-        """Map `pages` of `region` (physical pages from the store) as free space of its heap; undone by `txn`."""
-        self.space.map(region, pages, txn)
+        """Map `pages` of `region` (physical pages from the store) as free space of its heap; undone by `txn`.
+
+        On failure nothing is mapped, except pages the driver would not unmap in the undo
+        (`Space.map`'s `left_mapped`): those become mapped empty pages of the heap, as if mapped
+        on purpose (a later trim unmaps them), so the books still match the device."""
+        try:
+            self.space.map(region, pages, txn)
+        except CudaError as exc:
+            left = getattr(exc, "left_mapped", None)
+            if left is not None:
+                self._add_mapped(*left)
+            raise
+        self._add_mapped(region, pages, txn)
+
+    def _add_mapped(self, region: Region, pages: list[int], txn: Transaction | None = None) -> None:
+        """Count freshly mapped `pages` as empty pages of the heap (free space), with their peak and
+        history; with `txn`, undone there."""
         self.books.add_empty(len(pages))  # no block on a page that was unmapped
         # Peaks are tracked where mapping happens, compaction transients included.
         reserved = self.space.mapped * self.page_size
@@ -136,11 +151,13 @@ class Backing:
             self.peaks["reserved_bytes"] = reserved
         # Undo steps run newest first: this one unmaps and records it, so the
         # history sees the unmap; the vmm's own undo then finds nothing to do.
-        txn.on_rollback(self._unmap_recorded, region, list(pages))
+        if txn is not None:
+            txn.on_rollback(self._unmap_recorded, region, list(pages))
         heap = self.heaps[region.index]
         for first, count in page_runs(pages):
             heap.insert_free(region.address(first), count * self.page_size)
-            txn.on_rollback(heap.remove_free, region.address(first), count * self.page_size)
+            if txn is not None:
+                txn.on_rollback(heap.remove_free, region.address(first), count * self.page_size)
         if self.history is not None:
             self.history.pages_mapped(region, pages)
 

@@ -243,16 +243,34 @@ class AddressSpace:
         every page mapped here is unmapped again and its handle returned to
         the store, then the error propagates. With an outer `txn`, that undo is
         also registered there, for callers with more steps after this one.
+
+        If the driver also refuses an unmap of that undo, the page stays
+        mapped, with its access granted again: the error then carries
+        `left_mapped` = (region, pages), mapped and accessible, which the
+        caller must count as mapped empty pages (`Backing.map` does).
         """
         if not pages:
             return
         for p in pages:
             if region.handles[p]:
                 raise ValueError(f"page {p} of region {region.index} is already mapped")
+        left: list[int] = []
+        try:
+            self._map_pages(region, pages, left)
+        except CudaError as exc:
+            if left:
+                exc.left_mapped = (region, sorted(left))
+            raise
+        if txn is not None:
+            txn.on_rollback(self.unmap, region, list(pages))
+
+    def _map_pages(self, region: Region, pages: list[int], left: list[int]) -> None:
+        """`map`'s steps in a transaction of their own, undone by `_undo_map` (which lists in `left` the
+        pages it could not unmap)."""
         with Transaction() as inner:
             handles = self.store.take(len(pages), inner)
             done: list[int] = []
-            inner.on_rollback(self._unmap_mapped, region, done, False)
+            inner.on_rollback(self._undo_map, region, done, left)
             for page in sorted(pages):
                 # Popped before mapping: from here on the page's undo, not the
                 # store's, gives this handle back (never both).
@@ -268,8 +286,27 @@ class AddressSpace:
                 done.append(page)
             for first, count in page_runs(pages):
                 self.driver.set_access(region.address(first), count * self.page_size)
-        if txn is not None:
-            txn.on_rollback(self.unmap, region, list(pages))
+
+    def _undo_map(self, region: Region, pages: list[int], left: list[int]) -> None:
+        """`map`'s undo: unmap every page it mapped, handles back to the store. A page the driver will
+        not unmap stays mapped: its access is granted again and it goes in `left` (usable memory the
+        caller must account for); every page is tried, then the first error propagates (into the
+        transaction's `undo_errors`). A page whose access cannot be granted either stays mapped with
+        no access, recorded as mapped: the heap never offers it."""
+        first = None
+        for page in list(pages):
+            try:
+                self._unmap_mapped(region, [page], False)
+            except CudaError as exc:
+                first = first or exc
+                try:
+                    self.driver.set_access(region.address(page), self.page_size)
+                    left.append(page)
+                except CudaError:
+                    pass
+            pages.remove(page)
+        if first is not None:
+            raise first
 
     def _unmap_mapped(self, region: Region, pages: list[int], sync: bool) -> None:
         """Undo helper: unmap pages this transaction mapped and return their handles."""

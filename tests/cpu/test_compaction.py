@@ -205,6 +205,35 @@ def test_a_driver_fault_at_any_step_loses_nothing(make_pool, call, nth):
     pool.check_invariants()
 
 
+@pytest.mark.parametrize("undo_nth", [1, 2, 3])
+def test_a_fault_in_the_undo_of_a_failed_mapping_still_loses_nothing(make_pool, undo_nth):
+    """SetAccess refused for a request's new pages, then one unmap of the undo refused too: that page stays
+    mapped (access granted again) as an empty page of the pool, the books match the device, nothing is
+    lost, the pool serves the request once the fault is gone, and a trim unmaps the extra page."""
+    pool = make_pool("2MiB", auto_compact=False)
+    keep = pool.empty(PAGE // 4, dtype=torch.uint8)
+    fill_pattern(keep, 3)
+    mapped = pool.stats()["pages.mapped"]
+    pool.driver.faults.inject("cuMemSetAccess", CUresult.CUDA_ERROR_LAUNCH_FAILED, nth=1)
+    pool.driver.faults.inject("cuMemUnmap", CUresult.CUDA_ERROR_LAUNCH_FAILED, nth=undo_nth)
+    with pytest.raises(defrag.CudaError) as info:
+        pool.empty(3 * PAGE, dtype=torch.uint8)
+    assert info.value.call == "cuMemSetAccess" and pool.driver.faults.pending() == 0
+    pool.driver.faults.clear()
+    pool.check_invariants()
+    stats = pool.stats()
+    assert stats["pages.mapped"] == mapped + 1 and stats["pages.empty"] == 1 and stats["live_blocks"] == 1
+    assert pool.driver.api.state()["mappings"] == mapped + 1  # the books match the device
+    assert check_pattern(keep, 3)
+    big = pool.empty(3 * PAGE, dtype=torch.uint8)  # the page left mapped is as good as any
+    fill_pattern(big, 4)
+    assert check_pattern(big, 4) and check_pattern(keep, 3)
+    del big
+    pool.trim()
+    assert pool.stats()["pages.mapped"] == mapped
+    pool.check_invariants()
+
+
 class Boom(RuntimeError):
     pass
 

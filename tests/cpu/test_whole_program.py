@@ -293,9 +293,12 @@ except AssertionError as e:
     print("books broken:", e)
     raise SystemExit(5)
 after, state = pool.stats(), drv.api.state()
-for key in ("allocated_bytes.all.current", "live_blocks", "pages.mapped"):
+# A page the undo could not unmap (an injected cuMemUnmap fault) stays mapped, as an empty page of the pool.
+left = sum(1 for c, _ in plan if c == "cuMemUnmap")
+for key in ("allocated_bytes.all.current", "live_blocks"):
     assert after[key] == before[key], (key, before[key], after[key])
-assert state["mappings"] == mappings, state  # every page mapped meanwhile was unmapped
+assert after["pages.mapped"] == before["pages.mapped"] + left and after["pages.empty"] == before["pages.empty"] + left
+assert state["mappings"] == mappings + left, state  # every other page mapped meanwhile was unmapped
 assert state["handles"] == after["pages.total"], (state, after)  # pages created meanwhile: the pool's, cached
 for i, t in enumerate(keep):
     assert bool((t == float(i)).all()), i
@@ -319,11 +322,9 @@ class BooksBroken(Exception):
     [("cuMemCreate", 1)], [("cuMemCreate", 3)],  # the first page, or after two were created
     [("cuMemMap", 1)], [("cuMemMap", 3)],  # none mapped, or after two were mapped (unmapped again)
     [("cuMemSetAccess", 1)],  # every page mapped, access refused
-    pytest.param([("cuMemSetAccess", 1), ("cuMemUnmap", 2)], marks=pytest.mark.xfail(
-        raises=BooksBroken, strict=True,
-        reason="known bug: an unmap that fails while a failed mapping rolls back (vmm.Space.map's undo, "
-               "_unmap_mapped) leaves pages mapped that the heap no longer counts; later placements raise "
-               "HeapError")),
+    # ... and the undo's second unmap refused too: that page stays mapped (access granted again), an empty
+    # page of the pool that the next trim unmaps (vmm.Space._undo_map, Backing.map's left_mapped).
+    [("cuMemSetAccess", 1), ("cuMemUnmap", 2)],
 ], ids=lambda plan: "+".join(f"{c}#{n}" for c, n in plan))
 def test_a_driver_fault_in_the_slow_path_is_a_clean_oom_and_the_pool_serves_again(plan):
     proc = run(FAULT, json.dumps(plan), ok=False)
