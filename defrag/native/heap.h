@@ -123,6 +123,7 @@ class Heap {
   // free range fits (free space may still add up to more). HeapFailure if size <= 0.
   std::optional<int64_t> allocate(int64_t size) {
     size = round_size(size);
+    fresh_by_size();
     auto it = by_size_.lower_bound(Range(size, std::numeric_limits<int64_t>::min()));
     if (it == by_size_.end()) return std::nullopt;
     const auto [length, start] = *it;
@@ -188,6 +189,9 @@ class Heap {
     }
     // Nothing below can fail: each take lies in one free range of the heap as carved so far, and
     // each freed block is live and disjoint from the takes (they were free).
+    // A large batch (a compaction wave) leaves the size index to be rebuilt once, when next read:
+    // one sorted build instead of a few tree updates per range, on nodes the batch left cold.
+    if (takes.size() + frees.size() >= kLazySizeIndexBatch) by_size_stale_ = true;
     for (const auto& [offset, size] : takes) {
       auto hit = containing_free(offset, size);
       carve(hit->first, hit->second, offset, size);
@@ -242,7 +246,10 @@ class Heap {
   int64_t managed_bytes() const { return free_bytes_ + live_bytes_; }
 
   // Size of the largest free range (the largest `allocate` that succeeds), or 0.
-  int64_t largest_free() const { return by_size_.empty() ? 0 : by_size_.rbegin()->first; }
+  int64_t largest_free() const {
+    fresh_by_size();
+    return by_size_.empty() ? 0 : by_size_.rbegin()->first;
+  }
 
   // Free bytes intersecting [start, end). O(log n + ranges touched). A page is empty exactly
   // when this equals its size.
@@ -263,6 +270,7 @@ class Heap {
     std::vector<Range> swapped;
     for (const auto& [o, s] : free_) swapped.emplace_back(s, o);
     std::sort(swapped.begin(), swapped.end());
+    fresh_by_size();
     if (swapped != std::vector<Range>(by_size_.begin(), by_size_.end()))
       fail("size index out of sync with free ranges");
     auto bad = [&](int64_t o, int64_t s) { return s <= 0 || o % alignment || s % alignment; };
@@ -303,7 +311,12 @@ class Heap {
 
  private:
   std::map<int64_t, int64_t> free_;            // offset -> size of each free range
-  std::set<Range> by_size_;                    // (size, offset) of each free range, for best fit
+  // (size, offset) of each free range, for best fit. Stale (empty, not maintained) after a large batch
+  // until the next read rebuilds it (`fresh_by_size`): readers are under the books' mutex or the GIL,
+  // as every other use of the heap.
+  mutable std::set<Range> by_size_;
+  mutable bool by_size_stale_ = false;
+  static constexpr size_t kLazySizeIndexBatch = 64;
   std::unordered_map<int64_t, int64_t> live_;  // offset -> rounded size of each live block (no order needed)
   // Coalesced extents of everything inserted and not removed (free space and live blocks):
   // offset -> size. Only insert_free and remove_free change it (mapping and unmapping).
@@ -361,15 +374,27 @@ class Heap {
 
   using FreeIt = std::map<int64_t, int64_t>::iterator;
 
+  // The size index rebuilt from the free ranges if a batch left it stale: sorted once, built in order.
+  void fresh_by_size() const {
+    if (!by_size_stale_) return;
+    std::vector<Range> swapped;
+    swapped.reserve(free_.size());
+    for (const auto& [o, s] : free_) swapped.emplace_back(s, o);
+    std::sort(swapped.begin(), swapped.end());
+    by_size_.clear();
+    for (const Range& r : swapped) by_size_.emplace_hint(by_size_.end(), r);
+    by_size_stale_ = false;
+  }
+
   void add_range(int64_t offset, int64_t size) {
     free_.emplace(offset, size);
-    by_size_.emplace(size, offset);
+    if (!by_size_stale_) by_size_.emplace(size, offset);
     free_bytes_ += size;
   }
 
   int64_t drop_range(FreeIt it) {
     const auto [offset, size] = *it;
-    by_size_.erase(Range(size, offset));
+    if (!by_size_stale_) by_size_.erase(Range(size, offset));
     free_.erase(it);
     free_bytes_ -= size;
     return size;
@@ -378,9 +403,11 @@ class Heap {
   // Make free range `it` (offset, size). The new range must not reach past the old one's
   // neighbours, so its place among the offsets is the old one's.
   void reshape(FreeIt it, int64_t offset, int64_t size) {
-    auto by_size = by_size_.extract(Range(it->second, it->first));
-    by_size.value() = Range(size, offset);
-    by_size_.insert(std::move(by_size));
+    if (!by_size_stale_) {
+      auto by_size = by_size_.extract(Range(it->second, it->first));
+      by_size.value() = Range(size, offset);
+      by_size_.insert(std::move(by_size));
+    }
     free_bytes_ += size - it->second;
     if (offset == it->first) {
       it->second = size;

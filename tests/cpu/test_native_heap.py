@@ -407,3 +407,38 @@ def test_exchange_lists_words_a_bad_batch_as_exchange():
     with pytest.raises(ValueError, match="differ in length"):
         h.exchange_lists(blocks, [0], [])
     assert snapshot(h) == before
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_large_exchanges_agree_with_the_model_size_index_included(seed):
+    """Batches of a compaction wave's size (hundreds of takes and frees) leave the native size index to be
+    rebuilt at its next read: best fit, largest_free and the invariants then agree with the model's."""
+    rng = random.Random(seed)
+    A, units = 512, 4096
+    native, model = native_heap_class()(0, units * A, A), ModelHeap(0, units * A, A)
+    for h in (native, model):
+        h.insert_free(0, units * A)
+    live = []
+    for _ in range(1200):
+        n = rng.choice([1, 1, 2, 3, 8]) * A - rng.randrange(A)
+        got = native.allocate(n)
+        assert got == model.allocate(n)
+        if got is not None:
+            live.append(got)
+    for step in range(6):
+        frees = rng.sample(live, len(live) // 3)
+        takes, cursor = [], 0
+        for start, length in model.free_ranges():  # whole free ranges' low ends, as a wave's destinations
+            if rng.random() < 0.6 and len(takes) < 400:
+                takes.append((start, A * rng.randint(1, max(1, min(4, length // A)))))
+        assert outcome(native.exchange_lists, frees, [o for o, _ in takes], [n for _, n in takes]) == \
+            outcome(model.exchange, frees, takes)
+        live = [o for o in live if o not in set(frees)] + [o for o, _ in takes]
+        assert snapshot(native) == snapshot(model)  # largest_free reads the rebuilt index
+        for n in (A, 3 * A, 17 * A):  # best fit over the rebuilt index
+            got = native.allocate(n)
+            assert got == model.allocate(n)
+            if got is not None:
+                live.append(got)
+        native.check_invariants()
+        model.check_invariants()
