@@ -30,6 +30,9 @@ if not pin_foreign:  # the control run: blocks of C++ threads recorded like any 
     fastpath.FastPath.sync = unpinned
 pool = defrag.Pool("emulated", capacity="64MiB")
 fast = pool._fast
+installed = sys.argv[3:] == ["install"]  # the C++ threads' at::empty reach the pool as PyTorch's CPU allocator
+if installed:
+    defrag.install(pool)
 sizes = [512, 3000, 4096, 20_000, 65_536, 100, 40_000, 8192]
 stop = threading.Event()
 result = {}
@@ -59,7 +62,7 @@ def python_side():
 # thread registry knows none of them, so only the pinning of what they made keeps the main thread's
 # compactions (which then see no other thread at work) off their blocks.
 def cpp_side():
-    result["churn"] = fast.churn(sizes, iterations, threads=3, live=24, native=True, verify=True)
+    result["churn"] = fast.churn(sizes, iterations, threads=3, live=24, native=not installed, verify=True)
     stop.set()
 
 th = threading.Thread(target=cpp_side)
@@ -72,14 +75,17 @@ try:
     pool.empty(10)  # a stale access (a C++ thread writing where a compaction unmapped) is reported here
 except Exception as e:
     errors.append(repr(e))
+hits = defrag.cpu_allocator.counters()["blocks"] if installed else fast.native_hits
+if installed:
+    defrag.uninstall()
 st = pool.stats()
-print("RESULT", failed, corrupted, result.get("moved", 0), fast.native_hits, st["allocated_bytes.all.current"] == 0,
+print("RESULT", failed, corrupted, result.get("moved", 0), hits, st["allocated_bytes.all.current"] == 0,
       len(errors), errors[:3])
 """
 
 
-def _run(mode: str, iterations: int) -> list[str]:
-    proc = subprocess.run([sys.executable, "-c", SCRIPT, mode, str(iterations)], capture_output=True, text=True,
+def _run(mode: str, iterations: int, *extra: str) -> list[str]:
+    proc = subprocess.run([sys.executable, "-c", SCRIPT, mode, str(iterations), *extra], capture_output=True, text=True,
                           timeout=300,
                           env={**os.environ})
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -93,6 +99,16 @@ def test_cpp_threads_allocate_and_free_while_python_compacts_and_nothing_they_us
     assert int(hits) >= 60_000  # every allocation of the C++ threads was native
     assert int(moved) > 0  # compactions really moved Python tensors meanwhile
     assert all_freed == "True"  # every block of both sides came back to the books
+
+
+def test_cpp_threads_allocate_through_the_installed_allocator_while_python_compacts():
+    """The same under `defrag.install`: the C++ threads' at::empty reach the pool as PyTorch's CPU allocator
+    (every block pinned: PyTorch holds its pointer) while the main thread's compactions move its own
+    tensors around them; every byte on both sides checked."""
+    failed, corrupted, moved, blocks, all_freed, nerrors, errors = _run("pin", 20_000, "install")
+    assert (failed, corrupted, nerrors) == ("0", "0", "0"), errors
+    assert int(blocks) >= 60_000  # every allocation of the C++ threads was a pool block
+    assert int(moved) > 0 and all_freed == "True"
 
 
 def test_the_control_run_without_pinning_breaks_so_the_test_above_can_fail():
