@@ -193,3 +193,38 @@ def test_the_programs_recorded_history_replays_with_its_own_peaks(tmp_path):
         figures["peak_live_bytes"]
     defrag_row = next(r for r in device["results"] if r["allocator"] == "defrag")
     assert defrag_row["completed"] and defrag_row["peak_live_bytes"] == stats["peak_live_bytes"]
+
+
+FRAGMENTER = textwrap.dedent("""
+    import torch
+    ts = [torch.empty(4 << 20, dtype=torch.uint8) for _ in range(200)]  # 800 MiB
+    ts.sort(key=lambda t: t.data_ptr())
+    for i, t in enumerate(ts):
+        t.fill_(i % 251)
+    keep = {i: t for i, t in enumerate(ts) if i % 5 == 0}  # one of every five, by address
+    del ts, t
+    big = torch.empty(512 << 20, dtype=torch.uint8).fill_(7)
+    print("served", int(big[:: 1 << 20].sum()), all(bool((t == i % 251).all()) for i, t in keep.items()))
+""")
+
+
+@needs_native
+def test_a_program_that_fragments_pytorchs_allocator_completes_under_defrag_run(tmp_path):
+    """Every block PyTorch's ops make is pinned under `defrag run`, yet a request larger than any free run
+    is stitched from the pages the program freed; its recorded history replayed shows PyTorch's caching
+    allocator (as modelled) running out of memory at the same capacity."""
+    (tmp_path / "frag.py").write_text(FRAGMENTER)
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    proc = subprocess.run([sys.executable, "-m", "defrag", "run", "--device", "emulated", "--capacity", "1GiB",
+                           "--record", "frag.pickle", "frag.py"], cwd=tmp_path, capture_output=True, text=True,
+                          timeout=240, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.split() == ["served", str(7 * 512), "True"], proc.stdout
+    assert "0 OOMs" in proc.stderr.splitlines()[-1]
+    out = tmp_path / "replay.json"
+    assert cli.main(["replay", str(tmp_path / "frag.pickle"), "--dry", "--capacity", "1GiB", "--json", str(out)]) == 0
+    (device,) = json.loads(out.read_text())["devices"]
+    rows = {r["allocator"]: r for r in device["results"]}
+    assert rows["defrag"]["completed"] and rows["defrag"]["ooms"] == 0
+    # PyTorch's caching allocator, modelled: every 20 MiB segment keeps one tensor, so no segment can go.
+    assert rows["torch (model)"]["ooms"] > 0 and not rows["torch (model)"]["completed"], rows["torch (model)"]
