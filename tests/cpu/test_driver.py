@@ -194,14 +194,19 @@ def test_remap_of_a_slice_reads_that_slice(drv):
     assert read(va + 2 * G, G) == data[:G]
 
 
-def test_aliasing_one_handle_two_addresses_share_bytes(drv):
-    size = 2 * G
+def aliased(drv, size):
+    """One handle of `size` mapped read/write at two reserved addresses; (va1, va2)."""
     h = drv.create(size)
     va1, va2 = drv.reserve(size), drv.reserve(size)
-    drv.map(va1, size, h)
-    drv.map(va2, size, h)
-    drv.set_access(va1, size)
-    drv.set_access(va2, size)
+    for va in (va1, va2):
+        drv.map(va, size, h)
+        drv.set_access(va, size)
+    return va1, va2
+
+
+def test_aliasing_one_handle_two_addresses_share_bytes(drv):
+    size = 2 * G
+    va1, va2 = aliased(drv, size)
     assert va1 != va2
     data = pattern(size, seed=3)
     write(va1, data)
@@ -220,12 +225,7 @@ def test_a_forked_child_writes_its_own_copy_of_the_pages(drv):
     (a DataLoader worker's in-place op on a tensor it inherited) never reach the parent's bytes, read-only
     granules stay read-only there, and aliases of one page stay aliases in the parent."""
     size = 2 * G
-    h = drv.create(size)
-    va1, va2 = drv.reserve(size), drv.reserve(size)
-    drv.map(va1, size, h)
-    drv.map(va2, size, h)
-    drv.set_access(va1, size)
-    drv.set_access(va2, size)
+    va1, va2 = aliased(drv, size)
     data = pattern(size, seed=5)
     write(va1, data)
     pid = os.fork()
