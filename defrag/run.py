@@ -59,7 +59,8 @@ options (before the script or -m):
   --report PATH    write the pool's stats (peaks included) as JSON to PATH at the end
   --record PATH    record the program's allocation history and write it at the end as a memory
                    snapshot (PyTorch's pickle format): `defrag replay PATH` replays it, PyTorch's
-                   memory_viz draws it (the newest 1,000,000 events are kept)
+                   memory_viz draws it (the newest 1,000,000 events are kept, about
+                   0.5 KiB of host memory each)
   -m MODULE        run a library module as a script, like python -m
   -h, --help       show this help
 
