@@ -313,12 +313,21 @@ class Backing:
             region.backing[pages] = DEVICE
             space.asleep -= len(pages)
             txn.on_rollback(self._back_to_sleep, region, pages)
-            space.map(region, pages, txn)
+            try:
+                space.map(region, pages, txn)
+            except CudaError as exc:
+                left = getattr(exc, "left_mapped", None)
+                if left is not None:  # the undo could not unmap them: once more, since a sleeping pool maps nothing
+                    space.unmap(*left)
+                raise
             woken += len(pages)
         return woken
 
     def _back_to_sleep(self, region: Region, pages: list[int]) -> None:
-        """Undo of `wake_pages`' first step: these (unmapped again) pages are asleep once more."""
+        """Undo of `wake_pages`' first step: these (unmapped again) pages are asleep once more. A page
+        still mapped (the driver refused every unmap) keeps its handle: the books say what the device
+        has, and the next wake copies the saved bytes back over it."""
+        pages = [p for p in pages if not region.handles[p]]
         region.handles[pages] = ASLEEP_HANDLE
         region.backing[pages] = ASLEEP
         self.space.asleep += len(pages)

@@ -612,8 +612,8 @@ def install_cuda(pool) -> "CudaInstall | TorchAllocator":
     `empty_cache` do not work with a pluggable allocator (`pool.stats()`
     does). Does not: move the blocks PyTorch holds, order block reuse
     between CUDA streams (a block freed on one stream may serve another at
-    once: exact for a program on one stream per device), serve a sleeping,
-    closed or history-recording pool (its allocations raise).
+    once: exact for a program on one stream per device), serve a sleeping
+    or closed pool (its allocations raise).
     """
     global _installed, _native_current
     _require_cuda(pool, "defrag.install(pool)")
@@ -625,7 +625,7 @@ def install_cuda(pool) -> "CudaInstall | TorchAllocator":
             return fallback
         raise RuntimeError(f"defrag.install: pool #{fallback.pool.id} is already PyTorch's allocator (through "
                            f"ctypes, one pool per process)")
-    if route is not None:
+    if route is not None and native_current:
         return register_native(pool)  # the same pool again: its route; another: RuntimeError
     fast = _fast_path(pool)
     if fast is None and native_current:
@@ -633,12 +633,15 @@ def install_cuda(pool) -> "CudaInstall | TorchAllocator":
                            f"is already defrag's native one (which serves only pools that have it)")
     if fast is None:
         return _install_fallback(pool)
+    # Registered first: a refusal there (a closed pool, another pool on this device, no install slot left)
+    # leaves PyTorch's allocator as it was. If PyTorch then refuses the switch, the route stays registered
+    # but unused (`installed()` says None) until an install that PyTorch accepts.
+    route = register_native(pool)
     if not native_current:
         _change_allocator(torch.cuda.memory.CUDAPluggableAllocator(native_library(), "defrag_cuda_alloc",
                                                                    "defrag_cuda_free"))
         with _registry:
             _native_current = True
-    route = register_native(pool)
     _log.info("defrag: pool #%d now serves PyTorch's CUDA allocations on cuda:%d (install, native)", pool.id, device)
     return route
 

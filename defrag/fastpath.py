@@ -120,16 +120,18 @@ class FastPath:
     def sync(self, core, *, made_too: bool = True) -> None:
         """Record what the C++ side did and queue its releases on the core in order (gate held).
         `made_too=False`: only the releases (see `Core.drain`). While the core records history, the
-        allocator entries' logged events go to its recorder first."""
+        allocator entries' logged events go to its recorder after the collection and before the
+        releases are queued: every release handed over now was logged before the collection, so its
+        free is in the trace before any reuse of its range that this drain makes possible."""
         history = core.history
-        if history is not None:
-            history.absorb(*self.cpp.take_events())
         if made_too:
             made, released, allocs, frees, peak = self.cpp.collect()
         else:
             made = None
             released, peak = self.cpp.collect_released()
             core.note_peak(peak)  # before the releases lower the count it is measured from
+        if history is not None:
+            history.absorb(*self.cpp.take_events())
         if made or (made_too and (allocs or frees)):
             from torch.multiprocessing.reductions import StorageWeakRef
 

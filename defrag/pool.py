@@ -410,33 +410,42 @@ class Pool(TensorOwnership, PoolResidency, AllocatorSegments, PoolObservability)
     def _stock_for_native(self, nbytes: int) -> bool:
         """A thread Python never saw could not place `nbytes` natively (pages must be mapped, or the
         ladder must climb; the fast path's `native_empty` calls this with the GIL): place a block
-        through the ladder and keep its range for that size, for the native placement to take.
-        False when the pool cannot (closed, asleep, out of memory, the fast path off); never raises
-        (it is called across the C boundary)."""
-        return self._stock_for_allocator(nbytes) is None
+        through the ladder (compaction included: those threads' blocks are pinned, and the calling
+        thread waits outside any op) and keep its range for that size, for the native placement to
+        take. False when the pool cannot (closed, asleep, out of memory, the fast path off); never
+        raises (it is called across the C boundary)."""
+        return self._stock(nbytes, True, compact=True, allocator=False) is None
 
     def _stock_for_allocator(self, nbytes: int, no_room: bool = True) -> "str | bool | None":
         """`_stock_for_native` for PyTorch's CPU allocator and CUDA entry points (`defrag.install`;
         native/pool_allocator.h calls it with the GIL; the calling thread's own allocations meanwhile
-        never come back here). `no_room` False: the native placement found releases waiting or the
-        books held, not a lack of room: only apply the releases (the ladder would record every live
-        block again, whose frees would queue again). The ladder stops before compacting: PyTorch may
-        allocate in the middle of an op whose inputs' addresses it has read (an output, a workspace),
-        so moving pool tensors there is unsafe. None: stocked (place again); a str: the pool cannot
-        serve it, the explained OOM (raised to the program as torch.OutOfMemoryError); False: the
-        pool is closed, asleep or its fast path is off (the CPU allocator's previous allocator serves
-        it; on CUDA it fails). Never raises (it is called across the C boundary)."""
+        never come back here). `no_room` False: the native placement found releases waiting, the books
+        held or a history log to take, not a lack of room: only apply the releases (the ladder would
+        record every live block again, whose frees would queue again). The ladder stops before
+        compacting: PyTorch may allocate in the middle of an op whose inputs' addresses it has read
+        (an output, a workspace), so moving pool tensors there is unsafe. None: stocked (place
+        again); a str: the pool cannot serve it, the explained OOM (raised to the program as
+        torch.OutOfMemoryError); False: the pool is closed or asleep (the CPU allocator's previous
+        allocator serves it; on CUDA it fails). Never raises (it is called across the C boundary)."""
+        return self._stock(nbytes, no_room, compact=False, allocator=True)
+
+    def _stock(self, nbytes: int, no_room: bool, *, compact: bool, allocator: bool) -> "str | bool | None":
+        """`_stock_for_native` and `_stock_for_allocator`: `allocator` reads the allocator entries' switch
+        (on while recording history) instead of the fast path's."""
         try:
-            if self._fast is None or not self._fast.serves_allocator:
+            fast = self._fast
+            if fast is None or not (fast.serves_allocator if allocator else fast.enabled):
                 return False
             if self._refill() or not no_room:  # releases were waiting (the common case): their ranges may serve it
                 return None
             with self.core.gate:
                 self._enter()
-                block = self._allocate(nbytes, compact=False)
+                block = self._allocate(nbytes, compact=compact)
                 self.core.unplace(block)
             return None
         except OutOfMemoryError as exc:
+            if compact:
+                return str(exc)
             return (f"{exc}\n  not tried inside PyTorch's allocator: compacting (an op may hold its inputs' "
                     f"addresses); compact between steps (pool.compact()) or retry with defrag.retry_on_oom")
         except StaleAccessError as exc:

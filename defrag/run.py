@@ -152,9 +152,10 @@ def _checked(args: RunArgs):
             sys.path[:] = saved_path
         if not found:
             raise UsageError(f"-m {args.module}: no module named {top!r}")
-    report = out_file_arg(args.report, "--report") if args.report is not None else None
-    record = out_file_arg(args.record, "--record") if args.record is not None else None
-    if record is not None and report is not None and record.absolute() == report.absolute():
+    # Absolute now: the program may change its working directory (Hydra does) before they are written.
+    report = out_file_arg(args.report, "--report").absolute() if args.report is not None else None
+    record = out_file_arg(args.record, "--record").absolute() if args.record is not None else None
+    if record is not None and report is not None and record == report:
         raise UsageError(f"--record and --report name the same file ({args.record}): give each its own")
     driver = device_arg(args.device, torch_cuda=True)
     if args.capacity is None:

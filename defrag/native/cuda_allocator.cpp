@@ -72,21 +72,22 @@ void note(const std::string& text) noexcept {
 }
 
 void* cuda_alloc(ssize_t size, int device, void* stream) {
+  if (size == 0) return nullptr;  // an empty tensor on any device: nothing to place or free
   CudaRoute* route = cuda_route(device);
   Installed* in = route != nullptr ? route->in.load(std::memory_order_acquire) : nullptr;
-  const std::string what = std::to_string(size) + " bytes on cuda:" + std::to_string(device);
+  // Words for a failure only: the hot path builds no string.
+  auto what = [&] { return std::to_string(size) + " bytes on cuda:" + std::to_string(device); };
   if (in == nullptr)
-    fail(nullptr, false, "defrag: PyTorch asked for " + what + ", a device no pool was installed for "
+    fail(nullptr, false, "defrag: PyTorch asked for " + what() + ", a device no pool was installed for "
                          "(defrag.install(pool) serves the device of each pool installed; PyTorch's own CUDA "
                          "allocator was replaced for every device)");
-  if (size == 0) return nullptr;  // an empty tensor: nothing to place or free
-  if (size < 0) fail(route, false, "defrag: PyTorch asked for " + what);
+  if (size < 0) fail(route, false, "defrag: PyTorch asked for " + what());
   if (g_forked_child.load(std::memory_order_relaxed))
-    fail(route, false, "defrag: PyTorch asked for " + what + " in a forked child of the process that "
+    fail(route, false, "defrag: PyTorch asked for " + what() + " in a forked child of the process that "
                        "installed the pool; a child never allocates from its parent's pool");
   if (size > kLargestRequest) {
     route->counters.ooms += 1;
-    fail(route, true, "defrag: PyTorch asked for " + what + ", more than any pool can hold");
+    fail(route, true, "defrag: PyTorch asked for " + what() + ", more than any pool can hold");
   }
   const bool declined_now = !in->fast->serves_allocator.load(std::memory_order_relaxed);
   Placement placed;

@@ -88,6 +88,9 @@ constexpr int kDtypes = 64;
 // How many times a thread Python never saw asks the pool to stock a range for it before it gives
 // up: each time the range can be taken first by another thread of the same size (never by all).
 constexpr int kNativeAttempts = 64;
+// Events the allocator entries log for the pool's history before a placement waits for Python to take
+// them (see place_for_allocator): 1 MiB of log at most between two syncs.
+constexpr size_t kEventsBeforeSync = 32768;
 
 struct State;
 
@@ -427,8 +430,10 @@ class FastPath {
     slot->shape[0] = nbytes;
     {
       std::lock_guard<std::mutex> guard(st_->books->mu);
+      // While recording, a log that Python has not taken for kEventsBeforeSync events also waits for
+      // Python (`kQueued`: the pool's next sync takes them), so it stays bounded between syncs.
       why = st_->books->held_locked() ? Refusal::kHeld
-            : !st_->queue.empty()     ? Refusal::kQueued
+            : !st_->queue.empty() || (st_->recording && st_->events.size() >= kEventsBeforeSync) ? Refusal::kQueued
             : st_->live == 0          ? Refusal::kNoLease  // the pool reference is taken only with the GIL
                                       : Refusal::kNone;
       std::optional<std::pair<int, int64_t>> where;

@@ -304,3 +304,37 @@ print("ok")
 def test_threads_python_never_saw_allocate_in_the_pool_without_endless_trips_to_python():
     proc = run(THREADS)
     assert "ok" in proc.stdout
+
+
+def test_recording_history_keeps_the_native_log_bounded_and_the_trace_whole():
+    """While the pool records, the allocator's blocks are logged natively; a loop that never reaches the
+    pool's Python code must not grow that log without end: past 32,768 events a placement waits for the
+    pool to take them. Every allocation and free is in the trace, in order."""
+    proc = run(r"""
+import torch, defrag
+pool = defrag.Pool("emulated", capacity="64MiB")
+defrag.install(pool)
+pool.record_history(max_entries=1_000_000, stacks=False)
+history = pool.core.history
+start = history.recorded
+pairs = 40_000
+for _ in range(pairs):
+    t = torch.empty(256, dtype=torch.uint8)
+    del t
+mid = history.recorded - start  # taken while the loop ran, without any call of ours into the pool
+trace = pool.snapshot()["device_traces"][0]
+allocs = [e for e in trace if e["action"] == "alloc" and e["size"] == 256]
+frees = [e for e in trace if e["action"] == "free_completed" and e["size"] == 256]
+live = {}
+for e in trace:  # every free follows its own allocation
+    if e["action"] == "alloc":
+        assert e["addr"] not in live, e
+        live[e["addr"]] = e["size"]
+    elif e["action"] == "free_completed":
+        assert live.pop(e["addr"]) == e["size"], e
+print("RESULT", mid, len(allocs), len(frees))
+""")
+    line = next(l for l in proc.stdout.splitlines() if l.startswith("RESULT"))
+    mid, allocs, frees = map(int, line.split()[1:])
+    assert mid >= 2 * 32768 - 2, mid  # absorbed at least twice during the loop
+    assert allocs == frees == 40_000

@@ -427,6 +427,24 @@ def test_a_fault_at_any_driver_call_of_wake_keeps_the_pool_asleep_with_its_bytes
     assert {"cuMemCreate", "cuMemMap", "cuMemSetAccess", "cuMemcpyHtoD", "cuMemFreeHost"} <= {n for n, _ in positions}
 
 
+def test_wake_with_a_refused_unmap_in_its_undo_still_keeps_the_pool_asleep_with_its_bytes(make_pool):
+    """SetAccess refused while waking, then the undo's second unmap refused too: the page the undo left
+    mapped is unmapped once more, so the pool stays asleep holding no device page, and wakes intact later."""
+    pool, ts = _sleep_setup(make_pool)
+    pool.sleep()
+    pool.driver.faults.inject("cuMemSetAccess", nth=1)
+    pool.driver.faults.inject("cuMemUnmap", nth=2)
+    with pytest.raises(CudaError):
+        pool.wake()
+    assert pool.driver.faults.pending() == 0
+    pool.driver.faults.clear()
+    pool.check_invariants()
+    assert pool.asleep and pool.driver.api.used == 0
+    pool.wake()
+    assert _intact(ts)
+    pool.check_invariants()
+
+
 def _offload_setup(make_pool):
     pool = make_pool("2MiB", auto_compact=False)
     ts = _fill(pool, [3000, 70_000, 512, 20_000, 2 * P, 9000])
