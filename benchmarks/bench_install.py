@@ -433,13 +433,25 @@ def _bench_separate(device: str, smoke: bool) -> list[dict]:
     }]
 
 
+def _bare_checkout_prelude() -> str:
+    """Code that makes a child import this same checkout, when this process found it through
+    `benchmarks/_bare_checkout.py`'s finder (the GPU check's stages: no pip install, so `defrag.benchmarks`
+    is on no path the child would search); "" otherwise."""
+    for finder in sys.meta_path:
+        if type(finder).__name__ == "CheckoutFinder":
+            root = str(finder.root)
+            return (f"sys.path.insert(0, {root + '/benchmarks'!r}); import _bare_checkout; "
+                    f"_bare_checkout.install({root!r}); ")
+    return ""
+
+
 def _run_child(spec: dict, entry: str = "_child_main") -> dict:
     import os
     import subprocess
 
     module = __spec__.name if __spec__ is not None else __name__
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))  # the same defrag as here
-    code = f"import importlib, sys; sys.exit(importlib.import_module({module!r}).{entry}())"
+    code = f"import importlib, sys; {_bare_checkout_prelude()}sys.exit(importlib.import_module({module!r}).{entry}())"
     proc = subprocess.run([sys.executable, "-c", code], input=json.dumps(spec), capture_output=True, text=True,
                           env=env, timeout=900)
     if proc.returncode != 0:

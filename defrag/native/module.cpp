@@ -48,6 +48,7 @@
 #include <pybind11/stl.h>
 
 #include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>  // at::empty: included by other headers on newer torch, not on 2.11
 #include <ATen/ops/from_blob.h>
 #include <c10/core/DefaultDtype.h>
 #include <c10/core/impl/DeviceGuardImplInterface.h>
