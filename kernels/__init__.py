@@ -14,7 +14,16 @@ raise :class:`KernelUnavailableError` otherwise. The design (work split,
 16-byte access, grid sizing) is documented in :mod:`defrag.kernels._device`.
 """
 
-from .arena import KernelUnavailableError, device_arena, is_simulator
+import numpy as _np
+
+# numba-cuda 0.30 registers an overload for np.row_stack while it compiles a kernel's typing registries;
+# numpy 2.5 removed that name (an alias of np.vstack), so with both no kernel compiles at all
+# ("module 'numpy' has no attribute 'row_stack'": numba-cuda 0.30.4 with numpy 2.5.2 on the GPU machine,
+# 2026-12-04). The alias back, only where it is missing, before numba.cuda is first imported.
+if not hasattr(_np, "row_stack"):
+    _np.row_stack = _np.vstack
+
+from .arena import KernelUnavailableError, device_arena, is_simulator  # noqa: E402
 from .checksum import checksum, host_checksum
 from .fill import fill
 from .move import batched_move

@@ -32,6 +32,9 @@ from .conftest import MODE
 R = cu.CUresult
 INVALID = {"CUDA_ERROR_INVALID_VALUE"}
 # Misuse whose exact code the documentation leaves open (emulation: INVALID_VALUE).
+# A non-zero cuMemMap offset: INVALID_VALUE on CUDA 12 drivers, NOT_SUPPORTED on the 580 driver (CUDA 13.0)
+# seen on an H200 here (2026-12-04).
+OFFSET = {"CUDA_ERROR_INVALID_VALUE", "CUDA_ERROR_NOT_SUPPORTED"}
 MISUSE = {"CUDA_ERROR_INVALID_VALUE", "CUDA_ERROR_ILLEGAL_STATE", "CUDA_ERROR_ALREADY_MAPPED",
           "CUDA_ERROR_NOT_MAPPED", "CUDA_ERROR_NOT_PERMITTED", "CUDA_ERROR_INVALID_ADDRESS_SPACE"}
 
@@ -266,7 +269,7 @@ def test_gpu_misaligned_sizes_addresses_and_offsets(held, gpu):
     va = held.reserve(4 * G)
     expect_error(gpu.map, va + 4096, G, h, call="cuMemMap")
     expect_error(gpu.map, va, G + 4096, h, call="cuMemMap")
-    expect_error(gpu.map, va, G, h, 4096, call="cuMemMap")   # (any non-zero offset is refused)
+    expect_error(gpu.map, va, G, h, 4096, call="cuMemMap", names=OFFSET)   # (any non-zero offset is refused)
     held.map(va, 2 * G, h)
     expect_error(gpu.unmap, va + 4096, G, call="cuMemUnmap", names=MISUSE)
     expect_error(gpu.set_access, va + 4096, G, call="cuMemSetAccess", names=MISUSE)
@@ -277,7 +280,7 @@ def test_gpu_map_offset_must_be_zero(held, gpu):
     G = held.G
     h = held.create(2 * G)
     va = held.reserve(2 * G)
-    expect_error(gpu.map, va, G, h, G, call="cuMemMap")          # aligned, inside the handle: still refused
+    expect_error(gpu.map, va, G, h, G, call="cuMemMap", names=OFFSET)  # aligned, inside the handle: still refused
     held.map(va, 2 * G, h)                 # the failed call mapped nothing
     gpu.set_access(va, 2 * G)
 
@@ -286,7 +289,12 @@ def test_gpu_map_outside_reservation_beyond_handle_or_over_a_mapping(held, gpu):
     G = held.G
     h = held.create(2 * G)
     va = held.reserve(4 * G)
-    expect_error(gpu.map, va + 3 * G, 2 * G, h, call="cuMemMap", names=MISUSE)  # past the end
+    try:  # past the reservation's end: the emulation refuses it
+        gpu.map(va + 3 * G, 2 * G, h)
+    except CudaError as err:
+        assert err.call == "cuMemMap" and err.name in MISUSE, err
+    else:  # the 580 driver (CUDA 13.0, H200, 2026-12-04) accepted it: undone, the emulation stays the stricter
+        gpu.unmap(va + 3 * G, 2 * G)
     expect_error(gpu.map, va, 3 * G, h, call="cuMemMap", names=MISUSE)          # size > handle
     held.map(va, 2 * G, h)
     h2 = held.create(2 * G)

@@ -183,7 +183,8 @@ PATTERN = """
         x = torch.empty(big, dtype=torch.uint8, device="cuda")
         x.fill_(7)
         out["oom"] = False
-        out["sum"] = int(x.sum(dtype=torch.int64))
+        # Sampled: a full reduction would make PyTorch allocate a temporary as large as `x` (int64: 8x).
+        out["filled"] = bool((x[:: 1 << 16] == 7).all()) and int(x[-1]) == 7
     except torch.OutOfMemoryError as exc:
         out["oom"] = True
         out["message"] = str(exc).splitlines()[0]
@@ -207,7 +208,7 @@ def test_a_fragmentation_oom_of_pytorch_completes_under_install(figures):
 
     out = result(child(PATTERN, "defrag", *args))
     assert not out["oom"], f"the installed pool refused the big request: {out}"
-    assert out["sum"] == 7 * BIG and out["in_pool"] and out["intact"] and out["failures"] == 0, out
+    assert out["filled"] and out["in_pool"] and out["intact"] and out["failures"] == 0, out
     figures.add("defrag install: big request served after the pattern", BIG, "bytes")
 
 
@@ -224,7 +225,7 @@ def test_a_fragmentation_oom_of_pytorch_completes_under_defrag_run(tmp_path, fig
                             str(BUDGET), "--report", str(report), str(program), "unmodified", *args],
                            capture_output=True, text=True, timeout=300, env=env, cwd=str(tmp_path))
     out = result(under)
-    assert not out["oom"] and out["sum"] == 7 * BIG and out["intact"], out
+    assert not out["oom"] and out["filled"] and out["intact"], out
     assert "defrag run: exit 0" in under.stderr and "0 OOMs" in under.stderr, under.stderr[-2000:]
     summary = json.loads(report.read_text())["summary"]
     assert summary["ooms"] == 0 and summary["peak_live_bytes"] >= BIG, summary
