@@ -71,7 +71,11 @@ def bench_copy_bandwidth(device: str, smoke: bool) -> list[dict]:
     capacity = 2 * max(max(sizes), max(kernel_sizes)) + 4 * MiB
     with defrag.Pool(device=device, capacity=capacity, auto_compact=False) as pool:
         drv = pool.driver
+        buf = a = b = None
         for size in sorted(set(sizes) | set(kernel_sizes)):
+            # The previous size's buffer and views go first: the capacity holds one buffer at a time
+            # (on a GPU the 2 GiB buffer did not fit beside the previous 512 MiB one).
+            buf = a = b = None
             buf = pool.empty(2 * size, dtype=torch.uint8)
             if size <= 64 * MiB:  # random bytes; larger buffers get a non-zero constant (cheaper to write)
                 buf.copy_(torch.randint(1, 256, (2 * size,), dtype=torch.uint8, device=buf.device))

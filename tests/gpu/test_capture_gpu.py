@@ -197,8 +197,10 @@ def test_a_fragmentation_oom_of_pytorch_completes_under_capture(make_pool, figur
     with pool.capture(allocator=defrag.TorchAllocator(pool, compact_in_callback=True)) as allocator:
         x = torch.empty(BIG, dtype=torch.uint8, device="cuda")
         x.fill_(7)
-        total = int(x.sum(dtype=torch.int64))
-    assert total == 7 * BIG
+        # Sampled: a full int64 reduction would make PyTorch ask for a temporary 8x as large as `x`
+        # (inside the capture: a 2 GiB segment the 640 MiB budget cannot hold; seen on an H200).
+        filled = bool((x[:: 1 << 16] == 7).all()) and int(x[-1]) == 7
+    assert filled
     assert in_segments(pool, x)
     assert any(t.data_ptr() != addresses[i] for i, t in survivors.items()), "no compaction ran"
     sync()
