@@ -95,11 +95,21 @@ def test_every_tensor_is_the_pools_an_oom_goes_on_and_the_report_says_so(tmp_pat
         except torch.OutOfMemoryError as exc:
             print("OOM:", "cannot allocate" in str(exc))
         print("after", torch.ones(1000).sum().item(), pool.stats()["num_ooms"])
+        # What the pool shows of itself works in install mode too: summary, snapshot, layout and picture.
+        import sys
+        from defrag import viz
+        layout = pool.layout()
+        kinds = {b["state"] for b in layout["blocks"]}
+        shown = ("Allocated memory" in pool.summary() and sum(s["allocated_size"] for s in pool.snapshot()["segments"])
+                 == pool.stats()["allocated_bytes.all.current"] and kinds == {"live"}
+                 and all(b["pinned"] for b in layout["blocks"]) and bool(viz.plot_memory_map(layout, sys.argv[1])))
+        print("shown", shown)
     """))
     report = tmp_path / "out" / "report.json"
     report.parent.mkdir()
-    code, out, err = run(["--report", str(report), "train.py"], tmp_path)
-    assert code == 0 and out.splitlines() == ["OOM: True", "after 1000.0 1"], err
+    code, out, err = run(["--report", str(report), "train.py", str(tmp_path / "map.png")], tmp_path)
+    assert code == 0 and out.splitlines() == ["OOM: True", "after 1000.0 1", "shown True"], err
+    assert (tmp_path / "map.png").stat().st_size > 10_000
     _, summary = split_summary(err)
     assert summary.group(2) == "1"
     data = json.loads(report.read_text())
@@ -109,7 +119,7 @@ def test_every_tensor_is_the_pools_an_oom_goes_on_and_the_report_says_so(tmp_pat
     assert 4 * params <= figures["peak_live_bytes"] <= figures["peak_reserved_bytes"] <= 256 << 20
     assert data["stats"]["allocated_bytes.all.peak"] == figures["peak_live_bytes"]
     assert data["allocator"]["installed"] and data["allocator"]["ooms"] == 1 and data["allocator"]["blocks"] > 16
-    assert data["program"] == {"script": "train.py", "module": None, "args": []}
+    assert data["program"] == {"script": "train.py", "module": None, "args": [str(tmp_path / "map.png")]}
 
 
 @pytest.mark.parametrize("argv, message", [
