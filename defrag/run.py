@@ -112,7 +112,7 @@ def parse(argv: list[str]) -> RunArgs:
             setattr(out, name[2:], value)
             i += 1
             continue
-        if token == "-m" or token.startswith("-m"):
+        if token.startswith("-m"):  # "-m module" or "-mmodule", as python takes it
             module = token[2:] or (argv[i + 1] if i + 1 < len(argv) else "")
             if not module:
                 raise UsageError("-m needs a module name")
@@ -129,7 +129,8 @@ def parse(argv: list[str]) -> RunArgs:
 
 
 def _checked(args: RunArgs):
-    """The driver and capacity `args` name, and the report path; `UsageError` before anything runs."""
+    """The driver and capacity `args` name, and the report and record paths (absolute); `UsageError` before
+    anything runs."""
     from .arguments import capacity_fits, device_arg, out_file_arg, size_arg
 
     if args.script is not None:
