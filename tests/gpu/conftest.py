@@ -108,6 +108,49 @@ def pytest_report_header(config):
     return f"tests/gpu: skipped (no GPU: {WHY})"
 
 
+# ---------------------------------------------------------------- fresh processes
+# PyTorch's CUDA allocator can be replaced only before its first use and never back: tests of
+# `install` and `capture` routing run their scenario in a fresh interpreter on this checkout.
+BARE = _ROOT / "benchmarks" / "_bare_checkout.py"
+
+
+def child_env(overrides: dict | None = None) -> dict:
+    """This process's environment for a fresh child: PyTorch's allocator settings (PYTORCH_CUDA_ALLOC_CONF)
+    cleared, then `overrides` applied (a value of None unsets that variable)."""
+    env = {k: v for k, v in os.environ.items() if k != "PYTORCH_CUDA_ALLOC_CONF"}
+    for name, value in (overrides or {}).items():
+        if value is None:
+            env.pop(name, None)
+        else:
+            env[name] = value
+    return env
+
+
+def fresh_process(script: str, *args, timeout=300, env: dict | None = None):
+    """Run `script` (dedented) as a file in a fresh interpreter on this checkout (`_bare_checkout.py`),
+    with `child_env(env)`, from the checkout's root; the CompletedProcess."""
+    import subprocess
+    import sys
+    import tempfile
+    import textwrap
+
+    fd, path = tempfile.mkstemp(suffix=".py", prefix="defrag_gpu_")
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(textwrap.dedent(script))
+        return subprocess.run([sys.executable, str(BARE), path, *args], capture_output=True, text=True,
+                              timeout=timeout, env=child_env(env), cwd=str(_ROOT))
+    finally:
+        os.unlink(path)
+
+
+def last_json(proc) -> dict:
+    """The child's last line that starts with "{", parsed (an assertion error naming its stderr if none)."""
+    lines = [l for l in proc.stdout.splitlines() if l.startswith("{")]
+    assert lines, f"no result from the child (rc {proc.returncode}):\n{proc.stderr[-4000:]}"
+    return json.loads(lines[-1])
+
+
 # ---------------------------------------------------------------- devices
 
 def sync(pool_or_device=None) -> None:

@@ -19,13 +19,7 @@ calls the same C entry points through ctypes on the emulated device.
 from __future__ import annotations
 
 import copy
-import json
-import os
 import subprocess
-import sys
-import tempfile
-import textwrap
-from pathlib import Path
 
 import pytest
 import torch
@@ -33,13 +27,11 @@ import torch
 import defrag
 from defrag import capture as cap
 
-from .conftest import sync
+from .conftest import fresh_process, last_json, sync
 
 pytestmark = pytest.mark.needs_cuda("PyTorch's CUDA caching allocator routed through torch.cuda.MemPool")
 
 MiB = 1 << 20
-ROOT = Path(__file__).resolve().parents[2]
-BARE = ROOT / "benchmarks" / "_bare_checkout.py"
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -68,23 +60,8 @@ def release_all(pool) -> None:
 
 
 def child(script: str, *args, timeout=300, env_extra=None) -> subprocess.CompletedProcess:
-    """Run `script` in a fresh process (the checkout importable, PyTorch's allocator settings cleared)."""
-    fd, path = tempfile.mkstemp(suffix=".py", prefix="defrag_capture_")
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(textwrap.dedent(script))
-        env = {k: v for k, v in os.environ.items() if k != "PYTORCH_CUDA_ALLOC_CONF"}
-        env.update(env_extra or {})
-        return subprocess.run([sys.executable, str(BARE), path, *args], capture_output=True, text=True,
-                              timeout=timeout, env=env, cwd=str(ROOT))
-    finally:
-        os.unlink(path)
-
-
-def last_json(proc) -> dict:
-    lines = [l for l in proc.stdout.splitlines() if l.startswith("{")]
-    assert lines, f"no result from the child (rc {proc.returncode}):\n{proc.stderr[-4000:]}"
-    return json.loads(lines[-1])
+    """`script` in a fresh process (conftest's `fresh_process`), with `env_extra` set."""
+    return fresh_process(script, *args, timeout=timeout, env=env_extra)
 
 
 # ---------------------------------------------------------------- routing

@@ -19,43 +19,33 @@ module's test hooks); the ctypes fallback's install is tests/gpu/test_capture_gp
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
-import tempfile
 import textwrap
-from pathlib import Path
 
 import pytest
+
+from .conftest import BARE, child_env, fresh_process, last_json
 
 pytestmark = pytest.mark.needs_cuda("PyTorch's CUDA allocator replaced by defrag's (change_current_allocator)")
 
 MiB = 1 << 20
-ROOT = Path(__file__).resolve().parents[2]
-BARE = ROOT / "benchmarks" / "_bare_checkout.py"
+NATIVE = {"DEFRAG_FASTPATH": None}  # the children's environment: the fast path's own default (the native route needs it)
 
 
 def child(script: str, *args, timeout=300) -> subprocess.CompletedProcess:
-    """Run `script` in a fresh process (the checkout importable, PyTorch's allocator settings cleared)."""
-    fd, path = tempfile.mkstemp(suffix=".py", prefix="defrag_install_")
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(textwrap.dedent(script))
-        env = {k: v for k, v in os.environ.items() if k not in ("PYTORCH_CUDA_ALLOC_CONF", "DEFRAG_FASTPATH")}
-        return subprocess.run([sys.executable, str(BARE), path, *args], capture_output=True, text=True,
-                              timeout=timeout, env=env, cwd=str(ROOT))
-    finally:
-        os.unlink(path)
+    """`script` in a fresh process (conftest's `fresh_process`), the fast path's setting cleared: the
+    native route needs it."""
+    return fresh_process(script, *args, timeout=timeout, env=NATIVE)
 
 
 def result(proc) -> dict:
     """The child's last JSON line; the child must also have exited cleanly (frees at exit included)."""
-    lines = [l for l in proc.stdout.splitlines() if l.startswith("{")]
-    assert lines, f"no result from the child (rc {proc.returncode}):\n{proc.stderr[-4000:]}"
+    out = last_json(proc)
     assert proc.returncode == 0, (f"the child died (rc {proc.returncode}): a NULL or a free after exit?\n"
                                   f"{proc.stderr[-4000:]}")
     assert "terminate called" not in proc.stderr, proc.stderr[-4000:]
-    return json.loads(lines[-1])
+    return out
 
 
 ROUTES = """
@@ -219,11 +209,10 @@ def test_a_fragmentation_oom_of_pytorch_completes_under_defrag_run(tmp_path, fig
     program = tmp_path / "frag.py"
     program.write_text(textwrap.dedent(PATTERN))
     args = [str(BUDGET), str(SIZE), str(COUNT), str(BIG)]
-    env = {k: v for k, v in os.environ.items() if k not in ("PYTORCH_CUDA_ALLOC_CONF", "DEFRAG_FASTPATH")}
     report = tmp_path / "report.json"
     under = subprocess.run([sys.executable, str(BARE), "-m", "defrag", "run", "--device", "cuda:0", "--capacity",
                             str(BUDGET), "--report", str(report), str(program), "unmodified", *args],
-                           capture_output=True, text=True, timeout=300, env=env, cwd=str(tmp_path))
+                           capture_output=True, text=True, timeout=300, env=child_env(NATIVE), cwd=str(tmp_path))
     out = result(under)
     assert not out["oom"] and out["filled"] and out["intact"], out
     assert "defrag run: exit 0" in under.stderr and "0 OOMs" in under.stderr, under.stderr[-2000:]
