@@ -414,7 +414,7 @@ class Pool(TensorOwnership, PoolResidency, AllocatorSegments, PoolObservability)
         thread waits outside any op) and keep its range for that size, for the native placement to
         take. False when the pool cannot (closed, asleep, out of memory, the fast path off); never
         raises (it is called across the C boundary)."""
-        return self._stock(nbytes, True, compact=True, allocator=False) is None
+        return self._stock(nbytes, True, allocator=False) is None
 
     def _stock_for_allocator(self, nbytes: int, no_room: bool = True) -> "str | bool | None":
         """`_stock_for_native` for PyTorch's CPU allocator and CUDA entry points (`defrag.install`;
@@ -427,11 +427,12 @@ class Pool(TensorOwnership, PoolResidency, AllocatorSegments, PoolObservability)
         again); a str: the pool cannot serve it, the explained OOM (raised to the program as
         torch.OutOfMemoryError); False: the pool is closed or asleep (the CPU allocator's previous
         allocator serves it; on CUDA it fails). Never raises (it is called across the C boundary)."""
-        return self._stock(nbytes, no_room, compact=False, allocator=True)
+        return self._stock(nbytes, no_room, allocator=True)
 
-    def _stock(self, nbytes: int, no_room: bool, *, compact: bool, allocator: bool) -> "str | bool | None":
+    def _stock(self, nbytes: int, no_room: bool, *, allocator: bool) -> "str | bool | None":
         """`_stock_for_native` and `_stock_for_allocator`: `allocator` reads the allocator entries' switch
-        (on while recording history) instead of the fast path's."""
+        (on while recording history) instead of the fast path's, and stops the ladder before compacting."""
+        compact = not allocator
         try:
             fast = self._fast
             if fast is None or not (fast.serves_allocator if allocator else fast.enabled):
