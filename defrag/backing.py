@@ -205,7 +205,9 @@ class Backing:
         need = len(pages) - len(self.space.store.cached)
         if 0 < need <= len(donors):
             self.unmap_empty(donors[:need])
-            self.map(region, pages, txn)  # from cached handles only: the device is not asked
+            # From cached handles only: the device is not asked. A page the failed attempt's undo could not
+            # unmap is mapped already, an empty page of the heap (`map`'s left_mapped): it serves as it is.
+            self.map(region, [p for p in pages if not region.handles[p]], txn)
             return
         raise NoSpace(f"the device has no free memory for {len(pages)} more page(s) ({error.name})") from error
 

@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import rule
 
 import defrag
+from defrag.vmm import Transaction
 from defrag import compactor
 
 from .conftest import KiB, check_pattern, fill_pattern
@@ -231,6 +232,30 @@ def test_a_fault_in_the_undo_of_a_failed_mapping_still_loses_nothing(make_pool, 
     del big
     pool.trim()
     assert pool.stats()["pages.mapped"] == mapped
+    pool.check_invariants()
+
+
+def test_a_placement_retried_from_donor_pages_keeps_a_page_its_first_undo_left_mapped(make_pool):
+    """The device refuses a placement's second page (out of memory) and then the undo's unmap of the
+    first: that first page stays mapped, an empty page of the heap, and the retry from donor pages maps
+    only the page still missing (it used to ask to map the first page again: ValueError)."""
+    pool = make_pool("2MiB", auto_compact=False)
+    backing, region = pool.core.backing, pool.core.regions[0]
+    with Transaction() as txn:
+        backing.map(region, [10, 11], txn)  # empty mapped pages: the donors
+    faults = pool.driver.faults
+    faults.inject("cuMemMap", CUresult.CUDA_ERROR_OUT_OF_MEMORY, nth=2)
+    faults.inject("cuMemUnmap", CUresult.CUDA_ERROR_LAUNCH_FAILED, nth=1)
+    with pool.core.gate, Transaction() as txn:
+        backing.map_for_placement(region, [0, 1], txn)
+    assert faults.pending() == 0
+    faults.clear()
+    assert region.handles[0] and region.handles[1]
+    assert pool.stats()["pages.mapped"] == 3  # 0, 1 and the donor left
+    pool.check_invariants()
+    t = pool.empty(2 * PAGE, dtype=torch.uint8)
+    fill_pattern(t, 9)
+    assert check_pattern(t, 9)
     pool.check_invariants()
 
 
