@@ -70,7 +70,7 @@ import json
 import statistics
 import sys
 
-from .runner import Skip
+from .runner import Skip, child_command
 
 MiB = 1 << 20
 TRAIN_GOAL_X = 1.1
@@ -224,15 +224,21 @@ def _training(modes: _Modes, kind: str, spec: dict) -> dict:
             "counters": modes.take()}
 
 
+def _alloc_sizes(calls: int) -> list[int]:
+    """The alloc+free rows' request sizes: `calls` draws from ALLOC_SIZES, seeded (the same on every side)."""
+    import random
+
+    rng = random.Random(ALLOC_SEED)
+    return [rng.choice(ALLOC_SIZES) for _ in range(calls)]
+
+
 def _alloc(modes: _Modes, pattern: str, spec: dict) -> dict:
     import gc
-    import random
     import time
 
     import torch
 
-    rng = random.Random(ALLOC_SEED)
-    seq = [rng.choice(ALLOC_SIZES) for _ in range(spec["calls"])]
+    seq = _alloc_sizes(spec["calls"])
     empty, u8 = torch.empty, torch.uint8
     fast = modes.pool._fast
 
@@ -350,10 +356,7 @@ def _separate_child_main() -> int:
         (model(x) - x).square().mean().backward()
         opt.step()
 
-    import random
-
-    rng = random.Random(ALLOC_SEED)
-    seq = [rng.choice(ALLOC_SIZES) for _ in range(spec["calls"])]
+    seq = _alloc_sizes(spec["calls"])
 
     def alloc_pass():
         for n in seq:
@@ -433,27 +436,12 @@ def _bench_separate(device: str, smoke: bool) -> list[dict]:
     }]
 
 
-def _bare_checkout_prelude() -> str:
-    """Code that makes a child import this same checkout, when this process found it through
-    `benchmarks/_bare_checkout.py`'s finder (the GPU check's stages: no pip install, so `defrag.benchmarks`
-    is on no path the child would search); "" otherwise."""
-    for finder in sys.meta_path:
-        if type(finder).__name__ == "CheckoutFinder":
-            root = str(finder.root)
-            return (f"sys.path.insert(0, {root + '/benchmarks'!r}); import _bare_checkout; "
-                    f"_bare_checkout.install({root!r}); ")
-    return ""
-
-
 def _run_child(spec: dict, entry: str = "_child_main") -> dict:
-    import os
     import subprocess
 
     module = __spec__.name if __spec__ is not None else __name__
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))  # the same defrag as here
-    code = f"import importlib, sys; {_bare_checkout_prelude()}sys.exit(importlib.import_module({module!r}).{entry}())"
-    proc = subprocess.run([sys.executable, "-c", code], input=json.dumps(spec), capture_output=True, text=True,
-                          env=env, timeout=900)
+    argv, env = child_command(f"import importlib, sys\nsys.exit(importlib.import_module({module!r}).{entry}())\n")
+    proc = subprocess.run(argv, input=json.dumps(spec), capture_output=True, text=True, env=env, timeout=900)
     if proc.returncode != 0:
         raise RuntimeError(f"the install benchmark's child process failed (rc {proc.returncode}): "
                            f"{proc.stderr[-3000:]}")

@@ -31,7 +31,7 @@ import gc
 
 import torch
 
-from .runner import time_host_interleaved
+from .runner import child_command, time_host_interleaved
 
 KiB, MiB = 1 << 10, 1 << 20
 SIZES = (512, 64 * KiB, 1 * MiB, 2 * MiB, 64 * MiB)
@@ -238,14 +238,11 @@ print(json.dumps(out))
 def _fresh_run(side: str, device: str, seq, live: int, capacity: int) -> dict:
     """One fresh interpreter doing `seq` with pool.empty (side "pool") or torch.empty ("torch")."""
     import json
-    import os
     import subprocess
-    import sys
 
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))  # the same defrag as here
+    argv, env = child_command(_FRESH_SCRIPT)  # the same defrag as here
     spec = {"side": side, "device": device, "seq": seq, "live": live, "capacity": capacity}
-    proc = subprocess.run([sys.executable, "-c", _FRESH_SCRIPT], input=json.dumps(spec), capture_output=True,
-                          text=True, env=env, timeout=300)
+    proc = subprocess.run(argv, input=json.dumps(spec), capture_output=True, text=True, env=env, timeout=300)
     if proc.returncode != 0:
         raise RuntimeError(f"fresh {side} process failed (rc {proc.returncode}): {proc.stderr[-2000:]}")
     return json.loads(proc.stdout.strip().splitlines()[-1])

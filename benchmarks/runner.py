@@ -104,6 +104,25 @@ REGISTRY: dict[str, Benchmark] = {b.name: b for b in [
 ]}
 
 
+def child_command(code: str) -> tuple[list[str], dict]:
+    """argv and environment for `python -c code` in a child that imports the same defrag (and
+    defrag.benchmarks) as this process: this process's sys.path as PYTHONPATH and, where this process
+    found the checkout through `_bare_checkout.py`'s finder (the GPU check's stages: nothing
+    pip-installed, so the checkout is on no path a child would search), that finder installed first."""
+    import os
+    import sys
+
+    prelude = ""
+    for finder in sys.meta_path:
+        if type(finder).__name__ == "CheckoutFinder":
+            root = str(finder.root)
+            prelude = (f"import sys\nsys.path.insert(0, {os.path.join(root, 'benchmarks')!r})\n"
+                       f"import _bare_checkout\n_bare_checkout.install({root!r})\n")
+            break
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
+    return [sys.executable, "-c", prelude + code], env
+
+
 def _resolve(spec: str):
     module, _, attr = spec.partition(":")
     mod = importlib.import_module(f"{__package__}.{module}" if __package__ else module)
