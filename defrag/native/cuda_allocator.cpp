@@ -57,15 +57,16 @@ CudaRoute* cuda_route(int device) {
   return device >= 0 && device < kMaxCudaDevices ? &g_cuda[device] : nullptr;
 }
 
-void note(const std::string& text) noexcept {
+// The last failure or foreign free, in words (a C string: a release notes it without allocating).
+void note(const char* text) noexcept {
   std::lock_guard<std::mutex> guard(*g_cuda_note_mu);
-  std::snprintf(g_cuda_note, sizeof g_cuda_note, "%s", text.c_str());
+  std::snprintf(g_cuda_note, sizeof g_cuda_note, "%s", text);
 }
 
 // Counted, noted and thrown: c10::OutOfMemoryError (`oom`) or c10::Error.
 [[noreturn]] void fail(CudaRoute* route, bool oom, const std::string& text) {
   if (route != nullptr) route->failures += 1;
-  note(text);
+  note(text.c_str());
   if (oom) TORCH_CHECK_WITH(OutOfMemoryError, false, text);
   TORCH_CHECK(false, text);
   __builtin_unreachable();
@@ -127,10 +128,7 @@ void cuda_free(void* ptr, ssize_t size, int device) noexcept {
   std::snprintf(text, sizeof text,
                 "defrag: PyTorch freed %p (%lld bytes, cuda:%d), which no installed pool handed out; ignored",
                 ptr, static_cast<long long>(size), device);
-  {
-    std::lock_guard<std::mutex> guard(*g_cuda_note_mu);
-    std::snprintf(g_cuda_note, sizeof g_cuda_note, "%s", text);
-  }
+  note(text);
   if (count <= kForeignFreesReported) std::fprintf(stderr, "%s\n", text);
 }
 
