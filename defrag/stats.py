@@ -147,8 +147,7 @@ class HistoryRecorder:
                 self._add("alloc", address, nbytes, time_us=time_us)
             elif tracked.pop(address, None) is not None:
                 self.frames.pop(address, None)
-                self._add("free_requested", address, nbytes, time_us=time_us)
-                self._add("free_completed", address, nbytes, time_us=time_us)
+                self._free(address, nbytes, time_us)
         self.lost = int(lost)
 
     # ------------------------------------------------------------------ hooks (pool lock held)
@@ -171,11 +170,11 @@ class HistoryRecorder:
             return
         self._free(alloc.address, nbytes)
 
-    def _free(self, address: int, nbytes: int) -> None:
+    def _free(self, address: int, nbytes: int, time_us: int | None = None) -> None:
         # PyTorch's viewers fold the pair into one "free" event; a lone
         # free_completed would show the block as waiting on a stream.
-        self._add("free_requested", address, nbytes)
-        self._add("free_completed", address, nbytes)
+        self._add("free_requested", address, nbytes, time_us=time_us)
+        self._add("free_completed", address, nbytes, time_us=time_us)
 
     def block_moved(self, old, new) -> None:
         """A compaction moved a block's data from `old` to `new`.
