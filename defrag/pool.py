@@ -506,7 +506,11 @@ class Pool(TensorOwnership, PoolResidency, AllocatorSegments, PoolObservability)
 
     def _release_after_close(self) -> None:
         """A block died after close: free it, and give everything back once nothing lives
-        (the fast path's deleter calls this too, with the GIL)."""
+        (the fast path's deleter calls this too, with the GIL). When the block died inside one of
+        this pool's own calls on this thread (the collector ran there), after that call: its release
+        is queued meanwhile."""
+        if self.core.gate.run_outside(self._release_after_close):
+            return
         with self.core.gate:
             self.core.drain()
             self._release_if_idle()

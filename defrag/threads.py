@@ -20,11 +20,15 @@ block may move. This module knows nothing of torch.
 from __future__ import annotations
 
 import itertools
+import logging
 import threading
+import traceback
 import weakref
 from dataclasses import dataclass
 
 from .errors import ConcurrencyError
+
+_log = logging.getLogger("defrag")
 
 THREAD_MODES = (None, "own", "all")
 
@@ -83,11 +87,12 @@ class Gate:
     be let out at any time and is not parked here. Reentrant, like RLock.
     """
 
-    __slots__ = ("_lock", "_inside", "books")
+    __slots__ = ("_lock", "_inside", "_after", "books")
 
     def __init__(self) -> None:
         self._lock = threading.RLock()
         self._inside: dict[int, int] = {}  # token id -> nesting depth; each thread writes only its own key
+        self._after: dict[int, list] = {}  # token id -> work put off until that thread leaves (`run_outside`)
         # The pool's native books when native code places and releases beside Python: held (`hold`)
         # while a thread is inside, so that they never change under a multi-step Python operation.
         self.books = None
@@ -107,10 +112,30 @@ class Gate:
 
     def __exit__(self, *exc) -> None:
         tid = current_token().id
-        if self.books is not None and self._inside[tid] == 1:
+        outermost = self._inside[tid] == 1
+        if self.books is not None and outermost:
             self.books.unhold()
         self._lock.release()
         self._leave(tid)
+        if outermost and self._after:
+            for fn in self._after.pop(tid, ()):
+                try:
+                    fn()
+                except Exception:  # put-off work (a destructor's) must not fail the call it interrupted
+                    _log.error("defrag: work put off until the pool's lock was free raised; ignored\n%s",
+                               traceback.format_exc())
+
+    def run_outside(self, fn) -> bool:
+        """Put `fn` off if the calling thread is inside the gate: it then runs (no arguments) right after
+        that thread leaves the gate's outermost level, outside it, and this returns True. False (the
+        caller runs it now) otherwise. For destructors that Python runs in the middle of the pool's own
+        code (the cyclic collector): taking the reentrant lock there would change the books under the
+        call that holds it."""
+        tid = current_token().id
+        if tid not in self._inside:
+            return False
+        self._after.setdefault(tid, []).append(fn)
+        return True
 
     def _leave(self, tid: int) -> None:
         depth = self._inside[tid] - 1

@@ -277,6 +277,34 @@ def test_everything_after_close_raises(make_pool):
     assert pool.driver.api.state() == {"handles": 0, "mappings": 0, "reservations": 0, "used_bytes": 0}
 
 
+def test_a_tensor_collected_inside_the_pools_own_call_after_close_is_released_after_it(make_pool, monkeypatch):
+    """After close, a tensor's death frees its block and, once nothing lives, gives everything back.
+    When Python's collector runs that death in the middle of the pool's own call on the same thread
+    (here: the trim that close runs), the release waits until the call is over instead of
+    re-entering the lock and giving the address space back under it."""
+    pool = make_pool()
+    cycle = [pool.full((1000,), 3.0)]
+    cycle.append(cycle)  # only the cyclic collector frees it
+    del cycle
+    real_trim = pool.core.backing.trim
+    entered = []
+
+    def trim_with_a_collection():
+        entered.append(True)
+        gc.collect()  # the tensor dies here, inside close's trim, with the gate held
+        assert pool.driver.api.state()["reservations"] == 1  # not given back under the trim
+        return real_trim()
+
+    monkeypatch.setattr(pool.core.backing, "trim", trim_with_a_collection)
+    gc.disable()
+    try:
+        pool.close()
+    finally:
+        gc.enable()
+    assert entered
+    assert pool.driver.api.state() == {"handles": 0, "mappings": 0, "reservations": 0, "used_bytes": 0}
+
+
 def test_context_manager_releases_everything():
     drv = Driver.emulated(capacity=4 * MiB, granularity=PAGE)
     with defrag.Pool(device=drv, capacity="1MiB") as pool:
