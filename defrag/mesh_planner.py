@@ -128,8 +128,10 @@ def _greedy(bitmaps: np.ndarray, pops: np.ndarray, order: np.ndarray, max_probes
     A page joins the first open mesh it fits (enough free granules, no overlap) among the
     ``ceil(max_probes / 2)`` newest open meshes, then ``max_probes // 2`` drawn at random (with
     replacement) from the older ones; else it opens a mesh. A mesh stays open while some candidate
-    could still fit by count (``free granules >= the sparsest candidate``); closed meshes leave the
-    probe window lazily, the list being compacted once they are the majority. Returns
+    could still fit by count (``free granules >= the sparsest candidate``). A mesh that closes near
+    the newest end leaves the list at once (a short shift), so the newest probes stay useful (that
+    recovered 0.03 % of the pages at 100k, matching the Python-int greedy); one deeper down is
+    dropped lazily, the list compacted once those are the majority. Returns
     ``(mesh_of, probes)``: ``mesh_of[i]`` for every page of `order` (-1 elsewhere), and the number
     of open meshes whose bitmaps were ANDed with a page (never more than ``len(order) x max_probes``).
     """
@@ -152,34 +154,40 @@ def _greedy(bitmaps: np.ndarray, pops: np.ndarray, order: np.ndarray, max_probes
     for i, pb in zip(order.tolist(), pops[order].tolist()):
         b = bitmaps[i]
         if n_opened <= max_probes:
-            cand = opened[n_opened - 1::-1] if n_opened else opened[:0]
+            slots = np.arange(n_opened - 1, -1, -1)
         else:
             older = n_opened - newest
             if at + drawn > len(draws):  # draws for many pages at once: one rng call per 4096 pages
                 draws, at = rng.random(drawn * 4096), 0
             picks = (draws[at:at + drawn] * older).astype(np.int64)
             at += drawn
-            cand = np.concatenate((opened[n_opened - 1:older - 1:-1], opened[picks]))
+            slots = np.concatenate((np.arange(n_opened - 1, older - 1, -1), picks))
         placed = -1
-        if len(cand):
-            cand = cand[upops[cand] <= units - pb]  # room by count first: closed meshes fail here
-            if len(cand):
+        if len(slots):
+            cand = opened[slots]
+            room = upops[cand] <= units - pb  # room by count first: closed meshes fail here
+            if room.any():
+                slots, cand = slots[room], cand[room]
                 probes += len(cand)
                 fits = ~(unions[cand] & b).any(axis=1)
                 k = int(fits.argmax())
                 if fits[k]:
-                    placed = int(cand[k])
+                    placed, slot = int(cand[k]), int(slots[k])
         if placed >= 0:
             unions[placed] |= b
             upops[placed] += pb
             mesh_of[i] = placed
-            if units - upops[placed] < least:
-                n_closed += 1
-                if n_closed > max_probes and 2 * n_closed > n_opened:
-                    keep = opened[:n_opened][units - upops[opened[:n_opened]] >= least]
-                    n_opened = len(keep)
-                    opened[:n_opened] = keep
-                    n_closed = 0
+            if units - upops[placed] < least:  # closed: nothing left could fit by count
+                if slot >= n_opened - 2 * max_probes:  # near the newest end: leave the window now (cheap)
+                    opened[slot:n_opened - 1] = opened[slot + 1:n_opened]
+                    n_opened -= 1
+                else:  # deep in the list: left for the next compaction, which runs once they are the majority
+                    n_closed += 1
+                    if n_closed > max_probes and 2 * n_closed > n_opened:
+                        keep = opened[:n_opened][units - upops[opened[:n_opened]] >= least]
+                        n_opened = len(keep)
+                        opened[:n_opened] = keep
+                        n_closed = 0
         else:
             unions[n_mesh] = b
             upops[n_mesh] = pb
