@@ -13,9 +13,11 @@ overlap could share one physical page with every virtual address kept
 (Mesh, Powers et al., PLDI 2019). Two ways to choose the meshes, both
 allowing sets of more than two pages:
 
-- ``greedy``: first fit, densest page first, over open meshes (a page joins
-  a mesh whose union it does not overlap; ``PROBES`` open meshes are tried,
-  half the newest, half at random, so the time is bounded); bitmaps as Python ints.
+- ``greedy``: `defrag.mesh_planner.plan_meshes`, the pool's chooser, with
+  its cost rule off: first fit, densest page first, over open meshes (a page
+  joins a mesh whose union it does not overlap; ``PROBES`` open meshes are
+  tried, half the newest, half at random, so the time is bounded); numpy
+  ``uint64`` bitmaps, one AND over a page's probes.
   ``greedy*`` tries every open mesh (exact-ish; only up to ``EXACT_MAX`` pages).
 - ``random``: Mesh's SplitMesher: shuffle, split in halves, probe page i of
   one half against page (i + t) mod m of the other for t < ``SPLIT_PROBES``
@@ -54,6 +56,7 @@ import time
 import numpy as np
 
 from defrag.dry import DryPool
+from defrag.mesh_planner import plan_meshes
 from defrag.replay import snapshot_capacity
 from defrag.traces import ALLOC, FREE, GENERATORS
 from defrag.traces.snapshot import load_snapshot_devices
@@ -139,45 +142,17 @@ def _cost(members_pop: list[int]) -> int:
 
 
 def mesh_greedy(bitmaps: list[int], probes: int = PROBES, seed: int = SEED) -> dict:
-    """First fit, densest page first: each page joins an open mesh whose union it does not overlap,
-    trying the `probes` / 2 most recently opened ones (the sparsest: pages come densest first) and
-    `probes` / 2 others at random (identical bitmaps sort together and never mesh), else opens one. A mesh closes once no page of the input could fit in its free units. O(pages x probes)."""
-    t0 = time.perf_counter()
-    rng = random.Random(seed)
-    pops = [b.bit_count() for b in bitmaps]
-    order = sorted(range(len(bitmaps)), key=lambda i: -pops[i])
-    least = min(pops, default=0)
-    unions: list[int] = []
-    upops: list[int] = []
-    members: list[list[int]] = []
-    open_: list[int] = []  # meshes that may take more pages, oldest first
-    for i in order:
-        b, pb = bitmaps[i], pops[i]
-        placed = -1
-        n_open = len(open_)
-        if n_open <= probes:
-            slots = range(n_open - 1, -1, -1)
-        else:  # the newest half of the probes, then the rest at random (identical pages sit together)
-            half = probes // 2
-            slots = list(range(n_open - 1, n_open - 1 - half, -1))
-            slots += [rng.randrange(n_open - half) for _ in range(probes - half)]
-        for slot in slots:
-            k = open_[slot]
-            if UNITS - upops[k] >= pb and not (unions[k] & b):
-                placed = k
-                unions[k] |= b
-                upops[k] += pb
-                members[k].append(i)
-                if UNITS - upops[k] < least:
-                    del open_[slot]  # nothing could join it any more
-                break
-        if placed < 0:
-            unions.append(b)
-            upops.append(pb)
-            members.append([i])
-            if UNITS - pb >= least:
-                open_.append(len(unions) - 1)
-    return _result(members, pops, time.perf_counter() - t0)
+    """The pool's own chooser, `defrag.mesh_planner.plan_meshes`, on these pages with its cost rule off
+    (a page holds at most PAGE live bytes): first fit, densest page first, each page trying the
+    `probes` / 2 newest open meshes (the sparsest: pages come densest first) and `probes` / 2 others at
+    random (identical bitmaps sort together and never mesh), else opening one. O(pages x probes x WORDS).
+    "seconds" is the planner's own time on uint64 bitmaps, not this conversion from Python ints."""
+    live = np.array([b.bit_count() for b in bitmaps], dtype=np.int64) * GRAIN
+    plan = plan_meshes(_as_words(bitmaps), live, max_probes=max(1, probes), seed=seed, max_copy_per_page=PAGE)
+    # plan.copied_bytes is _cost's figure: the primary is the member with the most live bytes.
+    return {"pages": len(bitmaps) - plan.freed_pages, "copied": plan.copied_bytes,
+            "largest_mesh": max((len(g.members) for g in plan.groups), default=1 if bitmaps else 0),
+            "meshes": len(plan.groups), "seconds": plan.seconds}
 
 
 def _as_words(bitmaps: list[int]) -> np.ndarray:
