@@ -9,18 +9,22 @@ The protocol, wave by wave (a wave is a set of moves whose destinations are
 free and overlap no source, see `defrag.planner`):
 
 1. **prepare**: map the destination pages that are not mapped yet and carve
-   the destination ranges in the heap; the face makes what the commit needs
-   for each destination (`Mover.destinations`: for torch, a storage over each).
+   the destination ranges in the heap (giving the old ranges back at once
+   where the face lets go of them at the commit).
 2. **copy**: every move of the wave in one batch (the numba kernel on a GPU;
    memmove, the simulated kernel or the driver's copy on the emulated device),
    then synchronize. With `verify=True`, checksums of sources and
    destinations are compared.
-3. **commit**: the face rewrites each moved block's owner (`Mover.commit`:
-   for torch tensors, the storage takes the destination's data pointer and
-   every tensor and view follows). Everything the commit needs was checked
-   before (`Mover.check`), so this step cannot fail half-way.
-4. **release**: the face releases the old locations (for torch, when the
-   temporary storages die) and they go back to the heap.
+3. **commit**: every owner is checked, then rewritten to use its new range.
+   In place where the face can (`Mover.move_in_place`: for torch, each
+   storage takes a data pointer over its new range in one C++ call and every
+   tensor and view follows; the core re-addresses the same block), else
+   through destination blocks and what the face makes for them
+   (`Mover.destinations`: for torch, a temporary storage over each, swapped
+   with the user's). Everything the commit needs was checked before, so
+   this step cannot fail half-way.
+4. **release**: the old locations go back to the heap (at once when given
+   back in step 1; for torch's temporaries, when they die).
 
 A failure in steps 1-2 of a wave (driver error, copy failure, checksum
 mismatch, any exception) drops that wave's destinations and unmaps the pages
@@ -140,6 +144,8 @@ class Mover(Protocol):
       unchanged through the compaction, or None when it cannot move now
       (`can_rewrite(block)` is not "" included: the compaction asks `hold`
       alone for every block `threads.Scope.blocker` lets move);
+    - `hold_all(blocks)`: `[hold(b) for b in blocks]`, in one call (a
+      region's blocks before each plan);
     - `destinations(blocks)`: for each freshly carved destination of a wave,
       in order, whatever the commit will need (in one call: one C++ call for
       torch); if the wave is abandoned, dropping one must lead the face to
@@ -153,6 +159,13 @@ class Mover(Protocol):
       destinations of a committed wave, nothing can use the old ranges any
       more (the compaction then frees them at once, in one batch, instead of
       waiting for their releases one by one);
+    - `move_in_place(olds, addresses, holds)` (only when `lets_go()`): every
+      owner of `olds` checked as `check` would, then, only if all pass, each
+      given the memory at the same index of `addresses` (the copy is done)
+      while its block keeps its identity (`Core.move_to` re-addresses it):
+      -1, or the index of the first owner that failed (nothing changed); None
+      when the face cannot for this wave (nothing changed: the wave then goes
+      through destination blocks, `destinations` and `commit_all`);
     - `commit_all(dests)`: None when the face commits move by move (`check`
       for every move, then `commit` each); else it checks every move of
       `dests` ((old, new, held, dest) tuples) as `check` would and, only if
@@ -165,10 +178,12 @@ class Mover(Protocol):
     def stream(self) -> int: ...
     def can_rewrite(self, block) -> str: ...
     def hold(self, block): ...
+    def hold_all(self, blocks) -> list: ...
     def destinations(self, blocks) -> list: ...
     def check(self, old, held, dest) -> bool: ...
     def commit(self, old, new, held, dest) -> None: ...
     def lets_go(self) -> bool: ...
+    def move_in_place(self, olds, addresses, holds) -> int | None: ...
     def commit_all(self, dests) -> int | None: ...
 
 
@@ -446,24 +461,21 @@ def _collect(core: Core, mover: Mover, region, scope: Scope, *, large_only: bool
     A block the face cannot hold now is passed to the planner as unmovable;
     with `large_only`, so is every block shorter than a page (not held).
     """
-    blocks, offsets, sizes, movable, held = [], [], [], [], {}
-    base, small = region.base, core.page_size if large_only else 0
-    blocker, hold = scope.blocker, mover.hold
-    # One pass, plain lists: this runs for every block of the region before each plan. The face's
-    # hold says whether it can rewrite the block's owner (None when it cannot).
-    for block in core.blocks():
-        if block.region is not region:
-            continue
-        grip = None if block.size < small or blocker(block) else hold(block)
-        ok = grip is not None
-        if ok:
-            held[block.address] = grip
-        blocks.append(block)
-        offsets.append(block.address - base)
-        sizes.append(block.size)
-        movable.append(ok)
-    return _Layout(blocks, np.array(offsets, dtype=np.int64), np.array(sizes, dtype=np.int64),
-                   np.array(movable, dtype=bool), held)
+    base, small, blocker = region.base, core.page_size if large_only else 0, scope.blocker
+    # Plain lists and one `hold_all`: this runs for every block of the region before each plan.
+    blocks = [block for block in core.blocks() if block.region is region]
+    candidates = [i for i, block in enumerate(blocks) if block.size >= small and not blocker(block)]
+    grips = mover.hold_all([blocks[i] for i in candidates])
+    held, ok = {}, []
+    for i, grip in zip(candidates, grips):
+        if grip is not None:
+            held[blocks[i].address] = grip
+            ok.append(i)
+    movable = np.zeros(len(blocks), dtype=bool)
+    movable[ok] = True
+    offsets = np.fromiter((block.address for block in blocks), dtype=np.int64, count=len(blocks)) - base
+    sizes = np.fromiter((block.size for block in blocks), dtype=np.int64, count=len(blocks))
+    return _Layout(blocks, offsets, sizes, movable, held)
 
 
 def _run_wave(core: Core, mover: Mover, region, plan: ArrayPlan, a: int, b: int, layout: _Layout, engine, verify,
@@ -471,20 +483,18 @@ def _run_wave(core: Core, mover: Mover, region, plan: ArrayPlan, a: int, b: int,
     """Moves [a, b) of `plan` (one wave): prepare, copy, (verify), commit, release. All-or-nothing before the commit."""
     phases = report.phases
     core.flush_reuse()  # destinations may lie in ranges kept for reuse
-    P = core.page_size
-    blocks, held, base = layout.blocks, layout.held, region.base
+    blocks, held = layout.blocks, layout.held
     # Plain ints from here on: one tolist per array instead of numpy arithmetic per step.
     olds = [blocks[i] for i in plan.index[a:b].tolist()]
-    offsets = plan.dst[a:b].tolist()
-    dsts = [base + d for d in offsets]
-    dests = []  # (old Block, new Block, the face's hold on old's owner, the face's destination)
+    dsts = [region.base + d for d in plan.dst[a:b].tolist()]
+    dests = []  # where the owners do not move in place: (old Block, new Block, hold, the face's destination)
     with Transaction() as txn:
         # 1. prepare: map the destination pages. The copy needs no more: on a GPU it is queued on the
         # stream now and runs while the host does the rest; elsewhere it runs after it, on caches the
         # rest left warm. (Whole blocks, 512-byte multiples: 16-byte aligned for the kernel, and the
         # rounding stays inside each block.)
         with PhaseTimer(phases, "prepare"):
-            dest_pages = _pages_under(plan.dst[a:b], plan.size[a:b], P)
+            dest_pages = _pages_under(plan.dst[a:b], plan.size[a:b], core.page_size)
             to_map = dest_pages[region.handles[dest_pages] == 0].tolist()
             _make_physical_room(core, region, dest_pages, len(to_map))
             core.backing.map(region, to_map, txn)
@@ -496,15 +506,12 @@ def _run_wave(core: Core, mover: Mover, region, plan: ArrayPlan, a: int, b: int,
             # Undo steps run newest first: the books' undo steps below run before this one, the
             # pages' after it, so nothing is unmapped under a running copy.
             txn.on_rollback(core.driver.synchronize)
-        # 2. the books in one batch (destination blocks carved; the old ranges given back at once when
-        # the face lets go of them at the commit), and the face's destinations.
+        # 2. the books in one batch: the destinations taken; the old ranges given back at once when
+        # the face lets go of them at the commit.
         with PhaseTimer(phases, "prepare"):
             lets_go = mover.lets_go()
-            carved = core.begin_moves(region, olds, dsts, txn, vacate=lets_go)
-            # If the wave is abandoned the face's destinations go, and with them their blocks.
-            txn.on_rollback(dests.clear)
-            dests.extend(zip(olds, carved, map(held.pop, [old.address for old in olds]),
-                             mover.destinations(carved)))
+            core.begin_moves(region, olds, dsts, txn, vacate=lets_go)
+            grips = list(map(held.pop, [old.address for old in olds]))
         # 3. copy, wait for it; verify.
         with PhaseTimer(phases, "copy"):
             if not overlap:
@@ -513,44 +520,67 @@ def _run_wave(core: Core, mover: Mover, region, plan: ArrayPlan, a: int, b: int,
         if verify:
             with PhaseTimer(phases, "verify"):
                 _verify(core, mover, engine, moves)
-
-        # Everything the commit needs, checked before the first commit (by a face's batch, which
-        # then commits every owner too, or move by move).
+        # 4. every owner checked before the first is rewritten: in place (the blocks keep their
+        # identity), or through destination blocks.
         with PhaseTimer(phases, "swap"):
-            failed = mover.commit_all(dests)
-        if failed is None:
-            check = mover.check
-            for old, new, grip, dest in dests:
-                if not check(old, grip, dest):
-                    raise CompactionError(f"block at {old.address:#x} changed during compaction; nothing was moved")
-        elif failed >= 0:
-            raise CompactionError(f"block at {dests[failed][0].address:#x} changed during compaction; "
-                                  f"nothing was moved")
+            failed = mover.move_in_place(olds, dsts, grips) if lets_go else None
+            in_place, one_by_one = failed is not None, False
+            if not in_place:
+                failed, one_by_one = _prepare_commit(core, mover, region, olds, dsts, grips, dests, txn)
+        if failed >= 0:
+            raise CompactionError(f"block at {olds[failed].address:#x} changed during compaction; nothing was moved")
         txn.commit()
 
-    # 4. commit: cannot fail (the face only exchanges fields).
+    # 5. commit: cannot fail (the face only exchanges fields).
     with PhaseTimer(phases, "swap"):
-        history, commit = core.history, (mover.commit if failed is None else None)
-        for old, new, grip, dest in dests:
-            new.retired, new.counted = False, True
-            old.counted = False
-            new.pins, new.owner, new.shared, new.info = old.pins, old.owner, old.shared, old.info
-            old.retired = True
-            if commit is not None:
-                commit(old, new, grip, dest)
-            if history is not None:
-                history.block_moved(old, new)
-        report.moved_tensors += len(dests)
+        if in_place:
+            core.move_to(olds, dsts)
+        else:
+            _commit_destinations(core, mover if one_by_one else None, dests)
+        report.moved_tensors += len(olds)
         report.moved_bytes += sum(old.nbytes for old in olds)
-        # Loop variables would keep the last destination (and its old range) alive.
-        del grip, dest
-    # 5. release: the face lets go of the old ranges (for torch: the temporaries die); freed now.
+        del grips
+    # 6. release: the face lets go of the old ranges (for torch: the temporaries die); freed now.
     with PhaseTimer(phases, "release"):
         dests.clear()
-        if lets_go:
+        if lets_go and not in_place:
             core.forget(olds)  # vacated before the copy; their queued releases find nothing to do
         core.drain()
         core.flush_reuse()  # later waves' destinations lie in what this one vacated
+
+
+def _prepare_commit(core: Core, mover: Mover, region, olds, dsts, grips, dests: list,
+                    txn: Transaction) -> tuple[int, bool]:
+    """A wave whose owners cannot move in place: destination blocks recorded, the face's destinations
+    made, every owner checked (by the face's batch, which then commits them all, or move by move).
+    Fills `dests`. Returns (-1 when the commit may go ahead, else the index of a changed owner;
+    whether the owners are still to be committed one by one)."""
+    carved = core.record_moves(region, olds, dsts, txn)
+    txn.on_rollback(dests.clear)  # if the wave is abandoned the face's destinations go, and their blocks
+    dests.extend(zip(olds, carved, grips, mover.destinations(carved)))
+    failed = mover.commit_all(dests)
+    if failed is not None:
+        return failed, False
+    check = mover.check
+    for i, (old, new, grip, dest) in enumerate(dests):
+        if not check(old, grip, dest):
+            return i, True
+    return -1, True
+
+
+def _commit_destinations(core: Core, mover: Mover | None, dests: list) -> None:
+    """The commit of `_prepare_commit`'s wave: each destination block takes its old block's place,
+    and `mover` (None when its batch already did) commits each owner."""
+    history, commit = core.history, (mover.commit if mover is not None else None)
+    for old, new, grip, dest in dests:
+        new.retired, new.counted = False, True
+        old.counted = False
+        new.pins, new.owner, new.shared, new.info = old.pins, old.owner, old.shared, old.info
+        old.retired = True
+        if commit is not None:
+            commit(old, new, grip, dest)
+        if history is not None:
+            history.block_moved(old.address, new.address, new.nbytes)
 
 
 def _pages_under(offsets: np.ndarray, sizes: np.ndarray, page_size: int) -> np.ndarray:
@@ -560,11 +590,14 @@ def _pages_under(offsets: np.ndarray, sizes: np.ndarray, page_size: int) -> np.n
         return first
     span = last - first + 1
     if span.max() <= 2:
-        pages = np.concatenate((first, last))  # the common case: a block touches one or two pages
+        pages = (first, last)  # the common case: a block touches one or two pages
     else:
-        starts = np.repeat(first - np.cumsum(span) + span, span)
-        pages = starts + np.arange(int(span.sum()))
-    return np.unique(pages)
+        pages = (np.repeat(first - np.cumsum(span) + span, span) + np.arange(int(span.sum())),)
+    # A mask over the pages, not np.unique: no sort, and the wave's pages are few and close together.
+    touched = np.zeros(int(last.max()) + 1, dtype=bool)
+    for p in pages:
+        touched[p] = True
+    return np.flatnonzero(touched)
 
 
 def _make_physical_room(core: Core, region, dest_pages, needed: int) -> None:

@@ -362,12 +362,13 @@ class Core:
         self.books.account_many(region.index, addresses, sizes, deltas)
 
     def begin_moves(self, region: Region, olds: list[Block], addresses: list[int], txn: Transaction, *,
-                    vacate: bool) -> list[Block]:
-        """The books of a compaction wave before its commit, in one batch, undone by `txn`: each block of
-        `olds` gets a destination block at the same index of `addresses` (taken from the heap, same
-        size and owner; retired and not counted until the commit swaps it in). With `vacate`, the
-        old ranges also go back to the heap and off their pages now; the old blocks stay recorded
-        (their owners still use them) until `forget`.
+                    vacate: bool) -> None:
+        """The heap and page books of a compaction wave before its commit, in one batch, undone by
+        `txn`: the range at each of `addresses` is taken for the block of `olds` at the same index
+        (same size). With `vacate`, the old ranges also go back to the heap and off their pages now;
+        the old blocks stay recorded (their owners still use them). No block is recorded at the new
+        ranges: the commit either re-addresses the old blocks (`move_to`) or records destination
+        blocks (`record_moves`).
 
         Vacating early is for a wave whose face lets go of the old ranges at the commit: the
         wave's copy still reads them, but nothing can allocate them before the gate is released,
@@ -378,8 +379,6 @@ class Core:
         frees = [old.address for old in olds] if vacate else []
         heap.exchange_lists(frees, addresses, sizes)
         txn.on_rollback(heap.exchange_lists, addresses, frees, sizes[:len(frees)])
-        blocks = [Block(address, old.size, old.nbytes, region, 0, True, False, False, old.owner)
-                  for address, old in zip(addresses, olds)]
         if vacate:
             self._account_many(region, addresses + frees, sizes + sizes, [+1] * len(sizes) + [-1] * len(sizes))
             txn.on_rollback(self._account_many, region, addresses + frees, sizes + sizes,
@@ -387,14 +386,33 @@ class Core:
         else:
             self._account_many(region, addresses, sizes, +1)
             txn.on_rollback(self._account_many, region, addresses, sizes, -1)
+
+    def record_moves(self, region: Region, olds: list[Block], addresses: list[int], txn: Transaction) -> list[Block]:
+        """Destination blocks over the ranges `begin_moves` took, one per block of `olds` (same size and
+        owner; retired and not counted until the commit swaps them in), dropped by `txn`'s undo."""
+        blocks = [Block(address, old.size, old.nbytes, region, 0, True, False, False, old.owner)
+                  for address, old in zip(addresses, olds)]
         self._blocks.update(zip(addresses, blocks))
         txn.on_rollback(self.forget, blocks)
         return blocks
 
+    def move_to(self, blocks: list[Block], addresses: list[int]) -> None:
+        """The commit of a wave whose owners took their new ranges in place: each block of `blocks`
+        is now recorded at the address at the same index (taken by `begin_moves` with `vacate`),
+        the same Block object with all its fields. Cannot fail."""
+        records, history = self._blocks, self.history
+        for block, address in zip(blocks, addresses):
+            if records.get(block.address) is block:
+                del records[block.address]
+            if history is not None:
+                history.block_moved(block.address, address, block.nbytes)
+            block.address = address
+            records[address] = block
+
     def forget(self, blocks: list[Block]) -> None:
         """Drop the records of blocks whose ranges `begin_moves` already settled with the heap and the
-        pages (the gate is held): the old blocks it vacated, once their wave committed, or, as its
-        undo step, destination blocks never swapped in. Releases still queued for them then find
+        pages (the gate is held): the old blocks it vacated, once their wave committed, or, as
+        `record_moves`'s undo step, destination blocks never swapped in. Releases still queued for them then find
         nothing to do (`drain` frees a block only while the core still holds it)."""
         history = self.history
         for block in blocks:

@@ -35,6 +35,9 @@ class _KeyMover:
     def hold(self, block: Block):
         return (block.info,)  # the key, boxed: any key (0, None) is a valid hold
 
+    def hold_all(self, blocks: list) -> list:
+        return [(block.info,) for block in blocks]
+
     def destinations(self, blocks: list) -> list:
         return [None] * len(blocks)  # nothing owns a destination but the core: a rolled-back wave frees it
 
@@ -47,6 +50,14 @@ class _KeyMover:
 
     def lets_go(self) -> bool:
         return True  # a key has no in-flight work, and `commit` released the old block
+
+    def move_in_place(self, olds: list, addresses: list, grips: list) -> int:
+        # A key keeps naming its block, which the compaction re-addresses: nothing to change here.
+        blocks = self.dry._blocks
+        for i, (old, grip) in enumerate(zip(olds, grips)):
+            if blocks.get(grip[0]) is not old:
+                return i
+        return -1
 
     def commit_all(self, dests) -> None:
         return None  # move by move: a dict entry each

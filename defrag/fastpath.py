@@ -85,24 +85,15 @@ class FastPath:
         self._by_serial.update(zip(range(first, first + len(blocks)), blocks))
         return storages
 
-    def rebase(self, users: list, news: list, olds: list) -> int:
+    def rebase(self, users: list, addresses: list[int], olds: list) -> int:
         """A compaction wave's commit in one C++ call (`cpp.rebase`): each storage of `users` takes
-        the memory of the block at the same index of `news` from that of `olds` (its old range
-        already back in the books); no temporary storage, no release to apply later. -1 when done;
-        i when users[i] is not at olds[i] as a block of its size (nothing changed); -2 when some
-        user's memory was not made by this fast path (nothing changed: swap through temporaries)."""
-        new_addresses, old_addresses, nbytes = [], [], []
-        for new, old in zip(news, olds):
-            new_addresses.append(new.address)
-            old_addresses.append(old.address)
-            nbytes.append(new.nbytes)
-        failed, first, old_serials = self.cpp.rebase(users, new_addresses, old_addresses, nbytes)
-        if failed == -1:
-            by_serial = self._by_serial
-            for serial in old_serials:
-                by_serial.pop(serial, None)
-            by_serial.update(zip(range(first, first + len(news)), news))
-        return failed
+        the memory at the same index of `addresses` from the block at the same index of `olds`
+        (its old range already back in the books); no temporary storage, no release to apply later.
+        Each storage keeps its serial, so its block (re-addressed by the caller) stays the one its
+        release names. -1 when done; i when users[i] is not at olds[i] as a block of its size
+        (nothing changed); -2 when some user's memory was not made by this fast path (nothing
+        changed: swap through temporaries)."""
+        return self.cpp.rebase(users, addresses, [old.address for old in olds], [old.nbytes for old in olds])
 
     def storage_over(self, block: Block):
         """A torch UntypedStorage over `block` whose death queues the block's release (the face's

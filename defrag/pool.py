@@ -170,22 +170,28 @@ class _TorchMover:
         return ""
 
     def hold(self, block: Block):
+        return self.hold_all([block])[0]
+
+    def hold_all(self, blocks: list) -> list:
         # `can_rewrite`'s verdict included: a segment or a dead storage has no hold.
-        info = block.info
-        if info is None or isinstance(info, SegmentInfo) or info.storage_ref is None:
-            return None
-        storage = tz.strong_storage(info.storage_ref)
-        if storage is None:
-            return None
-        if self.pool._can_swap:
-            return storage, None
-        rebind = self.pool._rebindable(block, storage)
-        return None if rebind is None else (storage, rebind)
+        pool, lock = self.pool, torch.UntypedStorage._new_with_weak_ptr  # `tz.strong_storage`, inlined
+        swap = pool._can_swap
+        grips = []
+        for block in blocks:
+            info = block.info
+            ref = None if info is None or isinstance(info, SegmentInfo) else info.storage_ref
+            storage = None if ref is None else lock(ref.cdata)
+            if storage is None:
+                grips.append(None)
+            elif swap:
+                grips.append((storage, None))
+            else:
+                rebind = pool._rebindable(block, storage)
+                grips.append(None if rebind is None else (storage, rebind))
+        return grips
 
     def destinations(self, blocks: list) -> list:
         pool = self.pool
-        if self._rebases():
-            return blocks  # nothing to make: `commit_all` gives each owner its block in place
         if pool._fast is not None:
             return pool.core.front.storages_over(blocks)
         return [pool._storage_over(block) for block in blocks]
@@ -204,23 +210,17 @@ class _TorchMover:
         # references. Rebind mode: the old storage dies only once every reference to it is gone.
         return self.pool._can_swap
 
+    def move_in_place(self, olds: list, addresses: list, grips: list) -> int | None:
+        # One C++ call for the whole wave: every owner rebased in place (`FastPath.rebase`). None
+        # where some owner's memory was not the fast path's: the wave then swaps with temporaries.
+        if not self._rebases():
+            return None
+        failed = self.pool.core.front.rebase([grip[0] for grip in grips], addresses, olds)
+        return None if failed == -2 else failed
+
     def commit_all(self, dests) -> int | None:
-        # One C++ call for the whole wave: every owner rebased in place (`FastPath.rebase`), or, where
-        # some owner's memory was not the fast path's, swapped with a temporary made now
-        # (`swap_storages`: `_swap_data_ptr_` per pair after every check) where torch has it; else
-        # move by move.
-        if self._rebases():
-            front = self.pool.core.front
-            users, news, olds = [], [], []
-            for old, new, held, _ in dests:
-                users.append(held[0])
-                news.append(new)
-                olds.append(old)
-            failed = front.rebase(users, news, olds)
-            if failed != -2:
-                return failed
-            temps = front.storages_over(news)
-            dests[:] = [(old, new, held, temp) for (old, new, held, _), temp in zip(dests, temps)]
+        # One C++ call for the whole wave where torch has it (`swap_storages`: `_swap_data_ptr_` per
+        # pair after every check); else move by move.
         swap_all = getattr(fastpath.module, "swap_storages", None) if self.pool._swap_mode == "native" else None
         if swap_all is None:
             return None

@@ -176,23 +176,22 @@ class HistoryRecorder:
         self._add("free_requested", address, nbytes, time_us=time_us)
         self._add("free_completed", address, nbytes, time_us=time_us)
 
-    def block_moved(self, old, new) -> None:
-        """A compaction moved a block's data from `old` to `new`.
+    def block_moved(self, old_address: int, new_address: int, nbytes: int) -> None:
+        """A compaction moved a block's `nbytes` of data from `old_address` to `new_address`.
 
         PyTorch's format has no move: it is recorded as a free of the old
         address (`free_requested`, `free_completed`) followed by an `alloc` at
-        the new one, so a viewer shows the tensor disappearing at `old` and
-        appearing at `new` at the same instant. The old range itself, released
-        later when the compaction drops its temporary owner, is not recorded
-        again.
+        the new one, so a viewer shows the tensor disappearing at the old
+        address and appearing at the new one at the same instant. The old range
+        itself, released later when the compaction drops its temporary owner
+        (if it has one), is not recorded again.
         """
-        nbytes = self._tracked.pop(old.address, old.nbytes)
-        self._free(old.address, nbytes)
-        self._tracked[new.address] = new.nbytes
-        frames = self.frames.pop(old.address, [])
+        self._free(old_address, self._tracked.pop(old_address, nbytes))
+        self._tracked[new_address] = nbytes
+        frames = self.frames.pop(old_address, [])
         if frames:
-            self.frames[new.address] = frames
-        self._add("alloc", new.address, new.nbytes, frames=frames)
+            self.frames[new_address] = frames
+        self._add("alloc", new_address, nbytes, frames=frames)
 
     def pages_mapped(self, region, pages) -> None:
         """Pages of `region` were mapped: one `segment_map` per run of consecutive pages."""

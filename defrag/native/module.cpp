@@ -580,12 +580,13 @@ class FastPath {
   // from `old_addresses[i]` to `new_addresses[i]` (the copy is done; the books hold the new
   // range and took the old one back). Every user is checked first: an UntypedStorage on this
   // device whose memory is a collected block made here, at its old address. Then each gets a
-  // DataPtr over its new address (a new collected slot, serial `first + i`) and its old slot is
-  // deleted without its deleter (nothing to release: the books took the range back).
-  // Returns (-1, first, old serials); (i, 0, []) when user i is not at its old address or not
-  // of `nbytes[i]` bytes; (-2, 0, []) when some user's memory was not made here (the caller
-  // swaps through temporary storages instead). Nothing changes unless all pass.
-  py::tuple rebase(const py::list& users, const std::vector<uintptr_t>& new_addresses,
+  // DataPtr over its new address (a new collected slot with the old slot's serial: Python's
+  // block for that serial is re-addressed, not replaced) and its old slot is deleted without its
+  // deleter (nothing to release: the books took the range back).
+  // Returns -1; i when user i is not at its old address or not of `nbytes[i]` bytes; -2 when
+  // some user's memory was not made here (the caller swaps through temporary storages instead).
+  // Nothing changes unless all pass.
+  int64_t rebase(const py::list& users, const std::vector<uintptr_t>& new_addresses,
                    const std::vector<uintptr_t>& old_addresses, const std::vector<int64_t>& nbytes) {
     const size_t n = users.size();
     if (new_addresses.size() != n || old_addresses.size() != n || nbytes.size() != n)
@@ -602,41 +603,35 @@ class FastPath {
     std::vector<Slot*> olds(n);
     for (size_t i = 0; i < n; ++i) {
       const c10::DataPtr& data = impls[i]->data_ptr();
-      if (data.get_deleter() != &release_slot || data.device() != device_) return py::make_tuple(-2, 0, py::list());
+      if (data.get_deleter() != &release_slot || data.device() != device_) return -2;
       if (reinterpret_cast<uintptr_t>(data.get()) != old_addresses[i] ||
           static_cast<int64_t>(impls[i]->nbytes()) != nbytes[i])
-        return py::make_tuple(static_cast<int64_t>(i), 0, py::list());
+        return static_cast<int64_t>(i);
       olds[i] = static_cast<Slot*>(data.get_context());
     }
     {
       std::lock_guard<std::mutex> guard(st_->books->mu);  // slots' fields are read under it
       for (size_t i = 0; i < n; ++i) {
         const Slot* slot = olds[i];
-        if (slot->state != st_ || !slot->collected) return py::make_tuple(-2, 0, py::list());
-        if (slot->address != old_addresses[i]) return py::make_tuple(static_cast<int64_t>(i), 0, py::list());
+        if (slot->state != st_ || !slot->collected) return -2;
+        if (slot->address != old_addresses[i]) return static_cast<int64_t>(i);
       }
     }
     std::vector<std::unique_ptr<Slot>> fresh(n);
     for (size_t i = 0; i < n; ++i) fresh[i] = std::make_unique<Slot>();  // before anything changes: may throw
-    uint64_t first;
-    py::list old_serials(n);
-    {
-      std::lock_guard<std::mutex> guard(st_->books->mu);  // `live` is unchanged: one slot for another
-      first = st_->next_serial;
-      st_->next_serial += n;
-    }
+    // `live` is unchanged (one slot for another) and the serials carry over: no lock needed for
+    // the counters, and none for the fields of slots that only these storages reach.
     for (size_t i = 0; i < n; ++i) {
       Slot* slot = fresh[i].release();  // the storage's from here
       slot->state = st_;
       slot->address = new_addresses[i];
       slot->collected = true;
-      slot->serial = first + i;
-      old_serials[i] = olds[i]->serial;
+      slot->serial = olds[i]->serial;
       c10::DataPtr old = impls[i]->set_data_ptr(
           c10::DataPtr(reinterpret_cast<void*>(new_addresses[i]), slot, &release_slot, device_));
       delete static_cast<Slot*>(old.release_context());
     }
-    return py::make_tuple(-1, first, old_serials);
+    return -1;
   }
 
   // An UntypedStorage of `nbytes` at `address` for a block Python placed itself

@@ -263,8 +263,13 @@ class Boom(RuntimeError):
     pass
 
 
-@pytest.mark.parametrize("where", ["copy", "verify", "storage"])
+@pytest.mark.parametrize("where", ["copy", "verify", "storage", "rebase"])
 def test_an_exception_mid_compaction_rolls_back(make_pool, monkeypatch, where):
+    """A failure anywhere before the commit (the copy, its verification, making the temporaries'
+    storages, the in-place rebase) leaves every tensor where and as it was, and the books as before."""
+    from defrag import fastpath
+    from defrag.pool import _TorchMover
+
     pool = make_pool("1MiB", auto_compact=False)
     survivors = fragment(pool)
     addresses = {s: t.data_ptr() for s, t in survivors.items()}
@@ -286,7 +291,13 @@ def test_an_exception_mid_compaction_rolls_back(make_pool, monkeypatch, where):
             real_copy(core, mover, engine, moves[:-1])  # one move silently not done
         monkeypatch.setattr(compactor, "_copy", bad_copy)
         expected = defrag.CompactionError
+    elif where == "rebase":
+        def failing_rebase(self, users, addresses, olds):
+            raise Boom("rebase failed")  # as the C++ call would on running out of memory, before any change
+        monkeypatch.setattr(fastpath.FastPath, "rebase", failing_rebase)
+        expected = Boom
     else:
+        monkeypatch.setattr(_TorchMover, "_rebases", lambda self: False)  # through temporaries
         real = pool._mover.destinations
 
         def failing_storages(blocks):
