@@ -148,14 +148,14 @@ def _imports_torch(module: str) -> bool:
 
 
 def test_the_pure_parts_import_neither_torch_nor_the_driver():
-    for pure in ("defrag.heap", "defrag.planner"):
+    for pure in ("defrag.heap", "defrag.planner", "defrag.mesh_planner"):
         targets = {t for t, _, _ in _imports(pure)}
         assert not any(t.startswith("torch") for t in targets), pure
         assert not any(t.startswith("defrag.driver") or t.startswith("cuda") for t in targets), pure
 
 
 def test_modules_over_the_heap_planner_or_vmm_import_no_torch():
-    low = {"defrag.heap", "defrag.planner", "defrag.vmm"}
+    low = {"defrag.heap", "defrag.planner", "defrag.mesh_planner", "defrag.vmm"}
     users = [m for m in MODULES if m not in low and any(t in low for t, _, _ in _imports(m))]
     assert {"defrag.core", "defrag.compactor", "defrag.backing"} <= set(users)
     assert [m for m in users if _imports_torch(m)] == []
