@@ -71,6 +71,7 @@ from typing import Protocol
 
 import numpy as np
 
+from .copying import ENGINES, copy_ranges, default_engine, kernel_stream, relative
 from .core import Core, NoSpace, Scope
 from .errors import CompactionError, CudaError
 from .planner import ArrayPlan, plan_arrays, plan_conveyor, plan_hole_arrays, plan_window_arrays
@@ -79,7 +80,6 @@ from .vmm import Transaction
 
 _log = logging.getLogger("defrag")
 
-ENGINES = ("memmove", "driver", "kernel")
 PROGRESS_BYTES = 256 << 20  # show a progress bar when a compaction moves more than this
 PROGRESS_MOVES = 20_000
 
@@ -170,11 +170,6 @@ class Mover(Protocol):
     def commit(self, old, new, held, dest) -> None: ...
     def lets_go(self) -> bool: ...
     def commit_all(self, dests) -> int | None: ...
-
-
-def default_engine(kind: str) -> str:
-    """The copy engine a device kind uses unless told otherwise."""
-    return {"cuda": "kernel", "emulated": "memmove"}.get(kind, "driver")
 
 
 class _NoBar:
@@ -578,37 +573,14 @@ def _make_physical_room(core: Core, region, dest_pages, needed: int) -> None:
 
 def _copy(core: Core, mover: Mover, engine: str, moves: list[tuple[int, int, int]]) -> None:
     """Copy (src, dst, nbytes) triples; destinations never overlap sources within a wave."""
-    if engine == "memmove":
-        for src, dst, n in moves:
-            ctypes.memmove(dst, src, n)
-    elif engine == "driver":
-        stream = mover.stream()
-        for src, dst, n in moves:
-            core.driver.copy(dst, src, n, stream)
-    else:
-        from .kernels import batched_move, device_arena
-        base, span, rel = _relative(moves)
-        arena = device_arena(base, span)
-        batched_move(arena, rel, stream=_kernel_stream(core, mover))
+    copy_ranges(core, mover.stream(), engine, moves)
 
 
-def _relative(moves):
-    """Moves (whole 512-byte blocks) as an int64 (n, 3) table relative to the
-    smallest arena covering them."""
-    lo = min(min(s, d) for s, d, _ in moves)
-    hi = max(max(s, d) + n for s, d, n in moves)
-    lo -= lo % 512
-    table = np.array([(s - lo, d - lo, n) for s, d, n in moves], dtype=np.int64)
-    span = -(-(hi - lo) // 512) * 512
-    return lo, span, table
+_relative = relative
 
 
 def _kernel_stream(core: Core, mover: Mover):
-    if core.kind != "cuda":
-        return None
-    from numba import cuda
-    handle = mover.stream()
-    return cuda.external_stream(handle) if handle else cuda.default_stream()
+    return kernel_stream(core, mover.stream())
 
 
 def _verify(core: Core, mover: Mover, engine: str, moves: list[tuple[int, int, int]]) -> None:
