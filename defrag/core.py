@@ -460,7 +460,7 @@ class Core:
         if keep:
             self.books.release_range(block.size, block.region.index, block.address)
         else:
-            self._heaps[block.region.index].free(block.address)
+            self.books.free(block.region.index, block.address)  # a piece on a mesh's twin page goes to its primary
             self._account(block, -1)
         block.keepalive = None
         del self._blocks[block.address]
