@@ -64,6 +64,7 @@ from . import tensors as tz
 from . import threads
 from .capture import in_callback
 from .compactor import CompactionReport, compact_core, rescue
+from .mesher import MeshReport, mesh_core, split_all
 from .core import Block, Core, OutOfRoom
 from .driver import Driver, open_driver
 from .errors import PoolAsleepError, PoolClosedError, StaleAccessError
@@ -802,6 +803,26 @@ class Pool(TensorOwnership, PoolResidency, AllocatorSegments, PoolObservability)
             scope = self.core.scope(threads)
             return compact_core(self.core, self._mover, verify=verify, progress=progress, engine=engine,
                                 automatic=False, release=release, scope=scope, callbacks=self.on_compact)
+
+    def mesh(self, *, release: bool = False, threads: str | None = None) -> MeshReport:
+        """Share physical pages between pages whose live bytes are disjoint at page offsets, moving no
+        tensor (every address stays; pinned tensors and PyTorch-owned blocks too): each group's live
+        bytes are copied into one physical page mapped at every page of the group, and the others'
+        physical pages are freed (cached; released to the device with `release=True`).
+        `threads` as for `compact`. A driver fault rolls back the group it hit (every byte and
+        mapping as before) and is raised. Returns a `defrag.mesher.MeshReport`."""
+        self._relieve()
+        with self.core.gate:
+            self.core.check_open()
+            return mesh_core(self.core, scope=self.core.scope(threads), stream=self._mover.stream(),
+                             release=release)
+
+    def unmesh(self) -> int:
+        """Give every meshed page a physical page of its own again (bytes intact); returns how many.
+        ValueError (nothing changed for the rest) when the pool has too few free physical pages."""
+        with self.core.gate:
+            self.core.check_open()
+            return split_all(self.core)
 
     def _relieve(self) -> None:
         """Run the `on_pressure` hooks, outside the lock (never from inside PyTorch's allocator)."""
