@@ -110,14 +110,14 @@ def save_snapshot(path, pool: "Pool | None" = None) -> str:
 
 
 def compact(*, verify: bool = False, progress: bool | None = None, engine: str | None = None,
-            release: bool = False, threads: str | None = None) -> list[CompactionReport]:
+            release: bool = False, threads: str | None = None, mesh: bool = True) -> list[CompactionReport]:
     """Compact every open pool of this process (same options as `Pool.compact`); one report per pool.
 
     Pools are compacted one after the other; an error in one propagates
     after the pools before it were compacted (each compaction is
     all-or-nothing per wave on its own).
     """
-    return [p.compact(verify=verify, progress=progress, engine=engine, release=release, threads=threads)
+    return [p.compact(verify=verify, progress=progress, engine=engine, release=release, threads=threads, mesh=mesh)
             for p in open_pools()]
 
 
@@ -738,12 +738,21 @@ class Pool(TensorOwnership, PoolResidency, AllocatorSegments, PoolObservability)
         """Unmap pages that hold no block and release every cached physical page.
 
         Returns the number of bytes handed back to the driver. Live tensors are
-        never touched.
+        never moved. First, pages whose live bytes are disjoint share physical
+        pages (`mesh`), so that trim gives back the most; a driver fault there
+        rolls that mesh back and is logged.
         """
         self._relieve()
         with self.core.gate:
             self.core.check_open()
-            return self.core.trim()
+            meshed = 0
+            if not self.core.space.sleeping:
+                report = mesh_core(self.core, scope=self.core.scope(None), stream=self._mover.stream(),
+                                   release=True, raise_errors=False)
+                meshed = report.released_pages * self.core.page_size
+                if report.error:
+                    _log.warning("defrag: trim's meshing stopped after a driver fault (rolled back): %s", report.error)
+            return meshed + self.core.trim()
 
     def close(self) -> None:
         """Close the pool: no new allocations; memory goes back to the driver.
@@ -776,7 +785,7 @@ class Pool(TensorOwnership, PoolResidency, AllocatorSegments, PoolObservability)
 
     # ------------------------------------------------------------------ compaction
     def compact(self, *, verify: bool = False, progress: bool | None = None, engine: str | None = None,
-                release: bool = False, threads: str | None = None) -> CompactionReport:
+                release: bool = False, threads: str | None = None, mesh: bool = True) -> CompactionReport:
         """Move live tensors so that the pages they strand become free; see `defrag.compactor`.
 
         `verify`: compare checksums of every moved block; `progress`: a progress
@@ -795,6 +804,9 @@ class Pool(TensorOwnership, PoolResidency, AllocatorSegments, PoolObservability)
         "own" only the caller's; "all" every unpinned one, shared ones
         included, and raises ConcurrencyError (changing nothing) while another
         thread that used the pool still runs.
+        `mesh` (default True): after the moves, pages that still hold tensors
+        (pinned ones too) and whose live bytes are disjoint at page offsets
+        share physical pages (`Pool.mesh`; no tensor moves).
         Returns a `CompactionReport`.
         """
         self._relieve()
@@ -802,20 +814,20 @@ class Pool(TensorOwnership, PoolResidency, AllocatorSegments, PoolObservability)
             self.core.check_open()
             scope = self.core.scope(threads)
             return compact_core(self.core, self._mover, verify=verify, progress=progress, engine=engine,
-                                automatic=False, release=release, scope=scope, callbacks=self.on_compact)
+                                automatic=False, release=release, scope=scope, callbacks=self.on_compact, mesh=mesh)
 
-    def mesh(self, *, release: bool = False, threads: str | None = None) -> MeshReport:
+    def mesh(self, *, release: bool = False, threads: str | None = None, engine: str | None = None) -> MeshReport:
         """Share physical pages between pages whose live bytes are disjoint at page offsets, moving no
         tensor (every address stays; pinned tensors and PyTorch-owned blocks too): each group's live
         bytes are copied into one physical page mapped at every page of the group, and the others'
         physical pages are freed (cached; released to the device with `release=True`).
-        `threads` as for `compact`. A driver fault rolls back the group it hit (every byte and
+        `threads` and `engine` as for `compact`. A driver fault rolls back the group it hit (every byte and
         mapping as before) and is raised. Returns a `defrag.mesher.MeshReport`."""
         self._relieve()
         with self.core.gate:
             self.core.check_open()
             return mesh_core(self.core, scope=self.core.scope(threads), stream=self._mover.stream(),
-                             release=release)
+                             release=release, engine=engine)
 
     def unmesh(self) -> int:
         """Give every meshed page a physical page of its own again (bytes intact); returns how many.

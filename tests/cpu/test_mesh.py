@@ -1,0 +1,288 @@
+"""Meshing (issue 26) on the emulated device: pages whose live bytes are disjoint share one physical page.
+
+Every test checks bytes through every tensor's own address, the books' invariants (invariant 9 among
+them: `check_invariants`), and, through `make_pool`, that nothing leaks at close.
+"""
+
+from __future__ import annotations
+
+import gc
+
+import pytest
+import torch
+from cuda.bindings.driver import CUresult
+
+import defrag
+from defrag.backing import TWIN
+
+from .conftest import KiB, check_pattern, fill_pattern
+
+MiB = 1 << 20
+P = 64 * KiB  # page size of the small pools below
+
+
+def _pinned(pool, nbytes, seed):
+    t = pool.empty(nbytes, dtype=torch.uint8)
+    fill_pattern(t, seed)
+    pool.pin(t)
+    return t
+
+
+def _halves(pool, pages, block):
+    """Fill `pages` pages with pinned blocks of `block` bytes, then drop the second half of even pages
+    and the first half of odd ones: complementary half-used pages. Returns {seed: tensor} kept."""
+    per = P // block
+    made = [_pinned(pool, block, i) for i in range(pages * per)]
+    kept = {}
+    for i, t in enumerate(made):
+        page, slot = divmod(i, per)
+        if (page % 2 == 0) == (slot < per // 2):
+            kept[i] = t
+        else:
+            pool.unpin(t)
+    del made, t
+    gc.collect()
+    return kept
+
+
+def _intact(kept):
+    for seed, t in kept.items():
+        assert check_pattern(t, seed), f"tensor {seed} lost its bytes"
+
+
+def _layout_meshes(pool):
+    return [m for r in pool.layout()["regions"] for m in r["meshes"].items()]
+
+
+# ---------------------------------------------------------------- the issue's example
+def test_complementary_half_pages_of_pinned_tensors_share_physical_pages(make_pool):
+    """The issue's example: 64 MiB of pinned 256 KiB tensors, half of each 2 MiB page freed (even pages
+    their second half, odd pages their first). Compaction cannot move pinned tensors; meshing halves
+    the device pages held, with the same pointers and bytes, and writes stay separate."""
+    pool = make_pool("64MiB", granularity=2 * MiB, auto_compact=False)
+    per = (2 * MiB) // (256 * KiB)
+    made = [_pinned(pool, 256 * KiB, i) for i in range(256)]
+    kept = {}
+    for i, t in enumerate(made):
+        page, slot = divmod(i, per)
+        if (page % 2 == 0) == (slot < per // 2):
+            kept[i] = t
+        else:
+            pool.unpin(t)
+    del made, t
+    gc.collect()
+    ptrs = {s: t.data_ptr() for s, t in kept.items()}
+    assert pool.stats()["reserved_bytes.all.current"] == 64 * MiB
+    report = pool.compact()
+    assert report.moved_tensors == 0
+    assert report.meshed_pages == 16 and report.mesh_freed_pages == 16
+    assert report.mesh_copied_bytes == 16 * MiB
+    st = pool.stats()
+    assert st["reserved_bytes.all.current"] == 32 * MiB  # each physical page counted once
+    assert st["pages.meshed"] == 16 and st["meshes"] == 16 and st["pages.mapped"] == 16
+    assert st["allocated_bytes.all.current"] == 32 * MiB
+    pool.check_invariants()
+    assert {s: t.data_ptr() for s, t in kept.items()} == ptrs
+    _intact(kept)
+    # Writes through one tensor are not seen by a tensor of another member of its mesh.
+    for seed, t in kept.items():
+        fill_pattern(t, seed + 1000)
+    _intact({s + 1000: t for s, t in kept.items()})
+    # The freed physical pages serve new requests; nothing lands on bytes a twin still uses.
+    fresh = {5000 + i: _pinned(pool, 256 * KiB, 5000 + i) for i in range(64)}
+    _intact(fresh)
+    _intact({s + 1000: t for s, t in kept.items()})
+    pool.check_invariants()
+
+
+# ---------------------------------------------------------------- books of a mesh
+def test_a_free_on_a_twin_frees_nothing_in_the_other_members(make_pool):
+    pool = make_pool("1MiB", auto_compact=False)
+    kept = _halves(pool, 2, 8 * KiB)
+    assert pool.mesh().meshed_pages == 1
+    (mesh_id, (primary, twin)), = _layout_meshes(pool)
+    base = pool.layout()["regions"][0]["base"]
+    on_twin = {s: t for s, t in kept.items() if (t.data_ptr() - base) // P == twin}
+    assert on_twin and len(on_twin) < len(kept)
+    for s, t in list(on_twin.items()):
+        pool.unpin(t)
+        del kept[s]
+    del on_twin, t
+    gc.collect()
+    pool.check_invariants()
+    # The twin's offsets are free at the primary's address only; new blocks land there, and the
+    # primary's tensors keep their bytes. (A size not freed on the twin: a freed range of the same
+    # size may be reused in place, still allocated in the twin's heap.)
+    fresh = {9000 + i: _pinned(pool, 16 * KiB, 9000 + i) for i in range(2)}
+    for t in fresh.values():
+        assert (t.data_ptr() - base) // P == primary, "a new block on a twin page"
+    _intact(kept)
+    _intact(fresh)
+    pool.check_invariants()
+
+
+def test_new_allocations_never_land_on_bytes_a_twin_uses(make_pool):
+    pool = make_pool("1MiB", auto_compact=False)
+    kept = _halves(pool, 8, 8 * KiB)
+    report = pool.mesh()
+    assert report.meshed_pages == 4
+    fresh = {}
+    for i in range(40):  # more than the meshed pages' free space: the rest goes to new pages
+        fresh[7000 + i] = _pinned(pool, 8 * KiB, 7000 + i)
+        _intact(kept)
+    _intact(fresh)
+    roles = pool.core.backing.roles[0]
+    base = pool.layout()["regions"][0]["base"]
+    assert not any(roles[(t.data_ptr() - base) // P] == TWIN for t in fresh.values())
+    pool.check_invariants()
+
+
+def test_a_block_straddling_into_a_twin_frees_through_the_primary(make_pool):
+    """Y crosses from a full page into page 1, which becomes a twin of page 2. Freeing Y returns its
+    twin piece to the primary's heap (the redirect); the heaps stay consistent and every byte intact."""
+    pool = make_pool("1MiB", auto_compact=False)
+    a = _pinned(pool, 48 * KiB, 1)
+    y = _pinned(pool, 32 * KiB, 2)
+    w = _pinned(pool, 8 * KiB, 3)
+    f1 = _pinned(pool, 40 * KiB, 4)
+    f2 = _pinned(pool, 32 * KiB, 5)
+    z = _pinned(pool, 32 * KiB, 6)
+    base = pool.layout()["regions"][0]["base"]
+    assert [(t.data_ptr() - base) // KiB for t in (a, y, w, f1, f2, z)] == [0, 48, 80, 88, 128, 160]
+    pool.unpin(f1)
+    pool.unpin(f2)
+    del f1, f2
+    gc.collect()
+    assert pool.mesh().meshed_pages == 1
+    (_, (primary, twin)), = _layout_meshes(pool)
+    assert (primary, twin) == (2, 1)
+    pool.check_invariants()
+    pool.unpin(y)
+    del y
+    gc.collect()
+    pool.check_invariants()
+    _intact({1: a, 3: w, 6: z})
+    # The straddling block's twin piece [0, 16K) of page 1 is now free at page 2's offsets [0, 16K).
+    fresh = _pinned(pool, 16 * KiB, 7)
+    assert fresh.data_ptr() - base in (2 * P, 48 * KiB)  # the primary's head, or the freed head of Y
+    _intact({1: a, 3: w, 6: z, 7: fresh})
+    pool.check_invariants()
+
+
+def test_a_large_request_goes_elsewhere_than_meshed_pages(make_pool):
+    """Meshed pages (dormant twins included) never join a run of pages for a large request."""
+    pool = make_pool("1MiB", auto_compact=False)
+    kept = _halves(pool, 4, 8 * KiB)
+    assert pool.mesh().meshed_pages == 2
+    base = pool.layout()["regions"][0]["base"]
+    roles = pool.core.backing.roles[0]
+    twins = [p for p in range(len(roles)) if roles[p] == TWIN]
+    for s, t in list(kept.items()):  # the twins go dormant: no block, still mapped
+        if (t.data_ptr() - base) // P in twins:
+            pool.unpin(t)
+            del kept[s]
+    t = None
+    gc.collect()
+    big = pool.empty(3 * P, dtype=torch.uint8)
+    fill_pattern(big, 77)
+    first, end = (big.data_ptr() - base) // P, (big.data_ptr() - base + 3 * P - 1) // P + 1
+    assert not (pool.core.backing.mesh_ids[0][first:end] >= 0).any()
+    _intact(kept)
+    assert check_pattern(big, 77)
+    pool.check_invariants()
+    # trim drops the dormant twins (their meshes dissolve; it may mesh what is left anew).
+    dormant = lambda: [p for p in range(len(roles)) if roles[p] == TWIN and pool.core.backing.live_count[0][p] == 0]
+    assert dormant()
+    pool.trim()
+    assert not dormant()
+    _intact(kept)
+    pool.check_invariants()
+
+
+def test_splitting_meshes_restores_separate_pages(make_pool):
+    pool = make_pool("1MiB", auto_compact=False)
+    kept = _halves(pool, 6, 8 * KiB)
+    ptrs = {s: t.data_ptr() for s, t in kept.items()}
+    before = pool.stats()["reserved_bytes.all.current"]
+    assert pool.mesh().meshed_pages == 3
+    assert pool.stats()["reserved_bytes.all.current"] == before - 3 * P
+    assert pool.unmesh() == 3
+    st = pool.stats()
+    assert st["reserved_bytes.all.current"] == before and st["pages.meshed"] == 0 and st["meshes"] == 0
+    assert {s: t.data_ptr() for s, t in kept.items()} == ptrs
+    _intact(kept)
+    for s, t in kept.items():  # separate pages again: every write stays in its own tensor
+        fill_pattern(t, s + 300)
+    _intact({s + 300: t for s, t in kept.items()})
+    pool.check_invariants()
+
+
+# ---------------------------------------------------------------- faults
+MESH_FAULTS = [("cuCtxSynchronize", 1), ("cuCtxSynchronize", 2), ("cuMemcpyDtoDAsync", 1), ("cuMemcpyDtoDAsync", 3),
+               ("cuMemUnmap", 1), ("cuMemUnmap", 3), ("cuMemMap", 1), ("cuMemMap", 3), ("cuMemSetAccess", 1)]
+
+
+def _quarters(pool, block=8 * KiB):
+    """Four pages of pinned blocks, page k keeping only its k-th quarter: one mesh of four pages."""
+    per = P // block
+    made = [_pinned(pool, block, i) for i in range(4 * per)]
+    kept = {}
+    for i, t in enumerate(made):
+        page, slot = divmod(i, per)
+        if slot * 4 // per == page:
+            kept[i] = t
+        else:
+            pool.unpin(t)
+    del made, t
+    gc.collect()
+    return kept
+
+
+def _reserved_and_layout(pool):
+    lay = pool.layout()
+    return pool.stats()["reserved_bytes.all.current"], [(r["pages"], r["free_ranges"], r["mesh"]) for r in lay["regions"]]
+
+
+@pytest.mark.parametrize("call, nth", MESH_FAULTS)
+def test_a_fault_at_any_step_of_meshing_changes_nothing(make_pool, call, nth):
+    pool = make_pool("1MiB", auto_compact=False)
+    kept = _quarters(pool)
+    before = _reserved_and_layout(pool)
+    pool.driver.faults.inject(call, CUresult.CUDA_ERROR_LAUNCH_FAILED, nth=nth)
+    with pytest.raises(defrag.CudaError) as info:
+        pool.mesh(engine="driver")
+    assert info.value.call == call and pool.driver.faults.pending() == 0
+    pool.driver.faults.clear()
+    assert _reserved_and_layout(pool) == before
+    _intact(kept)
+    pool.check_invariants()
+    for s, t in kept.items():  # still separate pages
+        fill_pattern(t, s + 100)
+    _intact({s + 100: t for s, t in kept.items()})
+    assert pool.mesh(engine="driver").meshed_pages == 3
+    _intact({s + 100: t for s, t in kept.items()})
+    pool.check_invariants()
+
+
+SPLIT_FAULTS = [("cuCtxSynchronize", 1), ("cuCtxSynchronize", 2), ("cuMemAddressReserve", 1), ("cuMemcpyDtoDAsync", 1),
+                ("cuMemUnmap", 1), ("cuMemUnmap", 2), ("cuMemMap", 1), ("cuMemMap", 2), ("cuMemSetAccess", 1),
+                ("cuMemSetAccess", 2), ("cuMemAddressFree", 1)]
+
+
+@pytest.mark.parametrize("call, nth", SPLIT_FAULTS)
+def test_a_fault_at_any_step_of_splitting_changes_nothing(make_pool, call, nth):
+    pool = make_pool("1MiB", auto_compact=False)
+    kept = _halves(pool, 2, 8 * KiB)
+    assert pool.mesh().meshed_pages == 1
+    before = _reserved_and_layout(pool)
+    pool.driver.faults.inject(call, CUresult.CUDA_ERROR_LAUNCH_FAILED, nth=nth)
+    with pytest.raises(defrag.CudaError) as info:
+        pool.unmesh()
+    assert info.value.call == call and pool.driver.faults.pending() == 0
+    pool.driver.faults.clear()
+    assert _reserved_and_layout(pool) == before
+    _intact(kept)
+    pool.check_invariants()
+    assert pool.unmesh() == 1
+    _intact(kept)
+    pool.check_invariants()
