@@ -734,19 +734,19 @@ class Pool(TensorOwnership, PoolResidency, AllocatorSegments, PoolObservability)
             return out
 
     # ------------------------------------------------------------------ trim / close
-    def trim(self) -> int:
+    def trim(self, *, mesh: bool = True) -> int:
         """Unmap pages that hold no block and release every cached physical page.
 
         Returns the number of bytes handed back to the driver. Live tensors are
-        never moved. First, pages whose live bytes are disjoint share physical
-        pages (`mesh`), so that trim gives back the most; a driver fault there
-        rolls that mesh back and is logged.
+        never moved. First (`mesh=True`, the default), pages whose live bytes
+        are disjoint share physical pages (`Pool.mesh`), so that trim gives
+        back the most; a driver fault there rolls that mesh back and is logged.
         """
         self._relieve()
         with self.core.gate:
             self.core.check_open()
             meshed = 0
-            if not self.core.space.sleeping:
+            if mesh and not self.core.space.sleeping:
                 report = mesh_core(self.core, scope=self.core.scope(None), stream=self._mover.stream(),
                                    release=True, raise_errors=False)
                 meshed = report.released_pages * self.core.page_size

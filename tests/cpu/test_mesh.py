@@ -286,3 +286,107 @@ def test_a_fault_at_any_step_of_splitting_changes_nothing(make_pool, call, nth):
     assert pool.unmesh() == 1
     _intact(kept)
     pool.check_invariants()
+
+
+# ---------------------------------------------------------------- fuzz
+from hypothesis import HealthCheck, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule  # noqa: E402
+
+from defrag.driver import Driver  # noqa: E402
+
+
+class MeshMachine(RuleBasedStateMachine):
+    """alloc/free/pin/write/compact/mesh/unmesh/trim with most blocks pinned; every byte of every
+    tensor and every invariant checked after each step."""
+
+    def __init__(self):
+        super().__init__()
+        self.driver = Driver.emulated(capacity=8 * MiB, granularity=P)
+        self.pool = defrag.Pool(device=self.driver, capacity="1MiB", auto_compact=True)
+        self.tensors: dict[int, torch.Tensor] = {}
+        self.next_seed = 1
+
+    @rule(nbytes=st.one_of(st.integers(1, 16 * KiB), st.integers(16 * KiB, 3 * P)), pinned=st.integers(0, 9))
+    def alloc(self, nbytes, pinned):
+        try:
+            t = self.pool.empty(nbytes, dtype=torch.uint8)
+        except defrag.OutOfMemoryError:
+            return
+        seed, self.next_seed = self.next_seed, self.next_seed + 1
+        fill_pattern(t, seed)
+        if pinned < 8:
+            self.pool.pin(t)
+        self.tensors[seed] = t
+
+    @precondition(lambda self: self.tensors)
+    @rule(data=st.data())
+    def free(self, data):
+        del self.tensors[data.draw(st.sampled_from(sorted(self.tensors)))]
+
+    @rule(n=st.integers(4, 24), nbytes=st.integers(1, 8 * KiB))
+    def alloc_many(self, n, nbytes):
+        for _ in range(n):
+            self.alloc(nbytes, 0)
+
+    @precondition(lambda self: len(self.tensors) > 1)
+    @rule(parity=st.integers(0, 1), parts=st.sampled_from([2, 4]))
+    def free_complementary(self, parity, parts):
+        """Free the tensors starting in one part of even pages and another of odd pages: pages with
+        complementary live ranges, what meshing feeds on."""
+        for seed, t in list(self.tensors.items()):
+            page, offset = divmod(t.data_ptr(), P)
+            if (page + offset * parts // P) % 2 == parity:
+                del self.tensors[seed]
+
+    @precondition(lambda self: self.tensors)
+    @rule(data=st.data())
+    def write(self, data):
+        seed = data.draw(st.sampled_from(sorted(self.tensors)))
+        t = self.tensors.pop(seed)
+        new, self.next_seed = self.next_seed, self.next_seed + 1
+        fill_pattern(t, new)
+        self.tensors[new] = t
+
+    @precondition(lambda self: self.tensors)
+    @rule(data=st.data())
+    def unpin(self, data):
+        t = self.tensors[data.draw(st.sampled_from(sorted(self.tensors)))]
+        if t.data_ptr() and self.pool.core.block_at(t.data_ptr()) and self.pool.core.block_at(t.data_ptr()).pins:
+            self.pool.unpin(t)
+
+    @rule()
+    def compact(self):
+        self.pool.compact()
+
+    @rule()
+    def mesh(self):
+        self.pool.mesh()
+
+    @rule()
+    def unmesh(self):
+        try:
+            self.pool.unmesh()
+        except ValueError:
+            pass  # no physical page left for the next split: the rest stay meshed
+
+    @rule()
+    def trim(self):
+        self.pool.trim()
+
+    @invariant()
+    def every_byte_and_invariant(self):
+        self.pool.check_invariants()
+        for seed, t in self.tensors.items():
+            assert check_pattern(t, seed), f"tensor {seed} lost its bytes"
+
+    def teardown(self):
+        self.tensors.clear()
+        self.pool.close()
+        gc.collect()
+        assert self.driver.api.state() == {"handles": 0, "mappings": 0, "reservations": 0, "used_bytes": 0}
+
+
+TestMeshMachine = MeshMachine.TestCase
+TestMeshMachine.settings = settings(max_examples=40, stateful_step_count=40, deadline=None,
+                                    suppress_health_check=[HealthCheck.too_slow])
