@@ -390,3 +390,57 @@ class MeshMachine(RuleBasedStateMachine):
 TestMeshMachine = MeshMachine.TestCase
 TestMeshMachine.settings = settings(max_examples=40, stateful_step_count=40, deadline=None,
                                     suppress_health_check=[HealthCheck.too_slow])
+
+
+# ---------------------------------------------------------------- under defrag.install
+INSTALLED = r"""
+import gc, torch, defrag
+pool = defrag.Pool("emulated", capacity="64MiB")
+defrag.install(pool)
+P = pool.stats()["page_size"]
+ts = [torch.full((65536,), float(i)) for i in range(128)]  # 256 KiB each, PyTorch-owned (pinned) blocks
+assert all(pool.owns_address(t.data_ptr()) for t in ts)
+keep = {i: t for i, t in enumerate(ts) if ((t.data_ptr() // P) % 2 == 0) == (t.data_ptr() % P < P // 2)}
+ptrs = {i: t.data_ptr() for i, t in keep.items()}
+ts = t = None
+gc.collect()
+before = pool.stats()["reserved_bytes.all.current"]
+report = pool.compact()
+after = pool.stats()["reserved_bytes.all.current"]
+assert report.moved_tensors == 0 and report.meshed_pages >= 6, report
+assert after == before - report.mesh_freed_pages * P, (before, after, report)
+assert {i: t.data_ptr() for i, t in keep.items()} == ptrs
+for i, t in keep.items():
+    assert bool((t == float(i)).all()), i
+    t.add_(1000)
+for i, t in keep.items():
+    assert bool((t == float(i) + 1000).all()), i
+pool.check_invariants()
+# Native churn with no Python in the way: same sizes reuse freed ranges in place (on twins too),
+# other sizes go to free space, which on a meshed page is only what is free in every member.
+for _ in range(3):
+    extra = [torch.full((65536,), -1.0) for _ in range(8)]
+    small = [torch.full((1000,), -2.0) for _ in range(50)]
+    for i, t in keep.items():
+        assert bool((t == float(i) + 1000).all()), i
+    assert all(bool((x == -1.0).all()) for x in extra) and all(bool((x == -2.0).all()) for x in small)
+    del extra, small
+pool.check_invariants()
+for i in list(keep)[::2]:  # native frees, twins' blocks among them
+    del keep[i]
+gc.collect()
+more = [torch.full((65536,), -3.0) for _ in range(16)]
+for i, t in keep.items():
+    assert bool((t == float(i) + 1000).all()), i
+assert all(bool((x == -3.0).all()) for x in more)
+pool.check_invariants()
+print("ok", report.meshed_pages)
+"""
+
+
+def test_pytorch_owned_blocks_mesh_under_install():
+    from .test_cpu_allocator import run
+    from defrag import fastpath
+    if fastpath.setting() == "off":
+        pytest.skip("DEFRAG_FASTPATH=0: no native allocator")
+    assert "ok" in run(INSTALLED).stdout
