@@ -28,21 +28,27 @@ def _pinned(pool, nbytes, seed):
     return t
 
 
-def _halves(pool, pages, block):
-    """Fill `pages` pages with pinned blocks of `block` bytes, then drop the second half of even pages
-    and the first half of odd ones: complementary half-used pages. Returns {seed: tensor} kept."""
+def _halves(pool, pages, block, keep=lambda page, part: (page % 2 == 0) == (part < 2)):
+    """Fill `pages` pages with pinned blocks of `block` bytes, then keep those where `keep(page, quarter
+    of the page)`; by default the first half of even pages and the second half of odd ones:
+    complementary half-used pages. Returns {seed: tensor} kept."""
     per = P // block
     made = [_pinned(pool, block, i) for i in range(pages * per)]
     kept = {}
     for i, t in enumerate(made):
         page, slot = divmod(i, per)
-        if (page % 2 == 0) == (slot < per // 2):
+        if keep(page, slot * 4 // per):
             kept[i] = t
         else:
             pool.unpin(t)
     del made, t
     gc.collect()
     return kept
+
+
+def _alternate_quarters(page, part):
+    """Quarters 0 and 2 of even pages, 1 and 3 of odd ones: no free range reaches a page's size."""
+    return part % 2 == page % 2
 
 
 def _intact(kept):
@@ -444,3 +450,125 @@ def test_pytorch_owned_blocks_mesh_under_install():
     if fastpath.setting() == "off":
         pytest.skip("DEFRAG_FASTPATH=0: no native allocator")
     assert "ok" in run(INSTALLED).stdout
+
+
+def test_the_memoryless_driver_keeps_the_same_books(make_pool):
+    """A dry pool (memory-less driver) meshes the same pages as an emulated one for the same sequence."""
+    from defrag.dry import DryPool
+    block, pages = 8 * KiB, 8
+    dry = DryPool("1MiB", page_size=P, auto_compact=False)
+    per = P // block
+    for i in range(pages * per):
+        assert dry.alloc(i, block)
+    pool = make_pool("1MiB", auto_compact=False)
+    kept = _halves(pool, pages, block)
+    for i in range(pages * per):
+        if i not in kept:
+            dry.free(i)
+    before = dry.reserved_bytes()
+    assert before == pool.stats()["reserved_bytes.all.current"]
+    from defrag.mesher import mesh_core
+    with dry.core.gate:  # its blocks are not pinned: a compaction would move them, so mesh directly
+        dry_report = mesh_core(dry.core)
+    real_report = pool.mesh()
+    assert dry_report.meshed_pages == real_report.meshed_pages == pages // 2
+    assert dry_report.copied_bytes == real_report.copied_bytes
+    assert dry.reserved_bytes() == pool.stats()["reserved_bytes.all.current"] == before - pages // 2 * P
+    assert dry.stats()["pages.meshed"] == pages // 2
+    with dry.core.gate:
+        dry.core.check_invariants()
+    pool.check_invariants()
+    _intact(kept)
+
+
+# ---------------------------------------------------------------- when meshing runs
+def test_the_ladder_meshes_before_it_reports_an_oom(make_pool):
+    pool = make_pool("1MiB", auto_compact=True)  # 16 pages of 64 KiB
+    kept = _halves(pool, 16, 8 * KiB, _alternate_quarters)
+    assert pool.stats()["pages.mapped"] == 16 and pool.stats()["pages.cached"] == 0
+    big = pool.empty(P, dtype=torch.uint8)  # every page is held: compaction cannot help, meshing can
+    fill_pattern(big, 500)
+    st = pool.stats()
+    assert st["num_meshes.automatic"] == 1 and st["pages.meshed"] == 1 and st["num_ooms"] == 0
+    bigger = pool.empty(4 * P, dtype=torch.uint8)  # meshes as many more as it needs
+    fill_pattern(bigger, 501)
+    assert pool.stats()["pages.meshed"] == 5
+    _intact(kept)
+    _intact({500: big, 501: bigger})
+    pool.check_invariants()
+    with pytest.raises(defrag.OutOfMemoryError) as info:
+        pool.empty(8 * P, dtype=torch.uint8)  # 3 more pages at most: meshing says so
+    assert any("meshing" in step for step in info.value.tried)
+    _intact(kept)
+    pool.check_invariants()
+
+
+def test_auto_compact_false_never_meshes_on_its_own(make_pool):
+    pool = make_pool("1MiB", auto_compact=False)
+    kept = _halves(pool, 16, 8 * KiB, _alternate_quarters)
+    with pytest.raises(defrag.OutOfMemoryError):
+        pool.empty(P, dtype=torch.uint8)
+    assert pool.stats()["num_meshes"] == 0
+    _intact(kept)
+
+
+CALLBACK = r"""
+import gc, torch, defrag
+pool = defrag.Pool("emulated", capacity="32MiB")
+defrag.install(pool)
+P = pool.stats()["page_size"]
+ts = [torch.full((65536,), float(i)) for i in range(128)]  # fills all 16 pages
+# Alternate quarters of a page: no free range reaches a page's size.
+keep = {i: t for i, t in enumerate(ts) if (t.data_ptr() % P * 4 // P) % 2 == (t.data_ptr() // P) % 2}
+ts = t = None
+gc.collect()
+try:  # PyTorch's own allocation: the callback's ladder never meshes (nor compacts), it raises
+    torch.empty(P, dtype=torch.uint8)
+    raise SystemExit("allocated without a free page")
+except torch.OutOfMemoryError:
+    pass
+assert pool.stats()["num_meshes"] == 0
+report = pool.compact()  # an explicit call from the thread that runs the model: meshing may run
+assert report.meshed_pages >= 1, report
+x = torch.full((P,), 3, dtype=torch.uint8)
+assert bool((x == 3).all())
+for i, t in keep.items():
+    assert bool((t == float(i)).all()), i
+pool.check_invariants()
+print("ok")
+"""
+
+
+def test_never_meshes_inside_pytorchs_allocator_callback():
+    from .test_cpu_allocator import run
+    from defrag import fastpath
+    if fastpath.setting() == "off":
+        pytest.skip("DEFRAG_FASTPATH=0: no native allocator")
+    assert "ok" in run(CALLBACK).stdout
+
+
+def test_trim_meshes_then_releases(make_pool):
+    pool = make_pool("1MiB", auto_compact=False)
+    kept = _halves(pool, 8, 8 * KiB)
+    total = pool.stats()["pages.total"]
+    released = pool.trim()
+    st = pool.stats()
+    assert released == 4 * P and st["pages.meshed"] == 4 and st["pages.total"] == total - 4
+    assert st["reserved_bytes.all.current"] == 4 * P
+    _intact(kept)
+    pool.check_invariants()
+
+
+def test_sleep_and_offload_refuse_meshed_pages(make_pool):
+    pool = make_pool("1MiB", auto_compact=False)
+    kept = _halves(pool, 2, 8 * KiB)
+    assert pool.mesh().meshed_pages == 1
+    with pytest.raises(defrag.ResidencyError, match="unmesh"):
+        pool.sleep()
+    _intact(kept)
+    pool.check_invariants()
+    pool.unmesh()
+    pool.sleep()
+    pool.wake()
+    _intact(kept)
+    pool.check_invariants()
