@@ -237,13 +237,9 @@ def _gc_paused(fn):
 @_gc_paused
 def compact_core(core: Core, mover: Mover, *, verify: bool = False, progress: bool | None = None,
                  engine: str | None = None, automatic: bool = False, release: bool = False,
-                 hole_for: int | None = None, scope: Scope | None = None, callbacks=(),
-                 mesh: bool = False) -> CompactionReport:
+                 hole_for: int | None = None, scope: Scope | None = None, callbacks=(), mesh: bool = False) -> CompactionReport:
     """Compact every region of `core` (its gate held by the caller). See the module docstring.
-
-    `mesh=True`: after the moves, pages that still hold blocks and whose
-    live bytes are disjoint share physical pages (`defrag.mesher`); a driver
-    fault there rolls back that mesh only and is logged (the moves stay done).
+    `mesh=True`: then mesh what the moves left (`_mesh`).
 
     `release=True` also unmaps every empty page at the end (after a
     synchronize), so `reserved_bytes` drops; with `release=False` (default)

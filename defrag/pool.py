@@ -64,7 +64,7 @@ from . import tensors as tz
 from . import threads
 from .capture import in_callback
 from .compactor import CompactionReport, compact_core, rescue
-from .mesher import MeshReport, mesh_core, split_all
+from .pool_meshing import PoolMeshing
 from .core import Block, Core, OutOfRoom
 from .driver import Driver, open_driver
 from .errors import PoolAsleepError, PoolClosedError, StaleAccessError
@@ -244,7 +244,7 @@ class _TorchMover:
             old.info = None
 
 
-class Pool(TensorOwnership, PoolResidency, AllocatorSegments, PoolObservability):
+class Pool(TensorOwnership, PoolResidency, PoolMeshing, AllocatorSegments, PoolObservability):
     """A VMM-backed tensor pool whose live tensors the compactor can move.
 
     `device`: "cuda:N", "emulated", None (first GPU if one works, else the
@@ -745,14 +745,7 @@ class Pool(TensorOwnership, PoolResidency, AllocatorSegments, PoolObservability)
         self._relieve()
         with self.core.gate:
             self.core.check_open()
-            meshed = 0
-            if mesh and not self.core.space.sleeping:
-                report = mesh_core(self.core, scope=self.core.scope(None), stream=self._mover.stream(),
-                                   release=True, raise_errors=False)
-                meshed = report.released_pages * self.core.page_size
-                if report.error:
-                    _log.warning("defrag: trim's meshing stopped after a driver fault (rolled back): %s", report.error)
-            return meshed + self.core.trim()
+            return (self._mesh_to_release() if mesh else 0) + self.core.trim()
 
     def close(self) -> None:
         """Close the pool: no new allocations; memory goes back to the driver.
@@ -815,26 +808,6 @@ class Pool(TensorOwnership, PoolResidency, AllocatorSegments, PoolObservability)
             scope = self.core.scope(threads)
             return compact_core(self.core, self._mover, verify=verify, progress=progress, engine=engine,
                                 automatic=False, release=release, scope=scope, callbacks=self.on_compact, mesh=mesh)
-
-    def mesh(self, *, release: bool = False, threads: str | None = None, engine: str | None = None) -> MeshReport:
-        """Share physical pages between pages whose live bytes are disjoint at page offsets, moving no
-        tensor (every address stays; pinned tensors and PyTorch-owned blocks too): each group's live
-        bytes are copied into one physical page mapped at every page of the group, and the others'
-        physical pages are freed (cached; released to the device with `release=True`).
-        `threads` and `engine` as for `compact`. A driver fault rolls back the group it hit (every byte and
-        mapping as before) and is raised. Returns a `defrag.mesher.MeshReport`."""
-        self._relieve()
-        with self.core.gate:
-            self.core.check_open()
-            return mesh_core(self.core, scope=self.core.scope(threads), stream=self._mover.stream(),
-                             release=release, engine=engine)
-
-    def unmesh(self) -> int:
-        """Give every meshed page a physical page of its own again (bytes intact); returns how many.
-        ValueError (nothing changed for the rest) when the pool has too few free physical pages."""
-        with self.core.gate:
-            self.core.check_open()
-            return split_all(self.core)
 
     def _relieve(self) -> None:
         """Run the `on_pressure` hooks, outside the lock (never from inside PyTorch's allocator)."""

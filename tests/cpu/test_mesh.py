@@ -572,3 +572,61 @@ def test_sleep_and_offload_refuse_meshed_pages(make_pool):
     pool.wake()
     _intact(kept)
     pool.check_invariants()
+
+
+INSTALLED_FUZZ = r"""
+import gc, random, sys, torch, defrag
+from defrag.driver import Driver
+pool = defrag.Pool(device=Driver.emulated(capacity=64 << 20, granularity=256 << 10), capacity="16MiB")
+defrag.install(pool)
+P = pool.stats()["page_size"]
+rng = random.Random(int(sys.argv[1]))
+live = {}  # key -> (tensor, value)
+key = 0
+def check():
+    for k, (t, v) in live.items():
+        assert bool((t == v).all()), (k, v)
+meshed = 0
+for step in range(400):
+    op = rng.random()
+    if op < 0.45:
+        n = rng.choice([rng.randint(1, 4096), rng.randint(4096, 64 << 10), rng.randint(64 << 10, 600 << 10)])
+        try:
+            t = torch.full((n,), key % 251, dtype=torch.uint8)
+        except torch.OutOfMemoryError:
+            continue
+        live[key] = (t, key % 251)
+        key += 1
+    elif op < 0.75 and live:
+        for k in rng.sample(sorted(live), max(1, len(live) // 4)):
+            t, v = live[k]
+            if (t.data_ptr() // P + t.data_ptr() % P * 2 // P) % 2 == step % 2:
+                del live[k]
+    elif op < 0.85 and live:
+        k = rng.choice(sorted(live))
+        t, _ = live[k]
+        t.fill_(200 + step % 50)
+        live[k] = (t, 200 + step % 50)
+    elif op < 0.95:
+        meshed += pool.compact().meshed_pages
+    else:
+        pool.trim()
+    if step % 20 == 0:
+        gc.collect()
+        check()
+        pool.check_invariants()
+gc.collect()
+check()
+pool.check_invariants()
+print("ok", meshed)
+"""
+
+
+@pytest.mark.parametrize("seed", [1, 2, 3])
+def test_a_fuzz_under_install_keeps_every_byte(seed):
+    from .test_cpu_allocator import run
+    from defrag import fastpath
+    if fastpath.setting() == "off":
+        pytest.skip("DEFRAG_FASTPATH=0: no native allocator")
+    out = run(INSTALLED_FUZZ, str(seed)).stdout
+    assert "ok" in out, out
