@@ -39,6 +39,8 @@ from .errors import CudaError, CudaOutOfMemoryError
 from .heap import ALIGNMENT
 from .vmm import ASLEEP, ASLEEP_HANDLE, DEVICE, HOST, AddressSpace, Region, Transaction, page_runs
 
+PRIMARY, TWIN = 1, 2  # a page's role in a mesh (`Backing.roles`; native/books.h MeshRole)
+
 _log = logging.getLogger("defrag")
 
 
@@ -62,6 +64,8 @@ class Backing:
         self.space = AddressSpace(driver, page_size, capacity_pages)
         self.heaps: list = []  # per region: its native Heap (`defrag/native/heap.h`), owned by the books
         self.live_count: list[np.ndarray] = []  # per region: blocks per page (a view of the books' memory)
+        self.mesh_ids: list[np.ndarray] = []  # per region: each page's mesh id, -1 for none (a view, like live_count)
+        self.roles: list[np.ndarray] = []  # per region: 0 unmeshed, PRIMARY or TWIN (a view)
         self.peaks = peaks
         self.history = None
 
@@ -74,6 +78,8 @@ class Backing:
         assert index == region.index, "the books' regions follow the address space's"
         self.heaps.append(heap)
         self.live_count.append(self.books.counts(index))
+        self.mesh_ids.append(self.books.mesh_ids(index))
+        self.roles.append(self.books.roles(index))
         return region
 
     def pages_of(self, block_or_addr, size=None) -> tuple[int, int]:
@@ -87,8 +93,10 @@ class Backing:
         return first, last + 1
 
     def untouched(self, region: Region) -> np.ndarray:
-        """One bool per page of `region`: no block touches it (mapped and empty, or unmapped)."""
-        return self.live_count[region.index] == 0
+        """One bool per page of `region`: no block touches it (mapped and empty, or unmapped) and it is in
+        no mesh. A meshed page never joins a run of pages for a placement or a compaction's zone: a
+        dormant twin or an empty primary shares its physical page with pages that hold data."""
+        return (self.live_count[region.index] == 0) & (self.mesh_ids[region.index] < 0)
 
     @property
     def empty(self) -> int:
@@ -103,15 +111,20 @@ class Backing:
         """Pages that hold at least one block."""
         space = self.space
         if not space.host_mapped and not space.asleep:
-            return space.mapped - self.books.empty  # blocks lie on mapped pages only
-        return int(sum(int((c > 0).sum()) for c in self.live_count))
+            return space.mapped - self.books.empty  # blocks lie on mapped pages only; a mesh is one page
+        plain = sum(int(((c > 0) & (m < 0)).sum()) for c, m in zip(self.live_count, self.mesh_ids))
+        return plain + sum(1 for *_, live in self.books.meshes() if live > 0)
 
     def empty_mapped(self, keep: Region | None = None, keep_pages=()) -> list[tuple[Region, int]]:
         """Mapped pages that hold no block, except `keep_pages` of region `keep`
         (a request's or a wave's own destination pages, when looking for donors)."""
         out = []
+        dead = [(m[1], m[2]) for m in self.books.meshes() if m[4] == 0]  # `unmap_empty` dissolves them first
         for region in self.space.regions:
             mask = (region.handles != 0) & self.untouched(region)
+            for index, primary in dead:
+                if index == region.index:
+                    mask[primary] = True
             if region is keep:
                 mask[np.fromiter(keep_pages, dtype=np.int64)] = False
             out.extend((region, int(p)) for p in np.flatnonzero(mask))
@@ -175,6 +188,7 @@ class Backing:
         """Unmap mapped pages that hold no block; their physical pages become cached in the store.
         A failed unmap leaves the pages it did not reach mapped, with their free space back in the heap."""
         self.books.flush_kept()  # an empty page's free space may sit in a range kept for reuse
+        self.unmap_dormant()  # an empty mesh's primary becomes a plain empty page
         by_region: dict[int, list[int]] = collections.defaultdict(list)
         for region, page in pages:
             by_region[region.index].append(page)
@@ -266,6 +280,95 @@ class Backing:
             return len(store.cached) - keep, exc
         return 0, None
 
+    # ------------------------------------------------------------------ meshes (docs/meshing.md)
+    def meshes(self) -> list[tuple[int, int, int, list[int], int]]:
+        """Every mesh as (id, region index, primary page, twin pages, blocks on its pages)."""
+        return self.books.meshes()
+
+    def live_pieces(self, region: Region, page: int) -> list[tuple[int, int]]:
+        """(offset in the page, length) of the bytes of `page` its heap holds allocated: its blocks' pieces
+        (ranges kept for reuse too, unless flushed)."""
+        base = region.address(page)
+        return [(lo - base, n) for lo, n in self.heaps[region.index].live_pieces_in(base, base + self.page_size)]
+
+    def mesh(self, region: Region, primary: int, twins: list[int], copy, txn: Transaction) -> list[int]:
+        """Map the physical page of `primary` at every page of `twins` too, after copying each twin's live
+        pieces to the same offsets of the primary page; returns the twins' old handles, which the
+        caller gives back (store or driver) once `txn` commits. The books must be held and settled.
+
+        Checks first (the books' own: every member holds blocks, the twins' pieces are disjoint and free
+        on the primary; ValueError before any change), then the books (the twins manage only their
+        pieces), synchronize, `copy(moves)` of (src, dst, nbytes), synchronize, and the remap: each
+        twin's own handle unmapped (kept, with its bytes) and the primary's mapped there. Every step is
+        undone by `txn`: the twins get their own pages back, bytes intact, and the books are as before.
+        No physical page is needed at any point."""
+        space, driver = self.space, self.driver
+        self.books.flush_kept()  # a kept range is allocated in its heap, but not live: it must not be copied
+        for p in (primary, *twins):
+            if not region.handles[p] or region.backing[p] != DEVICE:
+                raise ValueError(f"page {p} of region {region.index} is not a mapped device page")
+        moves = [(region.address(t) + off, region.address(primary) + off, n)
+                 for t in twins for off, n in self.live_pieces(region, t)]
+        try:
+            self.books.mesh(region.index, primary, list(twins))
+        except (ValueError, TypeError) as exc:
+            raise ValueError(str(exc)) from None
+        for t in reversed(twins):
+            txn.on_rollback(self.books.split, region.index, t)
+        driver.synchronize()  # queued kernels may still write the twins' blocks
+        if moves:
+            copy(moves)
+        driver.synchronize()
+        handle = int(region.handles[primary])
+        olds = [space.detach(region, t, txn) for t in sorted(twins)]
+        space.alias(region, sorted(twins), handle, txn)
+        return olds
+
+    def split(self, region: Region, twin: int, txn: Transaction) -> None:
+        """Give twin page `twin` a physical page of its own (from the store), holding a copy of the shared
+        page, and take it out of its mesh. Undone by `txn`. The books must be held and settled."""
+        space, driver, P = self.space, self.driver, self.page_size
+        if self.roles[region.index][twin] != TWIN:
+            raise ValueError(f"page {twin} of region {region.index} is not a twin of a mesh")
+        if self.live_count[region.index][twin] == 0:
+            raise ValueError(f"page {twin} of region {region.index} holds no block (unmap_dormant drops it)")
+        primary = next(m[2] for m in self.books.meshes() if twin in m[3] and m[1] == region.index)
+        handle = space.store.take(1, txn)[0]
+        scratch, teardown = self._map_scratch([handle], txn)
+        txn.on_rollback(driver.synchronize)  # undone newest first: before the scratch is unmapped
+        driver.synchronize()
+        driver.copy(scratch, region.address(twin), P)
+        driver.synchronize()
+        teardown()
+        space.detach(region, twin, txn)
+        space.attach(region, twin, handle)
+        txn.on_rollback(space.unattach, region, twin)  # the store's own undo takes the handle back
+        self.books.split(region.index, twin)
+        txn.on_rollback(self.books.mesh, region.index, primary, [twin])
+
+    def unmap_dormant(self) -> int:
+        """Unmap twin pages that hold no block (dormant: they manage no byte), promoting a twin to primary
+        where the primary holds none, so a mesh never outlives its last two pages with data (a mesh with
+        no data left dissolves into one empty page). Needs a synchronize and driver calls, which the
+        native release path never makes: callers are the places that synchronize anyway. Returns how
+        many were unmapped."""
+        meshes = self.books.meshes()
+        if not meshes:
+            return 0
+        self.books.flush_kept()
+        for _, index, primary, twins, _ in meshes:
+            counts = self.live_count[index]
+            if counts[primary] == 0:
+                busy = [t for t in twins if counts[t]]
+                if busy:
+                    self.books.promote(index, busy[0])
+        dormant = [(self.space.regions[index], t) for _, index, _, twins, _ in self.books.meshes()
+                   for t in twins if self.live_count[index][t] == 0]
+        for region, t in dormant:
+            self.space.unmap(region, [t])  # the primary keeps the handle: only the alias goes
+            self.books.drop_dormant(region.index, t)
+        return len(dormant)
+
     # ------------------------------------------------------------------ sleep and wake
     def put_to_sleep(self, txn: Transaction) -> list[int]:
         """Unmap every device page and mark it asleep (the books keep its free space and blocks); returns
@@ -281,6 +384,7 @@ class Backing:
             driver.unmap(region.address(page), P)
             space.unmap_calls += 1
             region.handles[page], region.backing[page] = ASLEEP_HANDLE, ASLEEP
+            del space.refs[handle]  # a pool with meshes does not sleep (`Backing.meshes`): one page per handle
             space.mapped -= 1
             space.asleep += 1
             unmapped.append((region, page, handle))
@@ -295,6 +399,7 @@ class Backing:
             driver.map(region.address(page), P, handle)
             space.map_calls += 1
             region.handles[page], region.backing[page] = handle, DEVICE
+            space.refs[handle] = 1
             space.mapped += 1
             space.asleep -= 1
             by_region[region.index].append(page)
@@ -370,19 +475,25 @@ class Backing:
             space.map_calls += 1
             entry[3] = True
             region.handles[page], region.backing[page] = h, to
-            self._count(was, -1)
-            self._count(to, +1)
+            self._count(was, -1, old)
+            self._count(to, +1, h)
             olds.append(old)
         for first, count in page_runs(pages):
             driver.set_access(region.address(first), count * P)
         teardown()
         return olds
 
-    def _count(self, backing: int, delta: int) -> None:
+    def _count(self, backing: int, delta: int, handle: int) -> None:
+        """A re-backed page's handle of kind `backing` mapped (+1) or unmapped (-1) there. A meshed page is
+        never re-backed (offload refuses it), so a device handle maps one page."""
         if backing == HOST:
             self.space.host_mapped += delta
+            return
+        self.space.mapped += delta
+        if delta > 0:
+            self.space.refs[handle] = 1
         else:
-            self.space.mapped += delta
+            del self.space.refs[handle]
 
     def _unswap(self, region: Region, swapped: list, to: int) -> None:
         """Undo of `reback`'s swap: the old handles go back under their pages."""
@@ -393,9 +504,9 @@ class Backing:
             va = region.address(page)
             if mapped_new:
                 driver.unmap(va, P)
+                self._count(to, -1, int(region.handles[page]))
                 region.handles[page], region.backing[page] = old, was
-                self._count(to, -1)
-                self._count(was, +1)
+                self._count(was, +1, old)
                 swapped[-1][3] = False
             driver.map(va, P, old)
             swapped.pop()

@@ -75,15 +75,16 @@ from typing import Protocol
 
 import numpy as np
 
+from .copying import ENGINES, copy_ranges, default_engine, kernel_stream, relative
 from .core import Core, NoSpace, Scope
 from .errors import CompactionError, CudaError
+from .mesher import mesh_core
 from .planner import ArrayPlan, plan_arrays, plan_conveyor, plan_hole_arrays, plan_window_arrays
 from .units import format_bytes
 from .vmm import Transaction
 
 _log = logging.getLogger("defrag")
 
-ENGINES = ("memmove", "driver", "kernel")
 PROGRESS_BYTES = 256 << 20  # show a progress bar when a compaction moves more than this
 PROGRESS_MOVES = 20_000
 
@@ -108,6 +109,9 @@ class CompactionReport:
     automatic: bool = False
     verified: bool = False
     page_size: int = 0
+    meshed_pages: int = 0  # pages that could not be emptied, now sharing a physical page (defrag.mesher)
+    mesh_freed_pages: int = 0  # physical pages meshing freed
+    mesh_copied_bytes: int = 0
     phases: dict = field(default_factory=dict)
 
     def __str__(self) -> str:
@@ -123,9 +127,11 @@ class CompactionReport:
                     if self.released_pages else ""))
         unmapped = (f"; {self.unmapped_pages} empty pages unmapped (their physical memory is kept for the next "
                     f"request; trim() returns it)" if self.unmapped_pages else "")
+        meshed = (f"; meshed {self.meshed_pages} pages onto others' physical pages ({self.mesh_freed_pages} "
+                  f"freed, {format_bytes(self.mesh_copied_bytes)} copied)" if self.meshed_pages else "")
         return (
             f"Compaction ({kind}, engine={self.engine}{', verified' if self.verified else ''}): {moved}; "
-            f"{freed}{unmapped}; fragmentation {self.fragmentation_before:.1%} -> {self.fragmentation_after:.1%} "
+            f"{freed}{meshed}{unmapped}; fragmentation {self.fragmentation_before:.1%} -> {self.fragmentation_after:.1%} "
             f"(stranded {format_bytes(self.stranded_before)} -> {format_bytes(self.stranded_after)}); "
             f"{self.seconds * 1e3:.1f} ms [{phases}]"
         )
@@ -187,11 +193,6 @@ class Mover(Protocol):
     def commit_all(self, dests) -> int | None: ...
 
 
-def default_engine(kind: str) -> str:
-    """The copy engine a device kind uses unless told otherwise."""
-    return {"cuda": "kernel", "emulated": "memmove"}.get(kind, "driver")
-
-
 class _NoBar:
     """A progress bar that shows nothing (`update` and `close` do nothing)."""
 
@@ -251,8 +252,9 @@ def _gc_paused(fn):
 @_gc_paused
 def compact_core(core: Core, mover: Mover, *, verify: bool = False, progress: bool | None = None,
                  engine: str | None = None, automatic: bool = False, release: bool = False,
-                 hole_for: int | None = None, scope: Scope | None = None, callbacks=()) -> CompactionReport:
+                 hole_for: int | None = None, scope: Scope | None = None, callbacks=(), mesh: bool = False) -> CompactionReport:
     """Compact every region of `core` (its gate held by the caller). See the module docstring.
+    `mesh=True`: then mesh what the moves left (`_mesh`).
 
     `release=True` also unmaps every empty page at the end (after a
     synchronize), so `reserved_bytes` drops; with `release=False` (default)
@@ -268,7 +270,7 @@ def compact_core(core: Core, mover: Mover, *, verify: bool = False, progress: bo
     """
     if scope is None:
         scope = core.scope(None)
-    for name, value in (("verify", verify), ("release", release)):
+    for name, value in (("verify", verify), ("release", release), ("mesh", mesh)):
         if not isinstance(value, bool):
             raise TypeError(f"compact({name}=...) takes True or False, got {value!r}; nothing was moved")
     if progress is not None and not isinstance(progress, bool):
@@ -333,6 +335,9 @@ def compact_core(core: Core, mover: Mover, *, verify: bool = False, progress: bo
             if plan.hole is not None:
                 with PhaseTimer(phases, "prepare"):
                     _map_hole(core, region, plan.hole)
+        if mesh and hole_for is None:
+            with PhaseTimer(phases, "mesh"):
+                _mesh(core, mover, scope, engine, automatic, report)
     finally:
         for _, _, layout in plans:
             layout.held.clear()  # strong references to the owners end here, error or not
@@ -345,6 +350,18 @@ def compact_core(core: Core, mover: Mover, *, verify: bool = False, progress: bo
             # Formatted now: a stored exc_info would keep every frame (and tensor) of the caller alive.
             _log.error("defrag: an on_compact callback raised; ignored\n%s", traceback.format_exc())
     return report
+
+
+def _mesh(core: Core, mover: Mover, scope: Scope, engine: str, automatic: bool, report: CompactionReport,
+          free_at_least: int | None = None) -> None:
+    """Mesh what the moves left (`defrag.mesher.mesh_core`) into `report`; a fault is logged, not raised."""
+    meshed = mesh_core(core, engine=engine, scope=scope, stream=mover.stream(), automatic=automatic,
+                       free_at_least=free_at_least, raise_errors=False)
+    report.meshed_pages += meshed.meshed_pages
+    report.mesh_freed_pages += meshed.freed_pages
+    report.mesh_copied_bytes += meshed.copied_bytes
+    if meshed.error:
+        _log.warning("defrag: meshing stopped after a driver fault (that mesh was rolled back): %s", meshed.error)
 
 
 def _finish(core: Core, report: CompactionReport, t_start: float, automatic: bool, release: bool) -> None:
@@ -475,7 +492,34 @@ def _collect(core: Core, mover: Mover, region, scope: Scope, *, large_only: bool
     movable[ok] = True
     offsets = np.fromiter((block.address for block in blocks), dtype=np.int64, count=len(blocks)) - base
     sizes = np.fromiter((block.size for block in blocks), dtype=np.int64, count=len(blocks))
+    if core.backing.meshes():
+        offsets, sizes, movable = _fix_meshed(core, region, blocks, offsets, sizes, movable, held)
     return _Layout(blocks, offsets, sizes, movable, held)
+
+
+def _fix_meshed(core: Core, region, blocks: list, offsets: np.ndarray, sizes: np.ndarray, movable: np.ndarray,
+                held: dict) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Meshed pages in a layout: their blocks never move (a move's heap frees do not redirect twin pieces),
+    and the bytes their own heap does not manage (a twin's page minus its pieces; on a primary, its
+    twins' pieces) join as fixed entries with no block (None in `blocks`), since the planner takes
+    unoccupied bytes as free. Returns the layout's (offsets, sizes, movable), `blocks` and `held`
+    changed in place."""
+    meshed = core.backing.mesh_ids[region.index] >= 0
+    if not meshed.any():
+        return offsets, sizes, movable
+    P = core.page_size
+    for i in np.flatnonzero(movable).tolist():
+        first, last = int(offsets[i]) // P, (int(offsets[i]) + int(sizes[i]) - 1) // P
+        if meshed[first:last + 1].any():
+            movable[i] = False
+            held.pop(blocks[i].address, None)
+    extra = core.books.unmanaged_in(region.index, 0, region.npages)
+    if not extra:
+        return offsets, sizes, movable
+    blocks.extend([None] * len(extra))
+    return (np.concatenate((offsets, np.array([address - region.base for address, _ in extra], dtype=np.int64))),
+            np.concatenate((sizes, np.array([size for _, size in extra], dtype=np.int64))),
+            np.concatenate((movable, np.zeros(len(extra), dtype=bool))))
 
 
 def _run_wave(core: Core, mover: Mover, region, plan: ArrayPlan, a: int, b: int, layout: _Layout, engine, verify,
@@ -611,37 +655,14 @@ def _make_physical_room(core: Core, region, dest_pages, needed: int) -> None:
 
 def _copy(core: Core, mover: Mover, engine: str, moves: list[tuple[int, int, int]]) -> None:
     """Copy (src, dst, nbytes) triples; destinations never overlap sources within a wave."""
-    if engine == "memmove":
-        for src, dst, n in moves:
-            ctypes.memmove(dst, src, n)
-    elif engine == "driver":
-        stream = mover.stream()
-        for src, dst, n in moves:
-            core.driver.copy(dst, src, n, stream)
-    else:
-        from .kernels import batched_move, device_arena
-        base, span, rel = _relative(moves)
-        arena = device_arena(base, span)
-        batched_move(arena, rel, stream=_kernel_stream(core, mover))
+    copy_ranges(core, mover.stream(), engine, moves)
 
 
-def _relative(moves):
-    """Moves (whole 512-byte blocks) as an int64 (n, 3) table relative to the
-    smallest arena covering them."""
-    lo = min(min(s, d) for s, d, _ in moves)
-    hi = max(max(s, d) + n for s, d, n in moves)
-    lo -= lo % 512
-    table = np.array([(s - lo, d - lo, n) for s, d, n in moves], dtype=np.int64)
-    span = -(-(hi - lo) // 512) * 512
-    return lo, span, table
+_relative = relative
 
 
 def _kernel_stream(core: Core, mover: Mover):
-    if core.kind != "cuda":
-        return None
-    from numba import cuda
-    handle = mover.stream()
-    return cuda.external_stream(handle) if handle else cuda.default_stream()
+    return kernel_stream(core, mover.stream())
 
 
 def _verify(core: Core, mover: Mover, engine: str, moves: list[tuple[int, int, int]]) -> None:
@@ -674,11 +695,42 @@ def _verify(core: Core, mover: Mover, engine: str, moves: list[tuple[int, int, i
 
 
 def rescue(core: Core, mover: Mover, nbytes: int, tried: list[str], callbacks=()):
-    """The ladder's rescue step (see `Core.allocate`): compact and retry when packing could cover the request.
+    """The ladder's rescue step (see `Core.allocate`): compact and retry when packing could cover the
+    request, then mesh and retry (`_rescue_by_meshing`) before the ladder reports an OOM.
 
     Returns the placed Block, or None (with `tried` extended) when
     compaction is off, would not help, is rate-limited, or did not help.
     """
+    block = _rescue_by_moving(core, mover, nbytes, tried, callbacks)
+    if block is None and core.auto_compact:
+        block = _rescue_by_meshing(core, mover, nbytes, tried)
+    return block
+
+
+def _rescue_by_meshing(core: Core, mover: Mover, nbytes: int, tried: list[str]):
+    """Share physical pages between pages whose live bytes are disjoint, as many as the request's pages
+    need (at least one), and place again. Only from the ladder of an ordinary allocation, never from
+    inside PyTorch's allocator callback (that ladder has no rescue): it copies and synchronizes."""
+    need = -(-core.round(nbytes) // core.page_size)
+    want = max(1, need - core.backing.free_physical())
+    if core.driver.is_capturing(mover.stream()):
+        tried.append("meshing skipped: a CUDA graph is being captured")
+        return None
+    report = CompactionReport(engine=default_engine(core.kind), automatic=True, page_size=core.page_size)
+    _mesh(core, mover, core.scope(None), report.engine, True, report, free_at_least=want)
+    if not report.mesh_freed_pages:
+        tried.append("meshing found no pages whose live bytes are disjoint")
+        return None
+    tried.append(f"meshing (freed {report.mesh_freed_pages} physical pages)")
+    try:
+        return core.place(nbytes)
+    except NoSpace as exc:
+        tried.append(f"placement after meshing ({exc})")
+        return None
+
+
+def _rescue_by_moving(core: Core, mover: Mover, nbytes: int, tried: list[str], callbacks=()):
+    """`rescue`'s compaction steps."""
     if not core.auto_compact:
         tried.append("automatic compaction is off (auto_compact=False)")
         return None

@@ -478,7 +478,7 @@ class Core:
         if keep:
             self.books.release_range(block.size, block.region.index, block.address)
         else:
-            self._heaps[block.region.index].free(block.address)
+            self.books.free(block.region.index, block.address)  # a piece on a mesh's twin page goes to its primary
             self._account(block, -1)
         block.keepalive = None
         del self._blocks[block.address]
@@ -687,10 +687,14 @@ class Core:
         """(pages touched by blocks that cannot move, bytes of blocks that can) for a compaction of `scope`."""
         pinned_pages = set()
         movable = 0
+        ids = self.backing.mesh_ids
         for b in self._blocks.values():
             if scope.blocker(b, can_rewrite):
                 first, end = self.backing.pages_of(b)
-                pinned_pages.update((b.region.index, p) for p in range(first, end))
+                mesh = ids[b.region.index]
+                # A mesh is one physical page: its pages count once.
+                pinned_pages.update((b.region.index, p) if mesh[p] < 0 else ("mesh", int(mesh[p]))
+                                    for p in range(first, end))
             else:
                 movable += b.size
         return len(pinned_pages), movable

@@ -118,10 +118,11 @@ class DryPool:
             self.core.release(self._blocks.pop(key))
             self.core.drain()
 
-    def compact(self, *, release: bool = False) -> CompactionReport:
-        """An explicit compaction, as `Pool.compact()` runs it (CompactionError where the pool raises it)."""
+    def compact(self, *, release: bool = False, mesh: bool = False) -> CompactionReport:
+        """An explicit compaction, as `Pool.compact(mesh=False)` runs it (CompactionError where the pool raises
+        it); `mesh=True` meshes after the moves, as `Pool.compact()` does by default."""
         with self.core.gate:
-            return compact_core(self.core, self._mover, automatic=False, release=release)
+            return compact_core(self.core, self._mover, automatic=False, release=release, mesh=mesh)
 
     def reserved_bytes(self) -> int:
         """Bytes in mapped pages now (`reserved_bytes.all.current`), without building the whole stats dict.

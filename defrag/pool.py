@@ -64,6 +64,7 @@ from . import tensors as tz
 from . import threads
 from .capture import in_callback
 from .compactor import CompactionReport, compact_core, rescue
+from .pool_meshing import PoolMeshing
 from .core import Block, Core, OutOfRoom
 from .driver import Driver, open_driver
 from .errors import PoolAsleepError, PoolClosedError, StaleAccessError
@@ -109,14 +110,14 @@ def save_snapshot(path, pool: "Pool | None" = None) -> str:
 
 
 def compact(*, verify: bool = False, progress: bool | None = None, engine: str | None = None,
-            release: bool = False, threads: str | None = None) -> list[CompactionReport]:
+            release: bool = False, threads: str | None = None, mesh: bool = True) -> list[CompactionReport]:
     """Compact every open pool of this process (same options as `Pool.compact`); one report per pool.
 
     Pools are compacted one after the other; an error in one propagates
     after the pools before it were compacted (each compaction is
     all-or-nothing per wave on its own).
     """
-    return [p.compact(verify=verify, progress=progress, engine=engine, release=release, threads=threads)
+    return [p.compact(verify=verify, progress=progress, engine=engine, release=release, threads=threads, mesh=mesh)
             for p in open_pools()]
 
 
@@ -243,7 +244,7 @@ class _TorchMover:
             old.info = None
 
 
-class Pool(TensorOwnership, PoolResidency, AllocatorSegments, PoolObservability):
+class Pool(TensorOwnership, PoolResidency, PoolMeshing, AllocatorSegments, PoolObservability):
     """A VMM-backed tensor pool whose live tensors the compactor can move.
 
     `device`: "cuda:N", "emulated", None (first GPU if one works, else the
@@ -737,16 +738,18 @@ class Pool(TensorOwnership, PoolResidency, AllocatorSegments, PoolObservability)
             return out
 
     # ------------------------------------------------------------------ trim / close
-    def trim(self) -> int:
+    def trim(self, *, mesh: bool = True) -> int:
         """Unmap pages that hold no block and release every cached physical page.
 
         Returns the number of bytes handed back to the driver. Live tensors are
-        never touched.
+        never moved. First (`mesh=True`, the default), pages whose live bytes
+        are disjoint share physical pages (`Pool.mesh`), so that trim gives
+        back the most; a driver fault there rolls that mesh back and is logged.
         """
         self._relieve()
         with self.core.gate:
             self.core.check_open()
-            return self.core.trim()
+            return (self._mesh_to_release() if mesh else 0) + self.core.trim()
 
     def close(self) -> None:
         """Close the pool: no new allocations; memory goes back to the driver.
@@ -779,7 +782,7 @@ class Pool(TensorOwnership, PoolResidency, AllocatorSegments, PoolObservability)
 
     # ------------------------------------------------------------------ compaction
     def compact(self, *, verify: bool = False, progress: bool | None = None, engine: str | None = None,
-                release: bool = False, threads: str | None = None) -> CompactionReport:
+                release: bool = False, threads: str | None = None, mesh: bool = True) -> CompactionReport:
         """Move live tensors so that the pages they strand become free; see `defrag.compactor`.
 
         `verify`: compare checksums of every moved block; `progress`: a progress
@@ -798,6 +801,9 @@ class Pool(TensorOwnership, PoolResidency, AllocatorSegments, PoolObservability)
         "own" only the caller's; "all" every unpinned one, shared ones
         included, and raises ConcurrencyError (changing nothing) while another
         thread that used the pool still runs.
+        `mesh` (default True): after the moves, pages that still hold tensors
+        (pinned ones too) and whose live bytes are disjoint at page offsets
+        share physical pages (`Pool.mesh`; no tensor moves).
         Returns a `CompactionReport`.
         """
         self._relieve()
@@ -805,7 +811,7 @@ class Pool(TensorOwnership, PoolResidency, AllocatorSegments, PoolObservability)
             self.core.check_open()
             scope = self.core.scope(threads)
             return compact_core(self.core, self._mover, verify=verify, progress=progress, engine=engine,
-                                automatic=False, release=release, scope=scope, callbacks=self.on_compact)
+                                automatic=False, release=release, scope=scope, callbacks=self.on_compact, mesh=mesh)
 
     def _relieve(self) -> None:
         """Run the `on_pressure` hooks, outside the lock (never from inside PyTorch's allocator)."""

@@ -114,6 +114,12 @@ def stats(core) -> dict:
         "num_device_alloc": store.created,
         "num_device_free": store.created - store.total,
         "pages.mapped": mapped,
+        "pages.meshed": core.space.aliases,
+        "meshes": len(backing.meshes()),
+        "num_meshes": c["num_meshes"],
+        "num_meshes.automatic": c["num_meshes.automatic"],
+        "mesh.freed_pages": c["mesh.freed_pages"],
+        "mesh.copied_bytes": c["mesh.copied_bytes"],
         "pages.cached": len(store.cached),
         "pages.total": store.total,
         "pages.empty": empty,
@@ -161,8 +167,12 @@ def layout(core) -> dict:
         states = np.where(live, "live", np.where(mapped, "empty", "unmapped"))
         # Pages behind host memory (offloaded) or released by a sleep.
         states = np.where(region.backing == HOST, "offloaded", np.where(region.backing == ASLEEP, "asleep", states))
+        twin = backing.roles[region.index] == 2  # sharing a primary's physical page (a mesh)
+        states = np.where(twin, np.where(live, "meshed", "meshed-dormant"), states)
         regions.append({"index": region.index, "base": region.base, "npages": region.npages,
-                        "pages": states.tolist(), "free_ranges": backing.heaps[region.index].free_ranges()})
+                        "pages": states.tolist(), "free_ranges": backing.heaps[region.index].free_ranges(),
+                        "mesh": backing.mesh_ids[region.index].tolist(),
+                        "meshes": {m[0]: [m[2], *m[3]] for m in backing.meshes() if m[1] == region.index}})
     blocks = []
     for _, b in ((b.address, b) for b in sorted(core.blocks(), key=lambda b: b.address)):
         dtype, shape = getattr(b.info, "dtype", None), getattr(b.info, "shape", None)
@@ -208,7 +218,49 @@ def check_invariants(core) -> None:
         f"allocated {allocated} + free {heap_free} != mapped {core.space.book_pages * core.page_size}")
     assert core.space.store.total <= core.capacity_pages, "more physical pages than capacity"
     assert core.space.mapped + len(core.space.store.cached) == core.space.store.total
-    empty = sum(int(((r.handles != 0) & (c == 0)).sum()) for r, c in zip(core.space.regions, backing.live_count))
+    # A mesh is one physical page: counted once, empty when none of its pages holds a block.
+    meshes = backing.meshes()
+    plain = [(r.handles != 0) & (m < 0) for r, m in zip(core.space.regions, backing.mesh_ids)]
+    empty = sum(int((p & (c == 0)).sum()) for p, c in zip(plain, backing.live_count))
+    empty += sum(1 for *_, live in meshes if live == 0)
     assert empty == backing.empty, f"empty page count {backing.empty} != {empty}"
-    live = sum(int((c > 0).sum()) for c in backing.live_count)
+    live = sum(int((p & (c > 0)).sum()) for p, c in zip(plain, backing.live_count))
+    live += sum(1 for *_, n in meshes if n > 0)
     assert live == backing.live_pages(), f"live page count {backing.live_pages()} != {live}"
+    _check_meshes(core, meshes)
+
+
+def _check_meshes(core, meshes) -> None:
+    """Invariant 9 and the books of meshes (docs/meshing.md, "Invariants"): every member maps its mesh's
+    one handle; each byte offset is managed by exactly one member's heap; twins hold no free space; a
+    mesh's live count is its members'; `mapped` counts distinct device handles."""
+    backing, space, P = core.backing, core.space, core.page_size
+    refs: dict[int, int] = {}
+    for region in space.regions:
+        for h in region.handles[(region.handles != 0) & (region.backing == 0)].tolist():
+            refs[h] = refs.get(h, 0) + 1
+    assert refs == space.refs, "per-handle mapping counts disagree with the pages"
+    assert space.mapped == len(refs), f"mapped {space.mapped} != distinct device handles {len(refs)}"
+    assert space.aliases == sum(refs.values()) - len(refs), "alias count disagrees with the pages"
+    members = set()
+    for mesh_id, index, primary, twins, live in meshes:
+        region, heap = space.regions[index], backing.heaps[index]
+        ids, roles, counts = backing.mesh_ids[index], backing.roles[index], backing.live_count[index]
+        group = [primary, *twins]
+        assert twins, f"mesh {mesh_id} has no twin"
+        assert len({int(region.handles[p]) for p in group}) == 1 and region.handles[primary], (
+            f"mesh {mesh_id}'s pages map different physical pages")
+        assert all(ids[p] == mesh_id for p in group) and roles[primary] == 1 and all(roles[t] == 2 for t in twins)
+        assert live == sum(int(counts[p]) for p in group), f"mesh {mesh_id}'s live count disagrees"
+        covered = np.zeros(P // ALIGNMENT, dtype=np.int64)
+        for p in group:
+            base = region.address(p)
+            for lo, n in heap.managed_in(base, base + P):
+                covered[(lo - base) // ALIGNMENT:(lo - base + n) // ALIGNMENT] += 1
+            if p != primary:
+                assert heap.free_bytes_in(base, base + P) == 0, f"free space on twin page {p} of mesh {mesh_id}"
+        assert (covered == 1).all(), f"mesh {mesh_id}: an offset managed by {covered.max()} or no member"
+        members.update((index, p) for p in group)
+    for index, ids in enumerate(backing.mesh_ids):
+        stray = {(index, int(p)) for p in np.flatnonzero(ids >= 0)} - members
+        assert not stray, f"pages {sorted(stray)[:4]} carry a mesh id but are in no mesh"

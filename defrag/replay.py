@@ -406,8 +406,9 @@ def _replay_real(trace, capacity, page, device, compaction, name, progress, stop
 
     try:
         try:
-            run.drive(trace, alloc, tensors.pop, (lambda: pool.compact(progress=False)) if compaction else None,
-                      bar, stop_at_first_oom)
+            # The replay's rows predate meshing: the real pool compacts as the dry one does, without it.
+            compact = (lambda: pool.compact(progress=False, mesh=False)) if compaction else None
+            run.drive(trace, alloc, tensors.pop, compact, bar, stop_at_first_oom)
         except (CompactionError, ValueError) as exc:
             # A compaction that could not run (e.g. its plan needs more physical pages than can be freed).
             error = _pool_error(exc, run.i, trace.events[run.i])

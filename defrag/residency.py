@@ -169,6 +169,10 @@ def sleep(core: Core, *, discard=(), progress: bool | None = None) -> ResidencyR
     space, driver, P = core.space, core.driver, core.page_size
     if space.sleeping:
         raise ResidencyError(f"{core.label} is already asleep: pool.wake() first")
+    if core.backing.meshes():
+        # v1: waking would need a physical page per virtual page of every mesh (docs/meshing.md).
+        raise ResidencyError(f"{core.label} has meshed pages (pages sharing physical memory): pool.unmesh() "
+                             f"first; nothing was put to sleep")
     res = state(core)
     report = ResidencyReport("sleep", page_size=P)
     t0 = time.perf_counter()
@@ -416,6 +420,12 @@ def offload(core: Core, mover: Mover, blocks, *, keep, scope: Scope | None = Non
             cold.append(b)
     if not cold:
         return report
+    for b in cold:
+        first, end = core.backing.pages_of(b)
+        if (core.backing.mesh_ids[b.region.index][first:end] >= 0).any():
+            # v1: re-backing one page of a mesh would break it, and packing cannot move its blocks.
+            raise ResidencyError("offload: a tensor lies on meshed pages (sharing physical memory): "
+                                 "pool.unmesh() first; nothing was offloaded")
     supported, why = driver.host_pages_supported()
     if not supported:
         raise NotSupportedError(f"offload needs host-located VMM pages, which this device does not offer: {why}. "

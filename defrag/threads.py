@@ -187,6 +187,20 @@ class Scope:
                 return reason
         return can_rewrite(block) if can_rewrite is not None else ""
 
+    def mesh_blocker(self, block) -> str:
+        """Why a mesh of this scope may not copy `block`'s page ("" when it may): `blocker` minus pins and
+        the face's verdict, since meshing changes no address. Between the copy and the remap a write
+        by another thread to the block would be lost, so its thread rule stays."""
+        if block.retired:
+            return "retired (awaiting release)"
+        if block.pending:
+            return "released, waiting for the device to finish with it"
+        if block.offloaded:
+            return "offloaded to host memory"
+        if not (self.everything or block.owner is self.mine):
+            return self._thread_reason(block)
+        return ""
+
     def _thread_reason(self, block) -> str:
         if block.shared:
             return "shared between threads (pool.share), and another thread that used the pool is running"

@@ -25,6 +25,13 @@ counted in `asleep`. `book_pages` counts every page the books treat as
 mapped (device + host + asleep); `mapped` (and so `reserved_bytes`) counts
 device pages only.
 
+Meshes (docs/meshing.md): one device handle may be mapped at several virtual
+pages (`alias`). `refs[h]` counts the virtual pages mapping device handle `h`;
+`mapped` counts distinct device handles (so `reserved_bytes` counts a shared
+physical page once) and `aliases` the mappings beyond the first of each. A
+handle goes back to the store only at its last unmap: putting back a handle
+still mapped elsewhere would hand a live page to the next `map`.
+
 Nothing here knows about blocks or tensors.
 """
 
@@ -203,7 +210,9 @@ class AddressSpace:
         self.page_size = page_size
         self.store = PageStore(driver, page_size, max_pages)
         self.regions: list[Region] = []
-        self.mapped = 0  # device pages currently mapped, all regions
+        self.mapped = 0  # distinct device handles currently mapped, all regions
+        self.refs: dict[int, int] = {}  # device handle -> virtual pages mapping it (meshes map one at several)
+        self.aliases = 0  # device mappings beyond each handle's first (meshes' twin pages)
         self.map_calls = 0
         self.unmap_calls = 0
         # Residency (issue 15, see the module docstring and defrag.residency).
@@ -282,6 +291,7 @@ class AddressSpace:
                     raise
                 self.map_calls += 1
                 region.handles[page] = handle
+                self.refs[handle] = 1
                 self.mapped += 1
                 done.append(page)
             for first, count in page_runs(pages):
@@ -328,10 +338,83 @@ class AddressSpace:
                 pages.remove(page)
                 self.driver.release(handle)
                 continue
-            self.store.put([int(region.handles[page])])
+            handle = int(region.handles[page])
             region.handles[page] = 0
-            self.mapped -= 1
+            self._unref(handle, to_store=True)
             pages.remove(page)
+
+    def _unref(self, handle: int, *, to_store: bool) -> None:
+        """One virtual page stopped mapping device `handle`: at its last mapping it is no longer mapped
+        (to the store with `to_store`, else the caller keeps it); before that, one alias less."""
+        left = self.refs[handle] - 1
+        if left:
+            self.refs[handle] = left
+            self.aliases -= 1
+            return
+        del self.refs[handle]
+        self.mapped -= 1
+        if to_store:
+            self.store.put([handle])
+
+    def alias(self, region: Region, pages: list[int], handle: int, txn: Transaction) -> None:
+        """Map device `handle`, already mapped elsewhere, at each (unmapped) page too; one SetAccess per
+        run. Undone by `txn` (the aliases are unmapped; the handle stays where it was)."""
+        for p in pages:
+            if region.handles[p]:
+                raise ValueError(f"page {p} of region {region.index} is already mapped")
+        if not self.refs.get(handle):
+            raise ValueError(f"handle {handle:#x} is not mapped anywhere: nothing to alias")
+        done: list[int] = []
+        txn.on_rollback(self._unmap_mapped, region, done, False)
+        for page in sorted(pages):
+            self.driver.map(region.address(page), self.page_size, handle)
+            self.map_calls += 1
+            region.handles[page] = handle
+            self.refs[handle] += 1
+            self.aliases += 1
+            done.append(page)
+        for first, count in page_runs(pages):
+            self.driver.set_access(region.address(first), count * self.page_size)
+
+    def detach(self, region: Region, page: int, txn: Transaction) -> int:
+        """Unmap device page `page` and return its handle, which the caller keeps (not the store): it still
+        holds the page's bytes. Undone by `txn`: the handle is mapped back, with access."""
+        handle = int(region.handles[page])
+        if not handle or region.backing[page] != DEVICE:
+            raise ValueError(f"page {page} of region {region.index} is not a mapped device page")
+        self.driver.unmap(region.address(page), self.page_size)
+        self.unmap_calls += 1
+        region.handles[page] = 0
+        self._unref(handle, to_store=False)
+        txn.on_rollback(self.attach, region, page, handle)
+        return handle
+
+    def attach(self, region: Region, page: int, handle: int) -> None:
+        """Map a handle no store or page holds at unmapped `page`, with access (`detach`'s undo; a
+        split's new page). A handle already mapped elsewhere takes `alias` instead."""
+        va = region.address(page)
+        self.driver.map(va, self.page_size, handle)
+        self.map_calls += 1
+        try:
+            self.driver.set_access(va, self.page_size)
+        except CudaError:
+            self.driver.unmap(va, self.page_size)  # all or nothing
+            self.unmap_calls += 1
+            raise
+        region.handles[page] = handle
+        self.refs[handle] = self.refs.get(handle, 0) + 1
+        if self.refs[handle] == 1:
+            self.mapped += 1
+        else:
+            self.aliases += 1
+
+    def unattach(self, region: Region, page: int) -> None:
+        """Unmap `page`, whose handle the caller (a store transaction's undo) takes back: `attach`'s undo."""
+        handle = int(region.handles[page])
+        self.driver.unmap(region.address(page), self.page_size)
+        self.unmap_calls += 1
+        region.handles[page] = 0
+        self._unref(handle, to_store=False)
 
     def unmap(self, region: Region, pages: list[int]) -> None:
         """Synchronize, then unmap each page and return its handle to the store (cached).

@@ -264,6 +264,32 @@ class Heap {
     return total;
   }
 
+  // Free ranges clipped to [start, end), sorted. O(log n + ranges touched).
+  std::vector<Range> free_in(int64_t start, int64_t end) const { return clipped(free_, start, end); }
+
+  // Managed extents (free space and live blocks) clipped to [start, end), sorted. A mesh's twin page
+  // manages only its live pieces, so these are its pieces (`Books`' meshes).
+  std::vector<Range> managed_in(int64_t start, int64_t end) const { return clipped(managed_, start, end); }
+
+  // Managed bytes of [start, end) that are not free (live blocks and ranges kept carved), clipped and
+  // coalesced, sorted: a page's live pieces.
+  std::vector<Range> live_pieces_in(int64_t start, int64_t end) const {
+    std::vector<Range> out;
+    const auto frees = free_in(start, end);
+    size_t f = 0;
+    for (auto [lo, len] : managed_in(start, end)) {
+      int64_t at = lo;
+      const int64_t hi = lo + len;
+      while (f < frees.size() && frees[f].first + frees[f].second <= at) ++f;
+      for (size_t g = f; g < frees.size() && frees[g].first < hi; ++g) {
+        if (frees[g].first > at) out.emplace_back(at, frees[g].first - at);
+        at = std::max(at, frees[g].first + frees[g].second);
+      }
+      if (at < hi) out.emplace_back(at, hi - at);
+    }
+    return out;
+  }
+
   // HeapFailure if any structural invariant is broken. O(n log n); for tests.
   void check_invariants() const {
     auto fail = [](const std::string& why) { throw HeapFailure("heap invariant broken: " + why); };
@@ -344,6 +370,18 @@ class Heap {
     const int64_t limit = base + span;
     if (offset < base || offset > limit || size > limit - offset)
       throw HeapFailure("range " + range_str(offset, size) + " outside [" + str(base) + ", " + str(limit) + ")");
+  }
+
+  // The ranges of `ranges` (sorted, disjoint) intersecting [start, end), clipped to it.
+  static std::vector<Range> clipped(const std::map<int64_t, int64_t>& ranges, int64_t start, int64_t end) {
+    std::vector<Range> out;
+    auto it = ranges.upper_bound(start);
+    if (it != ranges.begin()) --it;
+    for (; it != ranges.end() && it->first < end; ++it) {
+      const int64_t lo = std::max(start, it->first), hi = std::min(end, it->first + it->second);
+      if (hi > lo) out.emplace_back(lo, hi - lo);
+    }
+    return out;
   }
 
   // The last range of `ranges` starting before `end`, if it overlaps [offset, end). The ranges
@@ -578,6 +616,15 @@ inline void bind_heap(pybind11::module_& m) {
       .def("largest_free", &Heap::largest_free)
       .def("free_bytes_in", [](const Heap& h, py::handle start, py::handle end) {
              return h.free_bytes_in(as_index(start), as_index(end));
+           }, py::arg("start"), py::arg("end"))
+      .def("free_in", [](const Heap& h, py::handle start, py::handle end) {
+             return h.free_in(as_index(start), as_index(end));
+           }, py::arg("start"), py::arg("end"))
+      .def("managed_in", [](const Heap& h, py::handle start, py::handle end) {
+             return h.managed_in(as_index(start), as_index(end));
+           }, py::arg("start"), py::arg("end"))
+      .def("live_pieces_in", [](const Heap& h, py::handle start, py::handle end) {
+             return h.live_pieces_in(as_index(start), as_index(end));
            }, py::arg("start"), py::arg("end"))
       .def("check_invariants", &Heap::check_invariants);
 }

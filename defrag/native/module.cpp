@@ -1058,7 +1058,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   defrag_native::bind_heap(m);
   defrag_native::bind_planner(m);
   defrag_native::bind_plan_attempt(m);
-  py::class_<Books, std::shared_ptr<Books>>(m, "Books", "A pool's books (see books.h): heaps, page counts, kept ranges.")
+  auto books_class = py::class_<Books, std::shared_ptr<Books>>(m, "Books", "A pool's books (see books.h): heaps, page counts, kept ranges.")
       .def(py::init<int64_t>(), py::arg("page_size"))
       .def("add_region", &Books::add_region, py::arg("heap"), py::arg("base"), py::arg("npages"))
       .def("counts",
@@ -1080,6 +1080,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("release_range", &Books::release_range)
       .def("hold", &Books::hold, py::call_guard<py::gil_scoped_release>())
       .def("unhold", &Books::unhold);
+  defrag_native::bind_books_mesh(books_class);
 #ifdef DEFRAG_SWAP_STORAGES
   m.def("swap_storages", &swap_storages, "A compaction wave's storage swaps, after every check (see the source).");
 #endif

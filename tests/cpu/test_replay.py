@@ -91,9 +91,8 @@ def test_checkerboard_needs_compaction(workloads):
 
 _TAILS = ("blocks of a page or more move only by the conveyor, which needs empty pages for its zone and "
           "packs them only where that frees a page, so tails between them remain for sub-page blocks")
+# llm_serving met the goal once the ladder meshed before an OOM (issue 26): its stranded tails share pages.
 _GOAL_MISSES = {
-    "llm_serving": "KV caches are multi-page blocks in 512 KiB steps: " + _TAILS + " (this size: 1.032; "
-                   "the default size meets the goal: 286 MiB, where a KV cache is placed by evacuating a window)",
     "training_from_model": "attention activations span a few pages each: " + _TAILS + " (this size: 1.092, "
                            "1.119 without compaction; the default size meets the goal: 1.019)",
 }
