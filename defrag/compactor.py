@@ -252,9 +252,9 @@ def _gc_paused(fn):
 @_gc_paused
 def compact_core(core: Core, mover: Mover, *, verify: bool = False, progress: bool | None = None,
                  engine: str | None = None, automatic: bool = False, release: bool = False,
-                 hole_for: int | None = None, scope: Scope | None = None, callbacks=(), mesh: bool = False) -> CompactionReport:
+                 hole_for: int | None = None, scope: Scope | None = None, callbacks=(),
+                 mesh: bool = False) -> CompactionReport:
     """Compact every region of `core` (its gate held by the caller). See the module docstring.
-    `mesh=True`: then mesh what the moves left (`_mesh`).
 
     `release=True` also unmaps every empty page at the end (after a
     synchronize), so `reserved_bytes` drops; with `release=False` (default)
@@ -267,6 +267,10 @@ def compact_core(core: Core, mover: Mover, *, verify: bool = False, progress: bo
     (from `Core.scope`) says which threads' blocks may move: by default,
     what a compaction from the calling thread may move. `callbacks` are
     called with the report at the end (one that raises is logged, ignored).
+    `mesh=True`: after the moves, the pages of blocks that could not move
+    share physical pages where their live bytes are disjoint
+    (`defrag.mesher`; a driver fault there rolls that mesh back and is
+    logged); nothing is meshed when every block could move.
     """
     if scope is None:
         scope = core.scope(None)
@@ -302,24 +306,7 @@ def compact_core(core: Core, mover: Mover, *, verify: bool = False, progress: bo
             raise
 
     with PhaseTimer(phases, "plan"):
-        plans = []
-        for region in core.regions:
-            layout = _collect(core, mover, region, scope)
-            if not layout.held and (hole_for is None or hole_for < core.page_size):
-                continue  # nothing can move (a window plan may move nothing: it maps the window's pages)
-            if hole_for is not None:
-                plan = _hole_plan(core, region, layout, hole_for)
-                if plan is not None:
-                    plans.append((region, plan, layout))
-                    break  # one hole is all the request needs
-            else:
-                budget = _page_budget(core, automatic)
-                # The mapped-pages hint orders the pages a plan may open; with none to open it changes nothing.
-                plan = plan_arrays(layout.offsets, layout.sizes, layout.movable, page_size=core.page_size,
-                                   span=region.size, max_new_pages=budget,
-                                   mapped=region.handles != 0 if budget else None)
-                if not plan.empty:
-                    plans.append((region, plan, layout))
+        plans, stuck = _plan_regions(core, mover, scope, hole_for, automatic)
 
     total_bytes = sum(p.moved_bytes for _, p, _ in plans)
     total_moves = sum(len(p) for _, p, _ in plans)
@@ -335,9 +322,9 @@ def compact_core(core: Core, mover: Mover, *, verify: bool = False, progress: bo
             if plan.hole is not None:
                 with PhaseTimer(phases, "prepare"):
                     _map_hole(core, region, plan.hole)
-        if mesh and hole_for is None:
+        if mesh and hole_for is None and stuck:
             with PhaseTimer(phases, "mesh"):
-                _mesh(core, mover, scope, engine, automatic, report)
+                _mesh(core, mover, scope, engine, automatic, report, pages=stuck)
     finally:
         for _, _, layout in plans:
             layout.held.clear()  # strong references to the owners end here, error or not
@@ -352,11 +339,40 @@ def compact_core(core: Core, mover: Mover, *, verify: bool = False, progress: bo
     return report
 
 
+def _plan_regions(core: Core, mover: Mover, scope: Scope, hole_for: int | None, automatic: bool):
+    """Each region's plan, as (region, plan, layout) for the regions with moves; and, per region index,
+    the pages that blocks which cannot move touch (what a compaction's meshing step may share: the
+    moves pack the rest)."""
+    plans, stuck = [], {}
+    for region in core.regions:
+        layout = _collect(core, mover, region, scope)
+        fixed = ~layout.movable
+        if fixed.any():
+            stuck[region.index] = _pages_under(layout.offsets[fixed], layout.sizes[fixed], core.page_size)
+        if not layout.held and (hole_for is None or hole_for < core.page_size):
+            continue  # nothing can move (a window plan may move nothing: it maps the window's pages)
+        if hole_for is not None:
+            plan = _hole_plan(core, region, layout, hole_for)
+            if plan is not None:
+                plans.append((region, plan, layout))
+                break  # one hole is all the request needs
+        else:
+            budget = _page_budget(core, automatic)
+            # The mapped-pages hint orders the pages a plan may open; with none to open it changes nothing.
+            plan = plan_arrays(layout.offsets, layout.sizes, layout.movable, page_size=core.page_size,
+                               span=region.size, max_new_pages=budget,
+                               mapped=region.handles != 0 if budget else None)
+            if not plan.empty:
+                plans.append((region, plan, layout))
+    return plans, stuck
+
+
 def _mesh(core: Core, mover: Mover, scope: Scope, engine: str, automatic: bool, report: CompactionReport,
-          free_at_least: int | None = None) -> None:
-    """Mesh what the moves left (`defrag.mesher.mesh_core`) into `report`; a fault is logged, not raised."""
+          free_at_least: int | None = None, pages: dict | None = None) -> None:
+    """Mesh what the moves left (`defrag.mesher.mesh_core`; `pages`: only those, per region index) into
+    `report`; a fault is logged, not raised."""
     meshed = mesh_core(core, engine=engine, scope=scope, stream=mover.stream(), automatic=automatic,
-                       free_at_least=free_at_least, raise_errors=False)
+                       free_at_least=free_at_least, raise_errors=False, pages=pages)
     report.meshed_pages += meshed.meshed_pages
     report.mesh_freed_pages += meshed.freed_pages
     report.mesh_copied_bytes += meshed.copied_bytes
@@ -703,7 +719,10 @@ def rescue(core: Core, mover: Mover, nbytes: int, tried: list[str], callbacks=()
     """
     block = _rescue_by_moving(core, mover, nbytes, tried, callbacks)
     if block is None and core.auto_compact:
-        block = _rescue_by_meshing(core, mover, nbytes, tried)
+        if core.auto_mesh:
+            block = _rescue_by_meshing(core, mover, nbytes, tried)
+        else:
+            tried.append("automatic meshing is off (auto_mesh=False)")
     return block
 
 

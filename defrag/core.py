@@ -153,17 +153,20 @@ class Core:
     on `driver`. `virtual_factor`: the first virtual reservation spans this
     many times the capacity. `auto_compact`, `min_compact_interval`: the
     ladder's automatic compaction (run by the `rescue` callback a face passes
-    to `allocate`).
+    to `allocate`); `auto_mesh`: whether that rescue also meshes
+    (`defrag.mesher`) before the ladder reports an OOM.
     """
 
     def __init__(self, driver: Driver, *, capacity_pages: int, page_size: int, auto_compact: bool = True,
-                 min_compact_interval: float = 0.0, virtual_factor: int = 2, label: str = "pool"):
+                 min_compact_interval: float = 0.0, virtual_factor: int = 2, label: str = "pool",
+                 auto_mesh: bool = True):
         self.driver = driver
         self.kind = driver.kind
         self.page_size = page_size
         self.capacity_pages = capacity_pages
         self.capacity = capacity_pages * page_size
         self.auto_compact = bool(auto_compact)
+        self.auto_mesh = bool(auto_mesh)
         self.min_compact_interval = float(min_compact_interval)
         self.last_auto_compact = -math.inf
         self.label = label  # how messages name this core ("pool #3")

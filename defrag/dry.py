@@ -71,7 +71,8 @@ class DryPool:
     exactly as `Pool.stats()`.
     """
 
-    def __init__(self, capacity, page_size="2MiB", auto_compact: bool = True, *, virtual_factor: int = 2):
+    def __init__(self, capacity, page_size="2MiB", auto_compact: bool = True, *, virtual_factor: int = 2,
+                 auto_mesh: bool = True):
         capacity = parse_size(capacity, what="capacity")
         page_size = parse_size(page_size, what="page_size")
         if page_size <= 0 or page_size % 4096:
@@ -82,7 +83,7 @@ class DryPool:
         # A device exactly the pool's size: dry replays model the pool, not other users of the device.
         self.driver = Driver.memoryless(capacity=pages * page_size, granularity=page_size)
         self.core = Core(self.driver, capacity_pages=pages, page_size=page_size, auto_compact=auto_compact,
-                         virtual_factor=virtual_factor, label="dry pool")
+                         virtual_factor=virtual_factor, label="dry pool", auto_mesh=auto_mesh)
         self._blocks: dict = {}  # key -> Block
         self._mover = _KeyMover(self)
 

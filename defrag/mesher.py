@@ -52,11 +52,13 @@ class MeshReport:
 
 def mesh_core(core, *, engine: str | None = None, scope: Scope | None = None, stream: int = 0,
               free_at_least: int | None = None, release: bool = False, automatic: bool = False,
-              raise_errors: bool = True) -> MeshReport:
+              raise_errors: bool = True, pages: dict | None = None) -> MeshReport:
     """Mesh what can be meshed in `core` (its gate held); see the module docstring.
 
     `free_at_least=k`: stop once k physical pages are freed (the ladder's
-    use). `release`: give the freed physical pages to the driver (trim) instead
+    use). `pages`: only these pages may mesh, as {region index: page
+    indices} (a compaction's: the pages of blocks it could not move); None:
+    every page. `release`: give the freed physical pages to the driver (trim) instead
     of caching them. A driver fault rolls back the group it hit and is raised
     (`raise_errors`), or recorded in the report's `error`.
     """
@@ -73,7 +75,9 @@ def mesh_core(core, *, engine: str | None = None, scope: Scope | None = None, st
             want = None if free_at_least is None else free_at_least - report.freed_pages
             if want is not None and want <= 0:
                 break
-            _mesh_region(core, region, scope, stream, engine, want, release, report)
+            if pages is None or region.index in pages:
+                _mesh_region(core, region, scope, stream, engine, want, release, report,
+                             None if pages is None else pages[region.index])
     except CudaError as exc:
         report.error = str(exc)
         if raise_errors:
@@ -85,8 +89,8 @@ def mesh_core(core, *, engine: str | None = None, scope: Scope | None = None, st
 
 
 def _mesh_region(core, region, scope: Scope, stream: int, engine: str, want, release: bool,
-                 report: MeshReport) -> None:
-    pages, pieces, live = candidates(core, region, scope)
+                 report: MeshReport, only=None) -> None:
+    pages, pieces, live = candidates(core, region, scope, only)
     report.candidates += len(pages)
     if len(pages) < 2:
         return
@@ -112,13 +116,18 @@ def _mesh_region(core, region, scope: Scope, stream: int, engine: str, want, rel
         report.copied_bytes += group.copied_bytes
 
 
-def candidates(core, region, scope: Scope) -> tuple[list[int], np.ndarray, np.ndarray]:
-    """The pages of `region` that may mesh (see the module docstring): (page indices, their live pieces
-    as (candidate index, offset, length) rows, live bytes per candidate). The books are settled."""
+def candidates(core, region, scope: Scope, only=None) -> tuple[list[int], np.ndarray, np.ndarray]:
+    """The pages of `region` that may mesh (see the module docstring), among `only` (page indices) if
+    given: (page indices, their live pieces as (candidate index, offset, length) rows, live bytes per
+    candidate). The books are settled."""
     backing, P = core.backing, core.page_size
     counts = backing.live_count[region.index]
     ok = ((region.handles != 0) & (region.backing == DEVICE) & (counts > 0)
           & (backing.mesh_ids[region.index] < 0))
+    if only is not None:
+        allowed = np.zeros_like(ok)
+        allowed[np.asarray(only, dtype=np.int64)] = True
+        ok &= allowed
     if int(ok.sum()) < 2:
         return [], np.zeros((0, 3), np.int64), np.zeros(0, np.int64)
     blocker = scope.mesh_blocker

@@ -252,7 +252,9 @@ class Pool(TensorOwnership, PoolResidency, PoolMeshing, AllocatorSegments, PoolO
     such as "8GiB"; physical pages are created lazily up to it. `page_size`: a
     multiple of the device granularity (default: the granularity, 2 MiB on
     H100/H200). `auto_compact`: compact and retry when an allocation fails but
-    enough memory is stranded in half-used pages.
+    enough memory is stranded in half-used pages; `auto_mesh`: then, before
+    raising, also let pages whose live bytes are disjoint share physical pages
+    (`Pool.mesh`).
 
     `min_compact_interval`: seconds that must pass between two automatic
     compactions (an allocation failing sooner raises instead of compacting
@@ -272,7 +274,7 @@ class Pool(TensorOwnership, PoolResidency, PoolMeshing, AllocatorSegments, PoolO
     """
 
     def __init__(self, device=None, capacity="8GiB", page_size=None, auto_compact=True, *,
-                 min_compact_interval: float = 0.0, virtual_factor: int = 2):
+                 min_compact_interval: float = 0.0, virtual_factor: int = 2, auto_mesh: bool = True):
         capacity_bytes = parse_size(capacity, what="capacity")
         self.driver: Driver = open_driver(device)
         if self.driver.kind not in ("cuda", "emulated"):
@@ -303,7 +305,7 @@ class Pool(TensorOwnership, PoolResidency, PoolMeshing, AllocatorSegments, PoolO
         self._can_swap = self._swap_mode != "rebind"
         self.core = Core(self.driver, capacity_pages=capacity_bytes // page_size, page_size=page_size,
                          auto_compact=auto_compact, min_compact_interval=min_compact_interval,
-                         virtual_factor=virtual_factor, label=f"pool #{self.id}")
+                         virtual_factor=virtual_factor, label=f"pool #{self.id}", auto_mesh=auto_mesh)
         if self.kind == "cuda":
             self.core.defer = self._stream_events
         self._mover = _TorchMover(self)

@@ -205,11 +205,13 @@ def _progress(total: int, progress: bool | None, desc: str):
 
 def replay(trace: Trace, capacity, *, device=None, dry: bool = False, compaction: bool = True,
            page_size=None, progress: bool | None = None, stop_at_first_oom: bool = False,
-           series: bool = False) -> ReplayResult:
+           series: bool = False, mesh: bool = False) -> ReplayResult:
     """Replay `trace` on a defrag pool of `capacity` (bytes or "8GiB") and return what happened.
 
     ``compaction``: compact at every phase marker and on a failed allocation
-    (else neither). ``dry``: on `DryPool` (the pool's core, no memory); otherwise a
+    (else neither). ``mesh`` (with ``compaction``; the ``defrag-mesh`` row):
+    those compactions also mesh what they cannot move, and so does the
+    ladder before it gives up (`defrag.mesher`); without it neither meshes. ``dry``: on `DryPool` (the pool's core, no memory); otherwise a
     real `defrag.Pool` on ``device`` (None: the GPU if one works, else the
     emulated device). A failed allocation is counted and skipped (its free is
     ignored). ``stop_at_first_oom`` ends the replay at the first failure (for
@@ -222,10 +224,11 @@ def replay(trace: Trace, capacity, *, device=None, dry: bool = False, compaction
     page = DEFAULT_PAGE if page_size is None else parse_size(page_size, what="page_size")
     if capacity < page:
         raise ValueError(f"capacity {format_bytes(capacity)} is smaller than one page ({format_bytes(page)})")
-    name = "defrag" if compaction else "defrag-no-compaction"
+    mesh = bool(mesh and compaction)
+    name = "defrag-mesh" if mesh else "defrag" if compaction else "defrag-no-compaction"
     if dry:
-        return _replay_dry(trace, capacity, page, compaction, name, progress, stop_at_first_oom, series)
-    return _replay_real(trace, capacity, page, device, compaction, name, progress, stop_at_first_oom)
+        return _replay_dry(trace, capacity, page, compaction, name, progress, stop_at_first_oom, series, mesh)
+    return _replay_real(trace, capacity, page, device, compaction, name, progress, stop_at_first_oom, mesh)
 
 
 class _Run:
@@ -295,14 +298,16 @@ class _Run:
                 bar.refresh()
 
 
-def _replay_dry(trace, capacity, page, compaction, name, progress, stop_at_first_oom, series=False) -> ReplayResult:
+def _replay_dry(trace, capacity, page, compaction, name, progress, stop_at_first_oom, series=False,
+                mesh=False) -> ReplayResult:
     t0 = time.perf_counter()
-    model = DryPool(capacity, page, auto_compact=compaction)
+    model = DryPool(capacity, page, auto_compact=compaction, auto_mesh=mesh)
     run = _Run()
     error = None
     bar = _progress(len(trace.events), progress, f"{name} (dry)")
+    compact = (lambda: model.compact(mesh=mesh)) if compaction else None
     try:
-        run.drive(trace, model.alloc, model.free, model.compact if compaction else None, bar, stop_at_first_oom,
+        run.drive(trace, model.alloc, model.free, compact, bar, stop_at_first_oom,
                   model.reserved_bytes if series else None)
     except CompactionError as exc:
         error = _pool_error(exc, run.i, trace.events[run.i])
@@ -367,7 +372,7 @@ def _pool_error(exc: Exception, index: int, event: tuple) -> str:
     return f"the pool raised {type(exc).__name__} at event {index} ({what}): {exc}"
 
 
-def _open_real_pool(capacity: int, page: int, device, compaction: bool):
+def _open_real_pool(capacity: int, page: int, device, compaction: bool, mesh: bool = False):
     """A Pool and the driver it runs on (an emulated device sized to the capacity by default)."""
     from .driver import Driver, cuda_driver_usable
     from .pool import Pool
@@ -379,18 +384,19 @@ def _open_real_pool(capacity: int, page: int, device, compaction: bool):
     if isinstance(spec, str) and spec == "emulated":
         own_driver = Driver.emulated(capacity=capacity, granularity=page if page % 4096 == 0 else DEFAULT_PAGE)
         spec = own_driver
-    pool = Pool(spec, capacity=capacity, page_size=page, auto_compact=compaction)
+    pool = Pool(spec, capacity=capacity, page_size=page, auto_compact=compaction, auto_mesh=mesh)
     return pool, own_driver
 
 
-def _replay_real(trace, capacity, page, device, compaction, name, progress, stop_at_first_oom) -> ReplayResult:
+def _replay_real(trace, capacity, page, device, compaction, name, progress, stop_at_first_oom,
+                 mesh=False) -> ReplayResult:
     import torch
 
     from .errors import CompactionError
     from .oom import OutOfMemoryError
 
     t0 = time.perf_counter()
-    pool, own_driver = _open_real_pool(capacity, page, device, compaction)
+    pool, own_driver = _open_real_pool(capacity, page, device, compaction, mesh)
     tensors: dict = {}
     error = None
     bar = _progress(len(trace.events), progress, name)
@@ -406,8 +412,8 @@ def _replay_real(trace, capacity, page, device, compaction, name, progress, stop
 
     try:
         try:
-            # The replay's rows predate meshing: the real pool compacts as the dry one does, without it.
-            compact = (lambda: pool.compact(progress=False, mesh=False)) if compaction else None
+            # As the dry pool: meshing only in the defrag-mesh row.
+            compact = (lambda: pool.compact(progress=False, mesh=mesh)) if compaction else None
             run.drive(trace, alloc, tensors.pop, compact, bar, stop_at_first_oom)
         except (CompactionError, ValueError) as exc:
             # A compaction that could not run (e.g. its plan needs more physical pages than can be freed).
@@ -441,8 +447,8 @@ def min_capacity(trace: Trace, *, compaction: bool = True, page_size=None, known
                  allocator: str | None = None, split: int = 1) -> MinCapacity:
     """Smallest capacity (whole pages) at which a dry replay completes, by bisection.
 
-    ``allocator``: None (or ``"defrag"`` / ``"defrag-no-compaction"``) searches
-    the pool (``compaction`` says which); a `TORCH_MODELS` name searches that
+    ``allocator``: None (or ``"defrag"`` / ``"defrag-no-compaction"`` /
+    ``"defrag-mesh"``) searches the pool (None: ``compaction`` says which); a `TORCH_MODELS` name searches that
     model of PyTorch's allocator (pages of 2 MiB unless ``page_size`` says).
 
     The bracket starts at ``ceil(peak live / page) - 1`` pages (cannot
@@ -472,7 +478,7 @@ def _allocator_and_page(allocator: str | None, compaction: bool, page_size) -> t
     if allocator is None:
         allocator = "defrag" if compaction else "defrag-no-compaction"
     if allocator not in POOLS and allocator not in TORCH_MODELS:
-        raise ValueError(f"unknown allocator {allocator!r}: 'defrag', 'defrag-no-compaction' or one of "
+        raise ValueError(f"unknown allocator {allocator!r}: 'defrag', 'defrag-no-compaction', 'defrag-mesh' or one of "
                          f"{sorted(TORCH_MODELS)}")
     page = ((DEFAULT_PAGE if allocator in POOLS else MODEL_PAGE) if page_size is None
             else parse_size(page_size, what="page_size"))
@@ -561,7 +567,7 @@ def _search_job(key, allocator: str, page: int, peak_live: int, *, known_good=No
 
 
 # ---------------------------------------------------------------------- work on both cores
-POOLS = ("defrag", "defrag-no-compaction")
+POOLS = ("defrag", "defrag-no-compaction", "defrag-mesh")
 _REFUSED = "refused request"  # the key of a recorded OOM's request added back into a trace
 _SHARED: dict = {}  # key -> Trace; forked workers inherit it, so a trace is never pickled
 
@@ -577,8 +583,8 @@ def _run_dry(trace: Trace, allocator: str, capacity: int, page: int, *, stop: bo
     if allocator in TORCH_MODELS:
         return replay_model(trace, capacity, expandable=TORCH_MODELS[allocator], progress=False,
                             stop_at_first_oom=stop, series=series)
-    return replay(trace, capacity, dry=True, compaction=allocator == "defrag", page_size=page, progress=False,
-                  stop_at_first_oom=stop, series=series)
+    return replay(trace, capacity, dry=True, compaction=allocator != "defrag-no-compaction", page_size=page,
+                  progress=False, stop_at_first_oom=stop, series=series, mesh=allocator == "defrag-mesh")
 
 
 def _task(spec: tuple):
@@ -935,8 +941,8 @@ def _allocator_job(key, allocator: str, capacity: int, peak_live: int, *, dry: b
     if dry or allocator in TORCH_MODELS:
         (r,) = yield [("replay", key, allocator, capacity, page, series)]
     else:
-        r = replay(_SHARED[key], capacity, device=device, dry=False, compaction=allocator == "defrag",
-                   page_size=page, progress=progress)
+        r = replay(_SHARED[key], capacity, device=device, dry=False, compaction=allocator != "defrag-no-compaction",
+                   page_size=page, progress=progress, mesh=allocator == "defrag-mesh")
     r.min_capacity = yield from _search_job(
         key, allocator, page, peak_live, known_good=r.capacity if r.completed else None,
         known_bad=None if r.completed else r.capacity, hint=r.peak_reserved_bytes if r.completed else None,
@@ -1010,14 +1016,15 @@ def replay_devices(items: list, capacity: int | None = None, *, dry: bool = Fals
             if dry and st.phases == 0:
                 jobs.append(((0, len(plans)), _pools_without_phases_job(
                     key, cap, st.peak_live_bytes, page_size=page_size, series=series, budget_s=search_budget_s)))
-            else:
-                for name in POOLS:
-                    # The pool with compaction is the slowest replay: first in line, and its search probes
-                    # two capacities per round so both cores can share it.
-                    jobs.append(((0 if name == "defrag" else 1, len(plans)), _allocator_job(
-                        key, name, cap, st.peak_live_bytes, dry=dry, device=device, page_size=page_size,
-                        progress=progress, series=series, budget_s=search_budget_s,
-                        split=2 if name == "defrag" else 1)))
+            for name in POOLS:
+                if dry and st.phases == 0 and name != "defrag-mesh":
+                    continue  # the two above, in one job
+                # The pool with compaction is the slowest replay: first in line, and its search probes
+                # two capacities per round so both cores can share it.
+                jobs.append(((0 if name == "defrag" else 1, len(plans)), _allocator_job(
+                    key, name, cap, st.peak_live_bytes, dry=dry, device=device, page_size=page_size,
+                    progress=progress, series=series, budget_s=search_budget_s,
+                    split=2 if name == "defrag" else 1)))
             for name in TORCH_MODELS if models else ():
                 jobs.append(((3, len(plans)), _allocator_job(
                     key, name, cap, st.peak_live_bytes, dry=True, device=None, page_size=None, progress=False,
@@ -1142,6 +1149,7 @@ def _oom_lines(report: DeviceReport) -> list[str]:
 
 # (color, line style, width) per allocator in the picture; PyTorch (recorded) is red, the OOMs red dotted.
 _PLOT_STYLE = {"defrag": ("tab:blue", "-", 1.4), "defrag-no-compaction": ("tab:cyan", "--", 1),
+               "defrag-mesh": ("tab:purple", ":", 1.4),
                "torch (model)": ("tab:green", "-", 1), "torch-expandable (model)": ("tab:orange", "-", 1),
                "torch": ("tab:olive", "-", 1), "torch-expandable": ("tab:brown", "-", 1)}
 

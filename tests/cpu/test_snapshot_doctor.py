@@ -201,7 +201,8 @@ def test_cli_replays_every_device_and_explains_the_oom(tmp_path, capsys):
     assert d1["recorded"]["reserved_over_time"] == {"event": [0, 0], "bytes": [0, 60 * MiB]}
     for d in data["devices"]:
         rows = {r["allocator"]: r for r in d["results"]}
-        assert set(rows) == {"defrag", "defrag-no-compaction", "torch (model)", "torch-expandable (model)"}
+        assert set(rows) == {"defrag", "defrag-no-compaction", "defrag-mesh", "torch (model)",
+                             "torch-expandable (model)"}
         assert all(r["min_capacity"]["exact"] for r in rows.values())
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     # --snapshot-device picks one.
@@ -255,8 +256,9 @@ def test_searches_are_exact_and_do_not_depend_on_the_number_of_workers():
         page = a.page_size
         # The boundary found: completes at it, fails one page below.
         if a.allocator.startswith("defrag"):
-            assert replay(trace, mc.bytes, dry=True, compaction=a.allocator == "defrag").completed
-            assert not replay(trace, mc.bytes - page, dry=True, compaction=a.allocator == "defrag").completed
+            how = dict(compaction=a.allocator != "defrag-no-compaction", mesh=a.allocator == "defrag-mesh")
+            assert replay(trace, mc.bytes, dry=True, **how).completed
+            assert not replay(trace, mc.bytes - page, dry=True, **how).completed
 
 
 def test_without_phase_markers_the_compacting_pool_reuses_the_plain_replay():
