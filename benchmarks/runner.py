@@ -92,6 +92,11 @@ REGISTRY: dict[str, Benchmark] = {b.name: b for b in [
               "pool.sleep()/wake() and offload()/reload() in seconds per GiB vs a host copy of the same bytes in the "
               "same run (torch copy_ to pinned host memory on a GPU, a CPU copy_ on the emulated device)",
               "bench_sleep:plot_sleep"),
+    Benchmark("mesh", "bench_mesh:bench_mesh",
+              "pinned tensors of random sizes, 25/50/75% of their bytes dropped in random order: physical pages held "
+              "before and after pool.mesh() against the lower bound (live bytes in whole pages), bytes copied and "
+              "time per freed page",
+              "bench_mesh:plot_mesh"),
     Benchmark("install", "bench_install:bench_install",
               "defrag.install(pool) (emulated device: the pool as PyTorch's CPU allocator) vs PyTorch's own, in a "
               "child process, same run: a torch.nn training step (MLP, transformer layer, conv net; goal: install "
