@@ -191,7 +191,12 @@ class Heap {
     // each freed block is live and disjoint from the takes (they were free).
     // A large batch (a compaction wave) leaves the size index to be rebuilt once, when next read:
     // one sorted build instead of a few tree updates per range, on nodes the batch left cold.
-    if (takes.size() + frees.size() >= kLazySizeIndexBatch) by_size_stale_ = true;
+    const size_t batch = takes.size() + frees.size();
+    if (batch >= kLazySizeIndexBatch) by_size_stale_ = true;
+    if (batch >= kLazySizeIndexBatch && batch * kRebuildShare >= free_.size()) {
+      rebuild_free(frees, takes);
+      return;
+    }
     for (const auto& [offset, size] : takes) {
       auto hit = containing_free(offset, size);
       carve(hit->first, hit->second, offset, size);
@@ -343,6 +348,10 @@ class Heap {
   mutable std::set<Range> by_size_;
   mutable bool by_size_stale_ = false;
   static constexpr size_t kLazySizeIndexBatch = 64;
+  // A batch of at least 1/kRebuildShare as many ranges as there are free ranges rebuilds the free map
+  // in one merge pass (`rebuild_free`) instead of a tree update per range: linear in the free ranges,
+  // but sequential and allocation-friendly, where the per-range updates walk cold tree nodes.
+  static constexpr size_t kRebuildShare = 4;
   std::unordered_map<int64_t, int64_t> live_;  // offset -> rounded size of each live block (no order needed)
   // Coalesced extents of everything inserted and not removed (free space and live blocks):
   // offset -> size. Only insert_free and remove_free change it (mapping and unmapping).
@@ -490,6 +499,52 @@ class Heap {
   void add_live(int64_t offset, int64_t size) {
     live_.emplace(offset, size);
     live_bytes_ += size;
+  }
+
+  // `exchange`'s changes for a large batch, already validated (`takes` sorted, disjoint, each inside
+  // one free range; `frees` sorted offsets of live blocks): the free ranges become (free - takes) +
+  // freed blocks, coalesced, in one merge over sorted ranges, and the map is rebuilt in order. The
+  // same free ranges, live blocks and counters as the per-range path; the size index is left stale.
+  void rebuild_free(const std::vector<int64_t>& frees, const std::vector<Range>& takes) {
+    std::vector<Range> freed;
+    freed.reserve(frees.size());
+    for (int64_t offset : frees) {
+      auto it = live_.find(offset);
+      freed.emplace_back(offset, it->second);
+      live_bytes_ -= it->second;
+      free_bytes_ += it->second;
+      live_.erase(it);
+    }
+    std::vector<Range> left;  // the free ranges minus the takes, in order
+    left.reserve(free_.size() + takes.size());
+    size_t t = 0;
+    for (const auto& [start, length] : free_) {
+      int64_t at = start;
+      const int64_t end = start + length;
+      for (; t < takes.size() && takes[t].first < end; ++t) {
+        if (takes[t].first > at) left.emplace_back(at, takes[t].first - at);
+        at = takes[t].first + takes[t].second;
+      }
+      if (at < end) left.emplace_back(at, end - at);
+    }
+    for (const auto& [offset, size] : takes) {
+      add_live(offset, size);
+      free_bytes_ -= size;
+    }
+    free_.clear();
+    size_t a = 0, b = 0;
+    while (a < left.size() || b < freed.size()) {  // merge the two sorted lists, coalescing touching ranges
+      const Range next = (b == freed.size() || (a < left.size() && left[a].first < freed[b].first)) ? left[a++]
+                                                                                                 : freed[b++];
+      if (!free_.empty()) {
+        auto last = std::prev(free_.end());
+        if (last->first + last->second == next.first) {
+          last->second += next.second;
+          continue;
+        }
+      }
+      free_.emplace_hint(free_.end(), next.first, next.second);
+    }
   }
 };
 

@@ -411,8 +411,9 @@ def test_exchange_lists_words_a_bad_batch_as_exchange():
 
 @pytest.mark.parametrize("seed", range(4))
 def test_large_exchanges_agree_with_the_model_size_index_included(seed):
-    """Batches of a compaction wave's size (hundreds of takes and frees) leave the native size index to be
-    rebuilt at its next read: best fit, largest_free and the invariants then agree with the model's."""
+    """Batches of a compaction wave's size (hundreds of takes and frees) rebuild the native free ranges in one
+    merge pass and leave the size index to be rebuilt at its next read: free ranges, live blocks, best
+    fit, largest_free and the invariants then agree with the model's, takes splitting ranges included."""
     rng = random.Random(seed)
     A, units = 512, 4096
     native, model = native_heap_class()(0, units * A, A), ModelHeap(0, units * A, A)
@@ -428,9 +429,13 @@ def test_large_exchanges_agree_with_the_model_size_index_included(seed):
     for step in range(6):
         frees = rng.sample(live, len(live) // 3)
         takes, cursor = [], 0
-        for start, length in model.free_ranges():  # whole free ranges' low ends, as a wave's destinations
+        for start, length in model.free_ranges():  # a wave's destinations: low ends, middles, two in one range
             if rng.random() < 0.6 and len(takes) < 400:
-                takes.append((start, A * rng.randint(1, max(1, min(4, length // A)))))
+                size = A * rng.randint(1, max(1, min(4, length // A)))
+                at = start if rng.random() < 0.5 else start + A * rng.randrange(0, (length - size) // A + 1)
+                takes.append((at, size))
+                if at + size + 2 * A <= start + length and rng.random() < 0.3:  # another, after a gap
+                    takes.append((at + size + A, A * rng.randint(1, (start + length - at - size - A) // A)))
         assert outcome(native.exchange_lists, frees, [o for o, _ in takes], [n for _, n in takes]) == \
             outcome(model.exchange, frees, takes)
         live = [o for o in live if o not in set(frees)] + [o for o, _ in takes]
