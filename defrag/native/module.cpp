@@ -580,9 +580,9 @@ class FastPath {
   // from `old_addresses[i]` to `new_addresses[i]` (the copy is done; the books hold the new
   // range and took the old one back). Every user is checked first: an UntypedStorage on this
   // device whose memory is a collected block made here, at its old address. Then each gets a
-  // DataPtr over its new address (a new collected slot with the old slot's serial: Python's
-  // block for that serial is re-addressed, not replaced) and its old slot is deleted without its
-  // deleter (nothing to release: the books took the range back).
+  // DataPtr over its new address with its own slot, re-addressed (its serial kept: Python's block
+  // for that serial is re-addressed, not replaced); nothing is released (the books took the old
+  // range back).
   // Returns -1; i when user i is not at its old address or not of `nbytes[i]` bytes; -2 when
   // some user's memory was not made here (the caller swaps through temporary storages instead).
   // Nothing changes unless all pass.
@@ -610,26 +610,20 @@ class FastPath {
       olds[i] = static_cast<Slot*>(data.get_context());
     }
     {
-      std::lock_guard<std::mutex> guard(st_->books->mu);  // slots' fields are read under it
+      std::lock_guard<std::mutex> guard(st_->books->mu);  // slots' fields are read and written under it
       for (size_t i = 0; i < n; ++i) {
         const Slot* slot = olds[i];
         if (slot->state != st_ || !slot->collected) return -2;
         if (slot->address != old_addresses[i]) return static_cast<int64_t>(i);
       }
+      // All pass. Each storage keeps its slot (serial, size, region), now at its new address:
+      // nothing is allocated, so nothing below can fail.
+      for (size_t i = 0; i < n; ++i) olds[i]->address = new_addresses[i];
     }
-    std::vector<std::unique_ptr<Slot>> fresh(n);
-    for (size_t i = 0; i < n; ++i) fresh[i] = std::make_unique<Slot>();  // before anything changes: may throw
-    // `live` is unchanged (one slot for another) and the serials carry over: no lock needed for
-    // the counters, and none for the fields of slots that only these storages reach.
     for (size_t i = 0; i < n; ++i) {
-      Slot* slot = fresh[i].release();  // the storage's from here
-      slot->state = st_;
-      slot->address = new_addresses[i];
-      slot->collected = true;
-      slot->serial = olds[i]->serial;
       c10::DataPtr old = impls[i]->set_data_ptr(
-          c10::DataPtr(reinterpret_cast<void*>(new_addresses[i]), slot, &release_slot, device_));
-      delete static_cast<Slot*>(old.release_context());
+          c10::DataPtr(reinterpret_cast<void*>(new_addresses[i]), olds[i], &release_slot, device_));
+      old.release_context();  // the same slot: the storage's new DataPtr owns it
     }
     return -1;
   }
