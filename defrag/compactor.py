@@ -151,7 +151,11 @@ class Mover(Protocol):
       (`can_rewrite(block)` is not "" included: the compaction asks `hold`
       alone for every block `threads.Scope.blocker` lets move);
     - `hold_all(blocks)`: `[hold(b) for b in blocks]`, in one call (a
-      region's blocks before each plan);
+      region's blocks before each plan, or a wave's);
+    - `holdable(blocks)`: for a face whose holds only keep owners alive
+      (`lets_go()`), whether `hold` would give each block a hold, without
+      taking it (cheap: the compaction plans with it and holds only the
+      blocks it moves);
     - `destinations(blocks)`: for each freshly carved destination of a wave,
       in order, whatever the commit will need (in one call: one C++ call for
       torch); if the wave is abandoned, dropping one must lead the face to
@@ -185,6 +189,7 @@ class Mover(Protocol):
     def can_rewrite(self, block) -> str: ...
     def hold(self, block): ...
     def hold_all(self, blocks) -> list: ...
+    def holdable(self, blocks) -> list: ...
     def destinations(self, blocks) -> list: ...
     def check(self, old, held, dest) -> bool: ...
     def commit(self, old, new, held, dest) -> None: ...
@@ -485,7 +490,8 @@ class _Layout:
     offsets: np.ndarray
     sizes: np.ndarray
     movable: np.ndarray
-    held: dict  # block address -> the face's hold (movable blocks only)
+    held: dict  # block address -> the face's hold (movable blocks only; None until the wave when `lazy`)
+    lazy: bool = False  # holds taken per wave, for the blocks it moves (`Mover.holdable`)
 
 
 def _collect(core: Core, mover: Mover, region, scope: Scope, *, large_only: bool = False) -> _Layout:
@@ -493,16 +499,24 @@ def _collect(core: Core, mover: Mover, region, scope: Scope, *, large_only: bool
 
     A block the face cannot hold now is passed to the planner as unmovable;
     with `large_only`, so is every block shorter than a page (not held).
+    Where the face's holds only keep owners alive (`Mover.lets_go()`), its
+    cheap verdict (`Mover.holdable`) decides instead and each wave holds the
+    blocks it moves (`lazy`): most blocks of a region are never moved.
     """
     base, small, blocker = region.base, core.page_size if large_only else 0, scope.blocker
-    # Plain lists and one `hold_all`: this runs for every block of the region before each plan.
+    # Plain lists and one call to the face: this runs for every block of the region before each plan.
     blocks = [block for block in core.blocks() if block.region is region]
     candidates = [i for i, block in enumerate(blocks) if block.size >= small and not blocker(block)]
-    grips = mover.hold_all([blocks[i] for i in candidates])
+    lazy = mover.lets_go()
+    picked = [blocks[i] for i in candidates]
+    grips = [None if ok else False for ok in mover.holdable(picked)] if lazy else mover.hold_all(picked)
     held, ok = {}, []
     for i, grip in zip(candidates, grips):
-        if grip is not None:
+        if grip is not None and grip is not False:
             held[blocks[i].address] = grip
+            ok.append(i)
+        elif lazy and grip is None:  # holdable: held by the wave that moves it
+            held[blocks[i].address] = None
             ok.append(i)
     movable = np.zeros(len(blocks), dtype=bool)
     movable[ok] = True
@@ -510,7 +524,7 @@ def _collect(core: Core, mover: Mover, region, scope: Scope, *, large_only: bool
     sizes = np.fromiter((block.size for block in blocks), dtype=np.int64, count=len(blocks))
     if core.backing.meshes():
         offsets, sizes, movable = _fix_meshed(core, region, blocks, offsets, sizes, movable, held)
-    return _Layout(blocks, offsets, sizes, movable, held)
+    return _Layout(blocks, offsets, sizes, movable, held, lazy)
 
 
 def _fix_meshed(core: Core, region, blocks: list, offsets: np.ndarray, sizes: np.ndarray, movable: np.ndarray,
@@ -547,6 +561,12 @@ def _run_wave(core: Core, mover: Mover, region, plan: ArrayPlan, a: int, b: int,
     # Plain ints from here on: one tolist per array instead of numpy arithmetic per step.
     olds = [blocks[i] for i in plan.index[a:b].tolist()]
     dsts = [region.base + d for d in plan.dst[a:b].tolist()]
+    grips = list(map(held.pop, [old.address for old in olds]))
+    if layout.lazy:  # the owners, held from here to the commit
+        grips = mover.hold_all(olds)
+        if None in grips:
+            raise CompactionError(f"block at {olds[grips.index(None)].address:#x} changed during compaction "
+                                  f"(its owner died); nothing was moved")
     dests = []  # where the owners do not move in place: (old Block, new Block, hold, the face's destination)
     with Transaction() as txn:
         # 1. prepare: map the destination pages. The copy needs no more: on a GPU it is queued on the
@@ -571,7 +591,6 @@ def _run_wave(core: Core, mover: Mover, region, plan: ArrayPlan, a: int, b: int,
         with PhaseTimer(phases, "prepare"):
             lets_go = mover.lets_go()
             core.begin_moves(region, olds, dsts, txn, vacate=lets_go)
-            grips = list(map(held.pop, [old.address for old in olds]))
         # 3. copy, wait for it; verify.
         with PhaseTimer(phases, "copy"):
             if not overlap:

@@ -38,6 +38,9 @@ class _KeyMover:
     def hold_all(self, blocks: list) -> list:
         return [(block.info,) for block in blocks]
 
+    def holdable(self, blocks: list) -> list:
+        return [True] * len(blocks)
+
     def destinations(self, blocks: list) -> list:
         return [None] * len(blocks)  # nothing owns a destination but the core: a rolled-back wave frees it
 

@@ -173,6 +173,11 @@ class _TorchMover:
     def hold(self, block: Block):
         return self.hold_all([block])[0]
 
+    def holdable(self, blocks: list) -> list:
+        # `hold_all`'s verdict without the storages: whether each has a live-looking owner to hold.
+        return [not (info is None or isinstance(info, SegmentInfo) or info.storage_ref is None)
+                for info in [block.info for block in blocks]]
+
     def hold_all(self, blocks: list) -> list:
         # `can_rewrite`'s verdict included: a segment or a dead storage has no hold.
         pool, lock = self.pool, torch.UntypedStorage._new_with_weak_ptr  # `tz.strong_storage`, inlined
