@@ -80,6 +80,7 @@ from .core import Core, NoSpace, Scope
 from .errors import CompactionError, CudaError
 from .mesher import mesh_core
 from .planner import ArrayPlan, plan_arrays, plan_conveyor, plan_hole_arrays, plan_window_arrays
+from .readout import packing_floor
 from .units import format_bytes
 from .vmm import Transaction
 
@@ -783,7 +784,7 @@ def _rescue_by_moving(core: Core, mover: Mover, nbytes: int, tried: list[str], c
             tried.append(f"compaction cannot help: even packed, only {format_bytes(max(slack, 0))} would be free")
             return None
     else:
-        pinned_pages, movable = core.packing_floor(scope, mover.can_rewrite)
+        pinned_pages, movable = packing_floor(core, scope, mover.can_rewrite)
         need = -(-size // core.page_size)
         could_free = core.capacity_pages - pinned_pages - -(-movable // core.page_size)
         if need > could_free:

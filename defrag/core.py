@@ -686,27 +686,6 @@ class Core:
         """The explained out-of-memory error for `nbytes` (`defrag.readout.out_of_room`)."""
         return readout.out_of_room(self, nbytes, tried, describe)
 
-    def packing_floor(self, scope: Scope, can_rewrite=None) -> tuple[int, int]:
-        """(pages touched by blocks that cannot move, bytes of blocks that can) for a compaction of `scope`."""
-        pinned_pages = set()
-        movable = 0
-        ids = self.backing.mesh_ids
-        for b in self._blocks.values():
-            if scope.blocker(b, can_rewrite):
-                first, end = self.backing.pages_of(b)
-                mesh = ids[b.region.index]
-                # A mesh is one physical page: its pages count once.
-                pinned_pages.update((b.region.index, p) if mesh[p] < 0 else ("mesh", int(mesh[p]))
-                                    for p in range(first, end))
-            else:
-                movable += b.size
-        return len(pinned_pages), movable
-
-    def pages_needed_if_packed(self, scope: Scope, can_rewrite=None) -> int:
-        """Lower bound of pages after a perfect compaction: movable bytes packed, plus pinned pages."""
-        pinned_pages, movable = self.packing_floor(scope, can_rewrite)
-        return pinned_pages + -(-movable // self.page_size)
-
     # ------------------------------------------------------------------ statistics
     def reset_peaks(self) -> None:
         c = self.counters

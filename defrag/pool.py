@@ -353,6 +353,14 @@ class Pool(TensorOwnership, PoolResidency, PoolMeshing, AllocatorSegments, PoolO
         self.core.auto_compact = bool(value)
 
     @property
+    def auto_mesh(self) -> bool:
+        return self.core.auto_mesh
+
+    @auto_mesh.setter
+    def auto_mesh(self, value: bool) -> None:
+        self.core.auto_mesh = bool(value)
+
+    @property
     def min_compact_interval(self) -> float:
         return self.core.min_compact_interval
 
@@ -808,9 +816,11 @@ class Pool(TensorOwnership, PoolResidency, PoolMeshing, AllocatorSegments, PoolO
         "own" only the caller's; "all" every unpinned one, shared ones
         included, and raises ConcurrencyError (changing nothing) while another
         thread that used the pool still runs.
-        `mesh` (default True): after the moves, pages that still hold tensors
-        (pinned ones too) and whose live bytes are disjoint at page offsets
-        share physical pages (`Pool.mesh`; no tensor moves).
+        `mesh` (default True): after the moves, the pages of tensors that
+        could not move (pinned ones, other threads', PyTorch's own blocks under
+        `defrag.install`) share physical pages where their live bytes are
+        disjoint at page offsets (`Pool.mesh`; no tensor moves, no address
+        changes). Nothing is meshed when every tensor could move.
         Returns a `CompactionReport`.
         """
         self._relieve()

@@ -28,6 +28,25 @@ class OutOfRoom(MemoryError):
         self.figures = figures
 
 
+def packing_floor(core, scope, can_rewrite=None) -> tuple[int, int]:
+    """(pages touched by blocks that cannot move, bytes of blocks that can) for a compaction of `scope`:
+    a perfect compaction leaves the first plus the second in whole pages. A mesh is one physical page:
+    its pages count once."""
+    pinned_pages = set()
+    movable = 0
+    backing = core.backing
+    ids = backing.mesh_ids
+    for b in core.blocks():
+        if scope.blocker(b, can_rewrite):
+            first, end = backing.pages_of(b)
+            mesh = ids[b.region.index]
+            pinned_pages.update((b.region.index, p) if mesh[p] < 0 else ("mesh", int(mesh[p]))
+                                for p in range(first, end))
+        else:
+            movable += b.size
+    return len(pinned_pages), movable
+
+
 def out_of_room(core, nbytes: int, tried: list[str], describe=None) -> OutOfRoom:
     """The explained out-of-memory error for `nbytes` (see `OutOfRoom`)."""
     st = stats(core)
@@ -63,7 +82,8 @@ def _suggestion(core, nbytes: int, live: int, pinned: int) -> str:
                 f"no more pages (other pools, PyTorch's caching allocator or other processes hold the rest), "
                 f"so a larger capacity would not help; free memory held outside this pool "
                 f"(torch.cuda.empty_cache(), other pools' trim()) or ask for less.")
-    free_after_compaction = core.capacity - core.pages_needed_if_packed(core.scope(None)) * core.page_size
+    pinned_pages, movable = packing_floor(core, core.scope(None))
+    free_after_compaction = core.capacity - (pinned_pages + -(-movable // core.page_size)) * core.page_size
     if nbytes <= free_after_compaction and not core.auto_compact:
         return "pool.compact() (or auto_compact=True) would make room for this request."
     steps = []
