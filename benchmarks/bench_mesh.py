@@ -127,8 +127,8 @@ def bench_mesh(device: str, smoke: bool) -> list[dict]:
     return [_row(device, capacity, occ) for occ in OCCUPANCIES]
 
 
-def plot_mesh(rows: list[dict], path) -> None:
-    """Pages held before and after meshing, and the lower bound, per occupancy."""
+def plot_mesh(rows: list[dict], path):
+    """Pages held before and after meshing, and the lower bound, per occupancy; `path`, or None without rows."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -136,7 +136,7 @@ def plot_mesh(rows: list[dict], path) -> None:
 
     rows = [r for r in rows if "pages_before" in r]
     if not rows:
-        return
+        return None
     labels = [f"{r['occupancy']:.0%}" for r in rows]
     x = range(len(rows))
     fig, ax = plt.subplots(figsize=(6.4, 3.6))
@@ -153,3 +153,4 @@ def plot_mesh(rows: list[dict], path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
+    return path

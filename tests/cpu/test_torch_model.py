@@ -341,7 +341,7 @@ def test_the_dry_table_has_the_model_rows():
     trace = checkerboard(total_bytes=32 * MiB, rounds=2)
     results, skipped = run_all(trace, 64 * MiB, dry=True, baselines=False)
     names = [r.allocator for r in results]
-    assert names == ["defrag", "defrag-no-compaction", "torch (model)", "torch-expandable (model)"]
+    assert names == ["defrag", "defrag-no-compaction", "defrag-mesh", "torch (model)", "torch-expandable (model)"]
     rows = {r.allocator: r for r in results}
     for name in TORCH_MODELS:
         r = rows[name]
