@@ -71,3 +71,20 @@ def test_snapshot_segments_count_a_meshed_physical_page_once(make_pool):
     assert pool.layout()["regions"][0]["pages"][twin] == "meshed-dormant"
     _segment_totals_ok(pool.snapshot()["segments"], pool.stats())
     _intact(kept)
+
+
+# ---------------------------------------------------------------- live_tensors
+def test_live_tensors_say_which_blocks_sit_on_meshed_pages(make_pool):
+    """Every kept block is on a mesh member (primary or twin): meshed; a tensor made after meshing lands
+    on a page of its own: not meshed; after unmesh() none is."""
+    pool, kept = _meshed(make_pool)
+    fresh = pool.empty(P, dtype=torch.uint8)
+    by_address = {t.address: t for t in pool.live_tensors()}
+    assert all(by_address[t.data_ptr()].meshed for t in kept.values())
+    assert not by_address[fresh.data_ptr()].meshed
+    layout = pool.layout()
+    roles = {(r["base"] + p * P) for r in layout["regions"] for g in r["meshes"].values() for p in g}
+    assert {a - (a - layout["regions"][0]["base"]) % P for a, t in by_address.items() if t.meshed} == roles
+    assert pool.unmesh() == 4
+    assert not any(t.meshed for t in pool.live_tensors())
+    _intact(kept)
