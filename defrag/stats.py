@@ -445,6 +445,22 @@ def _row(name: str, current: str, peak: str) -> str:
     return f"| {name:<44}| {current:>12} | {peak:>12} |"
 
 
+def _mesh_rows(s: dict) -> list[str]:
+    """The summary's rows on meshes (`defrag.mesher`), only while some exist: the virtual pages in meshes,
+    the physical pages they share (mapped pages, each counted once), the twins among them, and what
+    meshing has freed and copied so far (all time)."""
+    meshes, twins = s.get("meshes", 0), s.get("pages.meshed", 0)
+    if not meshes and not twins:
+        return []
+    P, fb = s["page_size"], format_bytes
+    return [
+        _row(f"  meshed: pages sharing {meshes} physical pages", str(meshes + twins), fb(meshes * P)),
+        _row("    twins (no physical page of their own)", str(twins), "-"),
+        _row("    pages freed / bytes copied by meshing", str(s.get("mesh.freed_pages", 0)),
+             fb(s.get("mesh.copied_bytes", 0))),
+    ]
+
+
 def summary(stats: dict, pool=None) -> str:
     """A boxed text table of `stats` (a `Pool.stats()` dict), like `torch.cuda.memory_summary()`.
 
@@ -452,7 +468,9 @@ def summary(stats: dict, pool=None) -> str:
     `defrag.format_bytes`); `pool` only names the pool in the header. Rows:
     allocated/active/reserved/requested memory (current and peak), allocation
     and free counts, retries, OOMs, pages mapped/empty/cached/total/capacity,
-    stranded bytes, the largest request possible now, fragmentation,
+    and, while meshes exist, the pages meshed, the physical pages they share and
+    what meshing freed and copied so far; stranded bytes, the largest request
+    possible now, fragmentation,
     compactions (explicit/automatic), bytes and tensors moved, pages released,
     live and pinned blocks.
     """
@@ -489,6 +507,7 @@ def summary(stats: dict, pool=None) -> str:
         _line(),
         _row("Mapped pages", str(s["pages.mapped"]), fb(s["pages.mapped"] * s["page_size"])),
         _row("  empty (mapped, no block)", str(s["pages.empty"]), fb(s["pages.empty"] * s["page_size"])),
+        *_mesh_rows(s),
         _row("Cached physical pages (unmapped)", str(s["pages.cached"]), fb(s["pages.cached"] * s["page_size"])),
         _row("Physical pages held", str(s["pages.total"]), fb(s["pages.total"] * s["page_size"])),
         _row("Capacity", str(s["pages.capacity"]), fb(s["capacity_bytes"])),

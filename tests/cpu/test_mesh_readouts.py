@@ -88,3 +88,27 @@ def test_live_tensors_say_which_blocks_sit_on_meshed_pages(make_pool):
     assert pool.unmesh() == 4
     assert not any(t.meshed for t in pool.live_tensors())
     _intact(kept)
+
+
+# ---------------------------------------------------------------- summary
+def _summary_row(text, name):
+    (line,) = [ln for ln in text.splitlines() if ln.startswith(f"| {name}")]
+    return [c.strip() for c in line.strip("|").split("|")][1:]
+
+
+def test_the_summary_has_a_line_on_meshes_only_while_they_exist(make_pool):
+    pool = make_pool("2MiB", auto_compact=False)
+    kept = _halves(pool, 8, BLOCK)
+    plain = pool.summary()
+    assert "mesh" not in plain.lower()
+    assert pool.mesh().meshed_pages == 4
+    text = pool.summary()
+    assert all(len(line) == 77 for line in text.splitlines())
+    assert _summary_row(text, "Mapped pages") == ["4", "256.00 KiB"]
+    assert _summary_row(text, "  meshed: pages sharing 4 physical pages") == ["8", "256.00 KiB"]
+    assert _summary_row(text, "    twins (no physical page of their own)") == ["4", "-"]
+    assert _summary_row(text, "    pages freed / bytes copied by meshing") == ["4", "128.00 KiB"]
+    assert len(text.splitlines()) == len(plain.splitlines()) + 3
+    assert pool.unmesh() == 4
+    assert "mesh" not in pool.summary().lower()
+    _intact(kept)
