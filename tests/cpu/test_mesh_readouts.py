@@ -8,7 +8,11 @@ import gc
 import json
 import re
 
+import matplotlib.colors as mcolors
+import matplotlib.image as mimage
+import numpy as np
 import torch
+from matplotlib.collections import LineCollection
 from torch.cuda import _memory_viz as memory_viz
 
 from defrag import viz
@@ -112,3 +116,113 @@ def test_the_summary_has_a_line_on_meshes_only_while_they_exist(make_pool):
     assert pool.unmesh() == 4
     assert "mesh" not in pool.summary().lower()
     _intact(kept)
+
+
+# ---------------------------------------------------------------- the memory map
+def _pixel(img, ax, x, y):
+    px, py = ax.transData.transform((x, y))
+    return tuple(img[int(img.shape[0] - py), int(px), :3])
+
+
+def _near(rgb, colour):
+    want = mcolors.to_rgb(colour)
+    return all(abs(a - b) <= 2 / 255 for a, b in zip(rgb, want))
+
+
+def _between(rgb, a, b):
+    """`rgb` is a blend of colours `a` and `b` (a hatch line's antialiased pixels)."""
+    a, b = np.array(mcolors.to_rgb(a)), np.array(mcolors.to_rgb(b))
+    t = (np.array(rgb, dtype=float) - a) / (b - a)
+    return bool(np.ptp(t) < 0.05 and -0.02 <= t.mean() <= 1.02)
+
+
+def test_memory_map_draws_twins_on_their_primaries_and_joins_them(make_pool, tmp_path):
+    """8 pages meshed onto 4: the title counts 4 mapped (physical) pages and says "8 pages meshed onto 4";
+    twin cells are hatched twin-coloured with their own blocks on them, a primary's bytes that its twin
+    uses are twin-held (not stranded), every member is labelled with its mesh id (primary starred), a
+    line joins each twin to its primary, and the legend names all of it. Totals agree with stats()."""
+    pool, kept = _meshed(make_pool)
+    layout = json.loads(json.dumps(pool.layout()))  # as saved: mesh ids become strings
+    st = pool.stats()
+    totals = viz.layout_totals(layout)
+    assert totals["pages_mapped"] == st["pages.mapped"] == 4 and totals["pages_live"] == 4
+    assert totals["stranded"] == st["stranded_bytes"] == 0
+    assert (totals["meshes"], totals["pages_meshed"], totals["pages_twin"]) == (4, 8, 4)
+
+    path = viz.plot_memory_map(layout, tmp_path / "map.png")
+    img = mimage.imread(path)
+    fig = viz.plot_memory_map(layout)
+    (ax,) = fig.axes
+    title = ax.get_title()
+    assert "4 pages mapped (256.00 KiB)" in title and "8 pages meshed onto 4 physical pages" in title
+    region = layout["regions"][0]
+    groups = {int(m): g for m, g in region["meshes"].items()}
+    labels = sorted(t.get_text() for t in ax.texts)
+    assert labels == sorted([f"m{m}*" for m in groups] + [f"m{m}" for m in groups])
+    (lines,) = [c for c in ax.collections if isinstance(c, LineCollection)]
+    assert len(lines.get_segments()) == 4
+    for m, (primary, twin) in groups.items():
+        # A join runs from the top of the primary's cell to the top of its twin's.
+        ends = {tuple(np.round(s[0], 3)) for s in lines.get_segments()} | \
+            {tuple(np.round(s[-1], 3)) for s in lines.get_segments()}
+        assert (round(primary + viz.CELL_WIDTH / 2, 3), 0.0) in ends and (round(twin + viz.CELL_WIDTH / 2, 3), 0.0) in ends
+        # The twin's free half (where the primary's blocks are) shows the twin's hatched background;
+        # the primary's bytes under the twin's blocks are twin-held.
+        twin_used = {(a - region["base"]) % P // (P // 2) for a in (t.data_ptr() for t in kept.values())
+                     if (a - region["base"]) // P == twin}
+        (used,) = twin_used
+        free = 1 - used
+        x_free = twin + (free + 0.5) / 2 * viz.CELL_WIDTH
+        got = [_pixel(img, ax, x_free + dx, viz.ROW_HEIGHT / 2 + dy) for dx in (0, 0.03, 0.06) for dy in (0, 0.1)]
+        assert all(_between(c, viz.COLORS["twin"], viz.MESH_LINE) for c in got), got  # its hatching
+        assert any(_near(c, viz.COLORS["twin"]) for c in got)
+        x_held = primary + (used + 0.5) / 2 * viz.CELL_WIDTH
+        assert _near(_pixel(img, ax, x_held, viz.ROW_HEIGHT / 2), viz.COLORS["twin-held"])
+        x_block = twin + (used + 0.19) / 2 * viz.CELL_WIDTH  # inside the second of its four blocks
+        assert _near(_pixel(img, ax, x_block, viz.ROW_HEIGHT / 2), viz.COLORS["pinned"])
+    legend = [t.get_text() for t in fig.legends[0].get_texts()]
+    assert viz.LABELS["twin"] in legend and viz.LABELS["twin-held"] in legend
+    assert viz.LABELS["stranded"] not in legend and viz.LABELS["dormant"] not in legend
+    assert any(t.startswith("m3*, m3:") and "line" in t for t in legend)
+
+
+def test_memory_map_shows_a_dormant_twin_and_its_primary_keeps_the_free_space(make_pool):
+    pool, kept = _meshed(make_pool)
+    region = pool.layout()["regions"][0]
+    twin = region["pages"].index("meshed")
+    for seed, t in list(kept.items()):
+        if (t.data_ptr() - region["base"]) // P == twin:
+            pool.unpin(t)
+            del kept[seed]
+    del t
+    gc.collect()
+    layout = pool.layout()
+    assert layout["regions"][0]["pages"][twin] == "meshed-dormant"
+    totals, st = viz.layout_totals(layout), pool.stats()
+    assert totals["pages_mapped"] == st["pages.mapped"] == 4
+    assert totals["stranded"] == st["stranded_bytes"] == P // 2
+    fig = viz.plot_memory_map(layout)
+    legend = [t.get_text() for t in fig.legends[0].get_texts()]
+    assert viz.LABELS["dormant"] in legend and viz.LABELS["stranded"] in legend
+    _intact(kept)
+
+
+def test_memory_map_of_many_meshes_leaves_out_lines_then_labels():
+    """A synthetic layout of 600 pages in 300 meshes of two: no label or line (the title says so); 70
+    meshes: labels without lines; 4 meshes a row apart: labels, no line across rows."""
+    def layout(npairs, apart):
+        pages = ["live"] * npairs + ["meshed"] * npairs + ["unmapped"] * 8
+        meshes = {m: [m, npairs + m if not apart else npairs + (m + 1) % npairs] for m in range(npairs)}
+        return {"pool": 1, "kind": "emulated", "page_size": P, "capacity": len(pages) * P, "cached_pages": 0,
+                "regions": [{"index": 0, "base": 1 << 40, "npages": len(pages), "pages": pages, "free_ranges": [],
+                             "mesh": [], "meshes": meshes}], "blocks": []}
+    fig = viz.plot_memory_map(layout(300, False), max_pages=1000)
+    ax = fig.axes[0]
+    assert not ax.texts and not [c for c in ax.collections if isinstance(c, LineCollection)]
+    assert "300 pages mapped" in ax.get_title() and "600 pages meshed onto 300 physical pages" in ax.get_title()
+    assert "too many to label or join" in ax.get_title()
+    ax = viz.plot_memory_map(layout(70, False)).axes[0]
+    assert len(ax.texts) == 140 and not [c for c in ax.collections if isinstance(c, LineCollection)]
+    assert "joined by no line above" in ax.get_title()
+    ax = viz.plot_memory_map(layout(4, True), pages_per_row=4).axes[0]
+    assert len(ax.texts) == 8 and not [c for c in ax.collections if isinstance(c, LineCollection)]
