@@ -148,6 +148,7 @@ class LiveTensor:
     movable: bool
     reason: str  # why not movable ("" when movable)
     owner: str = ""  # "thread 'name'", "an ended thread" or "shared"
+    meshed: bool = False  # a page under it shares its physical page with other pages (a mesh: `Pool.mesh`)
 
 
 class _TorchMover:
@@ -742,14 +743,17 @@ class Pool(TensorOwnership, PoolResidency, PoolMeshing, AllocatorSegments, PoolO
             self.core.drain()
             scope = self.core.scope(None)
             out = []
+            backing = self.core.backing
             for block in sorted(self.core.blocks(), key=lambda b: b.address):
                 if block.retired:
                     continue
                 reason = scope.blocker(block, self._mover.can_rewrite)
                 info = block.info
+                first, end = backing.pages_of(block)
+                meshed = bool((backing.mesh_ids[block.region.index][first:end] >= 0).any())
                 out.append(LiveTensor(block.address, block.nbytes, block.size, getattr(info, "dtype", None),
                                       getattr(info, "shape", None), block.pins > 0, not reason, reason,
-                                      "shared" if block.shared else threads.describe(block.owner)))
+                                      "shared" if block.shared else threads.describe(block.owner), meshed))
             return out
 
     # ------------------------------------------------------------------ trim / close

@@ -238,11 +238,61 @@ class HistoryRecorder:
 _NOT_DEVICE = ("offloaded", "asleep")  # page states without a device page behind them (defrag.residency)
 
 
-def segments_from_layout(layout: dict, device: int = 0) -> list[dict]:
-    """PyTorch snapshot segments for a `Pool.layout()` dict: one per run of mapped pages.
+def mesh_groups(region: dict) -> dict[int, list[int]]:
+    """A layout region's meshes, {mesh id: [primary page, twin pages...]} (ints, also after a JSON round
+    trip; {} for layouts from before meshing)."""
+    return {int(k): [int(p) for p in v] for k, v in (region.get("meshes") or {}).items()}
 
-    Each segment's blocks tile it in address order (live blocks and the free
-    space between them), so that per segment
+
+def _device_ranges(region: dict, blocks: list[dict], P: int) -> list[tuple[int, int]]:
+    """The address ranges of `region` whose bytes are the device memory it holds, each physical byte once,
+    as sorted, merged [start, end) runs. A page of no mesh counts whole. A mesh is one physical page
+    seen at several addresses, so its bytes are split among its members: a twin counts only the pieces
+    of its own blocks, and the primary the rest of the page (its blocks and the mesh's free space)."""
+    base = int(region["base"])
+    twin_of = {t: g[0] for g in mesh_groups(region).values() for t in g[1:]}
+    pieces: dict[int, list[tuple[int, int]]] = collections.defaultdict(list)  # twin page -> block pieces
+    for b in blocks:
+        start = int(b["address"]) - base
+        end = start + int(b["size"])
+        for page in range(start // P, (end - 1) // P + 1):
+            if page in twin_of:
+                pieces[page].append((max(start, page * P) - page * P, min(end, (page + 1) * P) - page * P))
+    held: dict[int, list[tuple[int, int]]] = collections.defaultdict(list)  # primary -> its twins' pieces
+    for twin, primary in twin_of.items():
+        held[primary].extend(pieces.get(twin, ()))
+    ranges: list[tuple[int, int]] = []
+    for page, state in enumerate(region["pages"]):
+        if state in ("unmapped", *_NOT_DEVICE):
+            continue
+        at = base + page * P
+        if page in twin_of:
+            ranges.extend((at + lo, at + hi) for lo, hi in pieces.get(page, ()))
+            continue
+        cursor = 0
+        for lo, hi in sorted(held.get(page, ())):
+            if lo > cursor:
+                ranges.append((at + cursor, at + lo))
+            cursor = max(cursor, hi)
+        if cursor < P:
+            ranges.append((at + cursor, at + P))
+    runs: list[list[int]] = []
+    for lo, hi in sorted(ranges):
+        if runs and lo <= runs[-1][1]:
+            runs[-1][1] = max(runs[-1][1], hi)
+        else:
+            runs.append([lo, hi])
+    return [(lo, hi) for lo, hi in runs]
+
+
+def segments_from_layout(layout: dict, device: int = 0) -> list[dict]:
+    """PyTorch snapshot segments for a `Pool.layout()` dict: one per run of device memory.
+
+    A run is consecutive mapped pages, except on meshed pages (one physical page at several
+    addresses, `defrag.mesher`): there a twin page contributes only its own blocks, as segments of
+    their own, and its primary the rest of the page, so each physical byte is in one segment and the
+    `total_size`s add up to the reserved bytes. Each segment's blocks tile it in address order (live
+    blocks and the free space between them), so that per segment
     `allocated_size + active_pending_free + inactive sizes == total_size`.
     Raises ValueError if the layout's blocks overlap or leave a mapped page.
     """
@@ -257,12 +307,9 @@ def segments_from_layout(layout: dict, device: int = 0) -> list[dict]:
         by_region[int(b["region"])].append(b)
     out = []
     for region in layout["regions"]:
-        base = int(region["base"])
-        mapped = [i for i, s in enumerate(region["pages"]) if s not in ("unmapped", *_NOT_DEVICE)]
         blocks = sorted(by_region.get(int(region["index"]), []), key=lambda b: int(b["address"]))
         bi = 0
-        for first, count in page_runs(mapped):
-            start, end = base + first * P, base + (first + count) * P
+        for start, end in _device_ranges(region, blocks, P):
             tiles, cursor = [], start
             while bi < len(blocks) and int(blocks[bi]["address"]) < end:
                 b = blocks[bi]
@@ -398,6 +445,22 @@ def _row(name: str, current: str, peak: str) -> str:
     return f"| {name:<44}| {current:>12} | {peak:>12} |"
 
 
+def _mesh_rows(s: dict) -> list[str]:
+    """The summary's rows on meshes (`defrag.mesher`), only while some exist: the virtual pages in meshes,
+    the physical pages they share (mapped pages, each counted once), the twins among them, and what
+    meshing has freed and copied so far (all time)."""
+    meshes, twins = s.get("meshes", 0), s.get("pages.meshed", 0)
+    if not meshes and not twins:
+        return []
+    P, fb = s["page_size"], format_bytes
+    return [
+        _row(f"  meshed: pages sharing {meshes} physical pages", str(meshes + twins), fb(meshes * P)),
+        _row("    twins (no physical page of their own)", str(twins), "-"),
+        _row("    pages freed / bytes copied by meshing", str(s.get("mesh.freed_pages", 0)),
+             fb(s.get("mesh.copied_bytes", 0))),
+    ]
+
+
 def summary(stats: dict, pool=None) -> str:
     """A boxed text table of `stats` (a `Pool.stats()` dict), like `torch.cuda.memory_summary()`.
 
@@ -405,7 +468,9 @@ def summary(stats: dict, pool=None) -> str:
     `defrag.format_bytes`); `pool` only names the pool in the header. Rows:
     allocated/active/reserved/requested memory (current and peak), allocation
     and free counts, retries, OOMs, pages mapped/empty/cached/total/capacity,
-    stranded bytes, the largest request possible now, fragmentation,
+    and, while meshes exist, the pages meshed, the physical pages they share and
+    what meshing freed and copied so far; stranded bytes, the largest request
+    possible now, fragmentation,
     compactions (explicit/automatic), bytes and tensors moved, pages released,
     live and pinned blocks.
     """
@@ -442,6 +507,7 @@ def summary(stats: dict, pool=None) -> str:
         _line(),
         _row("Mapped pages", str(s["pages.mapped"]), fb(s["pages.mapped"] * s["page_size"])),
         _row("  empty (mapped, no block)", str(s["pages.empty"]), fb(s["pages.empty"] * s["page_size"])),
+        *_mesh_rows(s),
         _row("Cached physical pages (unmapped)", str(s["pages.cached"]), fb(s["pages.cached"] * s["page_size"])),
         _row("Physical pages held", str(s["pages.total"]), fb(s["pages.total"] * s["page_size"])),
         _row("Capacity", str(s["pages.capacity"]), fb(s["capacity_bytes"])),
