@@ -155,6 +155,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--snapshot-device", type=int, default=None,
                    help="replay only this device of a snapshot (default: every device with recorded actions)")
     p.add_argument("--device", default=None, help="'emulated' or 'cuda:N'")
+    p.add_argument("--no-mesh", action="store_true",
+                   help="leave out the defrag-mesh row (the pool meshing what cannot move; about half again the "
+                        "replay's time)")
     p.set_defaults(func=replay)
     return parser
 

@@ -986,13 +986,13 @@ def _pools_without_phases_job(key, capacity: int, peak_live: int, *, page_size, 
 def replay_devices(items: list, capacity: int | None = None, *, dry: bool = False, device=None, page_size=None,
                    baselines: bool = True, models: bool = True, progress: bool | None = None,
                    search_budget_s: float | None = SEARCH_BUDGET_S, workers: int | None = None,
-                   series: bool = False) -> list[DeviceReport]:
+                   series: bool = False, mesh: bool = True) -> list[DeviceReport]:
     """Replay each of `items` (`SnapshotDevice`s, or (None, Trace) pairs) and explain its recorded OOMs.
 
     Each device runs at `capacity`, or (None) the capacity its snapshot
     implies (`snapshot_capacity`). Per device: the pool with and without
-    compaction, the models of PyTorch's allocator (``models``), each with its
-    smallest capacity, and for every recorded OOM whether the pool and the
+    compaction, and (``mesh``) with compaction and meshing, the models of
+    PyTorch's allocator (``models``), each with its smallest capacity, and for every recorded OOM whether the pool and the
     expandable-segments model complete with the refused request served.
     Dry replays and searches run on ``workers`` processes (default: both
     cores of this machine); the figures do not depend on how many. PyTorch
@@ -1017,8 +1017,8 @@ def replay_devices(items: list, capacity: int | None = None, *, dry: bool = Fals
                 jobs.append(((0, len(plans)), _pools_without_phases_job(
                     key, cap, st.peak_live_bytes, page_size=page_size, series=series, budget_s=search_budget_s)))
             for name in POOLS:
-                if dry and st.phases == 0 and name != "defrag-mesh":
-                    continue  # the two above, in one job
+                if (dry and st.phases == 0 and name != "defrag-mesh") or (name == "defrag-mesh" and not mesh):
+                    continue  # the two above, in one job; or no meshing row asked for
                 # The pool with compaction is the slowest replay: first in line, and its search probes
                 # two capacities per round so both cores can share it.
                 jobs.append(((0 if name == "defrag" else 1, len(plans)), _allocator_job(
@@ -1272,7 +1272,8 @@ def main(args) -> int:
     print(f"{kind} {first.name!r} ({args.path}): {len(items)} device{'s' if len(items) != 1 else ''} to replay"
           f"{', dry (memory-less device)' if args.dry else ''}")
     try:
-        reports = replay_devices(items, capacity, dry=args.dry, device=device, series=bool(getattr(args, "plot", None)))
+        reports = replay_devices(items, capacity, dry=args.dry, device=device, series=bool(getattr(args, "plot", None)),
+                                 mesh=not getattr(args, "no_mesh", False))
     except ReplayError as exc:
         raise UsageError(str(exc)) from None
     for rep in reports:

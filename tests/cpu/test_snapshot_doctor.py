@@ -180,6 +180,17 @@ def test_a_snapshot_without_a_trace_replays_its_end_state(tmp_path, capsys):
     assert d["recorded"] is None and "no segment entries" in d["recorded_note"] and d["capacity"] == 20 * MiB
 
 
+def test_cli_no_mesh_leaves_out_the_meshing_row_and_nothing_else(tmp_path, capsys):
+    path = tmp_path / "two.pickle"
+    path.write_bytes(pickle.dumps(_two_device_snapshot()))
+    out = tmp_path / "r.json"
+    assert cli_main(["replay", str(path), "--dry", "--no-mesh", "--json", str(out)]) == 0
+    for d in json.loads(out.read_text())["devices"]:
+        assert [r["allocator"] for r in d["results"]] == ["defrag", "defrag-no-compaction", "torch (model)",
+                                                          "torch-expandable (model)"]
+    assert "defrag-mesh" not in capsys.readouterr().out
+
+
 def test_cli_replays_every_device_and_explains_the_oom(tmp_path, capsys):
     path = tmp_path / "two.pickle"
     path.write_bytes(pickle.dumps(_two_device_snapshot()))
