@@ -146,10 +146,11 @@ def plot_mesh(rows: list[dict], path):
     ax.bar([i + w for i in x], [r["lower_bound"] for r in rows], w, label="lower bound (live bytes)",
            color="#7f7f7f")
     ax.set_xticks(list(x), labels)
-    ax.set_xlabel("live bytes left (pinned tensors, random sizes 16-256 KiB, dropped in random order)")
+    ax.set_xlabel("share of the bytes left live (pinned, 16-256 KiB, dropped in random order)")
     ax.set_ylabel("physical pages held")
     ax.set_title(f"Meshing pinned pages ({rows[0]['device']})")
-    ax.legend(fontsize=8)
+    ax.set_ylim(0, 1.3 * max(r["pages_before"] for r in rows))
+    ax.legend(fontsize=8, loc="upper center", ncol=3)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)

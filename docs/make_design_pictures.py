@@ -107,15 +107,16 @@ def draw(path: pathlib.Path = OUT) -> pathlib.Path:
          CORE)
     _box(ax, 510, 266, 450, 96, "compactor.py  compact_core / rescue",
          "plan, prepare, copy, verify, commit, release, per wave\nin a Transaction; owners rewritten by the face's "
-         "Mover\n(hold, destinations, commit_all); residency.py beside it",
+         "Mover\n(move_in_place); mesher.py, residency.py beside it",
          CORE)
 
     # ---- pure parts, address space, kernels
-    _box(ax, 40, 400, 160, 78, "native/  Books", "C++: heaps (best fit),\npage counts, kept\nranges; the fast path",
+    _box(ax, 40, 400, 160, 78, "native/  Books", "C++: heaps (best fit),\npage counts, kept\nranges, meshes; fast path",
          PURE, body_size=8.2)
-    _box(ax, 365, 400, 185, 78, "backing.py  Backing", "every map, unmap, stitch,\nsleep/wake, re-backing;\nbooks kept in step",
+    _box(ax, 365, 400, 185, 78, "backing.py  Backing", "every map, unmap, stitch,\nmesh, sleep/wake, re-backing;\nbooks kept in step",
          PURE, body_size=8.2)
-    _box(ax, 210, 400, 145, 78, "planner.py", "pure: layout ->\nwaves of moves", PURE, body_size=8.2)
+    _box(ax, 210, 400, 145, 78, "planners", "pure: layouts ->\nmoves (planner.py),\nbitmaps -> meshes",
+         PURE, body_size=8.2)
     _box(ax, 575, 400, 150, 78, "vmm.py", "AddressSpace,\nPageStore, Region,\nTransaction",
          LOW, body_size=8.2)
     _box(ax, 740, 400, 220, 78, "defrag.kernels", "kernels/ (numba-cuda):\nbatched_move, fill, checksum", LOW)
@@ -137,8 +138,8 @@ def draw(path: pathlib.Path = OUT) -> pathlib.Path:
     notes = [
         "errors.py, units.py: used by every layer (no torch).   oom.py: OutOfMemoryError, raised by the torch faces"
         " from the core's OutOfRoom.",
-        "distributed.py: a face over Pool (ranks decide together over torch.distributed).   residency.py (policy, no"
-        " torch): sleep/wake, offload/reload, pages through the backing.",
+        "distributed.py: a face over Pool (ranks decide together).   residency.py: sleep/wake, offload/reload;"
+        " mesher.py: meshing (policy, no torch).",
         "core, compactor and residency also call the Driver itself.   stats.py and viz.py read the core's layout and"
         " counters and change nothing.",
         "pool.empty's fast path (native/module.cpp) places through the same books, under their lock, when no page"
