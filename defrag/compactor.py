@@ -830,7 +830,7 @@ def _rescue_by_moving(core: Core, mover: Mover, nbytes: int, tried: list[str], c
         return None
 
 
-# ---------------------------------------------------------------------- issue 15: moves the caller places
+# ---------------------------------------------------------------------- moves the caller places
 @_gc_paused
 def move_blocks(core: Core, mover: Mover, moves, *, engine: str | None = None, verify: bool = False,
                 scope: Scope | None = None) -> CompactionReport:

@@ -1,4 +1,4 @@
-"""Choosing meshes: which partial pages may share one physical page (issue 26).
+"""Choosing meshes: which partial pages may share one physical page.
 
 Pure: numpy and the standard library, no torch, no driver. The mesher hands
 in one bitmap per candidate page (a bit per granule that holds live bytes,

@@ -1,4 +1,4 @@
-"""Meshing over the core: pages that cannot move share physical pages (issue 26; docs/meshing.md). No torch.
+"""Meshing over the core: pages that cannot move share physical pages (docs/meshing.md). No torch.
 
 `mesh_core(core, ...)` is the policy: settle the books, drop dormant twins,
 pick the candidate pages of each region, let `defrag.mesh_planner` choose

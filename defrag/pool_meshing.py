@@ -1,4 +1,4 @@
-"""`PoolMeshing`: pages that cannot move share physical pages (issue 26), the torch-facing half.
+"""`PoolMeshing`: pages that cannot move share physical pages, the torch-facing half.
 
 A part of `defrag.pool.Pool` (a mixin it inherits). The machinery is
 `defrag.mesher` over the `Core` (torch-free); this only takes the pool's lock

@@ -1,7 +1,7 @@
 """`PoolResidency`: where the pool's bytes live: device pages, host memory, or (asleep) nowhere mapped.
 
 A part of `defrag.pool.Pool` (a mixin it inherits): the torch-facing half of
-issue 15's `sleep`/`wake` (every device page released, every address kept)
+`sleep`/`wake` (every device page released, every address kept)
 and `offload`/`reload` (chosen tensors' pages backed by host memory at the
 same addresses). It turns the caller's tensors into blocks and hands them to
 `defrag.residency`, which holds the machinery over the `Core` (torch-free).
@@ -25,7 +25,7 @@ from . import tensors as tz
 class PoolResidency:
     """The `Pool`'s `sleep`, `wake`, `offload` and `reload` (see the module docstring)."""
 
-    # ------------------------------------------------------------------ sleep / wake / offload / reload (issue 15)
+    # ------------------------------------------------------------------ sleep / wake / offload / reload
     @property
     def asleep(self) -> bool:
         """Whether the pool sleeps (between `sleep()` and `wake()`)."""

@@ -300,7 +300,7 @@ def segments_from_layout(layout: dict, device: int = 0) -> list[dict]:
     by_region: dict[int, list[dict]] = collections.defaultdict(list)
     away = {int(r["index"]): (int(r["base"]), r["pages"]) for r in layout["regions"]}
     for b in layout["blocks"]:
-        # Blocks on pages offloaded to host memory or asleep (issue 15) are in no device segment.
+        # Blocks on pages offloaded to host memory or asleep are in no device segment.
         base, pages = away[int(b["region"])]
         if pages[(int(b["address"]) - base) // P] in _NOT_DEVICE:
             continue

@@ -198,7 +198,36 @@ def _draw(ax, layout: dict, *, pages_per_row: int, max_pages: int, shown: dict |
             yticks.append(first_row + r + ROW_HEIGHT / 2)
             ylabels.append(f"R{region['index']} p{r * pages_per_row}")
 
-    # Blocks, split at page boundaries.
+    covered = _block_polys(layout, plan, member, polys, seams, cell)
+
+    for kind in ("unmapped", "empty", "stranded", "asleep", "offloaded", "twin", "dormant", "twin-held",
+                 "live", "pinned", "retired"):
+        if polys[kind]:
+            ax.add_collection(_collection(polys[kind], kind))
+    if seams:
+        ax.add_collection(PolyCollection(seams, facecolors="white", edgecolors="none", linewidths=0,
+                                         antialiased=False))
+    joins, marks = _draw_joins(ax, plan, groups, pages_per_row)
+
+    # What is visible: a state whose polygons were drawn; stranded space only where a
+    # drawn page holding live data is not covered by its blocks.
+    kinds = {k for k in ("live", "pinned", "retired", "empty", "unmapped", "offloaded", "asleep", "twin",
+                         "twin-held", "dormant") if polys[k]}
+    if any((region["pages"][page] == "live" or (int(region["index"]), page) in
+            {(i, groups[i][m][0]) for i, m in live_mesh})
+           and covered.get((int(region["index"]), page), 0) < P
+           for region, n, _ in plan for page in range(n)):
+        kinds.add("stranded")
+    kinds |= marks
+
+    rows, hidden, totals = _frame(ax, layout, plan, pages_per_row, yticks, ylabels, title, headroom, joins)
+    return {"rows": rows, "hidden_pages": hidden, "totals": totals, "plan": plan, "kinds": kinds}
+
+
+def _block_polys(layout: dict, plan, member: dict, polys: dict, seams: list, cell) -> dict:
+    """Every block's rectangles, split at page boundaries, into `polys` (by colour) and `seams`; a twin's
+    pieces are also marked in its primary's cell. Returns the bytes drawn per (region, page)."""
+    P = int(layout["page_size"])
     rows_of = {int(region["index"]): (region, n, first_row) for region, n, first_row in plan}
     covered: dict[tuple[int, int], int] = {}  # (region, page) -> bytes of blocks drawn in it
     for b in layout["blocks"]:
@@ -233,27 +262,12 @@ def _draw(ax, layout: dict, *, pages_per_row: int, max_pages: int, shown: dict |
             polys[kind].append(_rect(x + f0 * CELL_WIDTH, x + f1 * CELL_WIDTH, y))
             if lo > 0 and f1 - f0 > 4 * MIN_BLOCK_FRACTION:  # separates it from a block just before
                 seams.append(_rect(x + f0 * CELL_WIDTH, x + (f0 + SEAM) * CELL_WIDTH, y))
+    return covered
 
-    for kind in ("unmapped", "empty", "stranded", "asleep", "offloaded", "twin", "dormant", "twin-held",
-                 "live", "pinned", "retired"):
-        if polys[kind]:
-            ax.add_collection(_collection(polys[kind], kind))
-    if seams:
-        ax.add_collection(PolyCollection(seams, facecolors="white", edgecolors="none", linewidths=0,
-                                         antialiased=False))
-    joins, marks = _draw_joins(ax, plan, groups, pages_per_row)
 
-    # What is visible: a state whose polygons were drawn; stranded space only where a
-    # drawn page holding live data is not covered by its blocks.
-    kinds = {k for k in ("live", "pinned", "retired", "empty", "unmapped", "offloaded", "asleep", "twin",
-                         "twin-held", "dormant") if polys[k]}
-    if any((region["pages"][page] == "live" or (int(region["index"]), page) in
-            {(i, groups[i][m][0]) for i, m in live_mesh})
-           and covered.get((int(region["index"]), page), 0) < P
-           for region, n, _ in plan for page in range(n)):
-        kinds.add("stranded")
-    kinds |= marks
-
+def _frame(ax, layout: dict, plan, pages_per_row: int, yticks, ylabels, title, headroom, joins: str):
+    """Axes limits, ticks and the title with the pool's totals; returns (rows, hidden pages, totals)."""
+    P = int(layout["page_size"])
     rows = sum(math.ceil(n / pages_per_row) for _, n, _ in plan)
     ax.set_xlim(-0.03, pages_per_row - (1 - CELL_WIDTH) + 0.03)
     headroom = _headroom(layout) if headroom is None else headroom
@@ -281,7 +295,7 @@ def _draw(ax, layout: dict, *, pages_per_row: int, max_pages: int, shown: dict |
         shown_note = (f"\nshowing {sum(n for _, n, _ in plan)} of {sum(len(r['pages']) for r in layout['regions'])} "
                       f"virtual pages (the rest are unmapped or past the cap)")
     ax.set_title(f"{title}\n{head}{shown_note}", fontsize=9)
-    return {"rows": rows, "hidden_pages": hidden, "totals": totals, "plan": plan, "kinds": kinds}
+    return rows, hidden, totals
 
 
 def _collection(polys: list, kind: str) -> PolyCollection:

@@ -15,7 +15,7 @@ the pages mapped so far are unmapped and their handles go back to the store,
 so nothing is left behind. Unmapping synchronizes the device first, because
 cuMemUnmap does not wait for queued kernels the way cudaFree does.
 
-Residency (issue 15; the transactions are in `defrag.residency`): a page's
+Residency (the transactions are in `defrag.residency`): a page's
 `Region.backing` says what is behind it. `DEVICE`: a device page (or nothing,
 where the handle is 0). `HOST`: a host-located page mapped at the same address
 (`pool.offload`); not in the store, not in `mapped`, counted in `host_mapped`.
@@ -160,7 +160,7 @@ class Region:
     npages: int
     page_size: int
     handles: np.ndarray = field(default=None)  # int64 per page; 0 = unmapped
-    backing: np.ndarray = field(default=None)  # int8 per page: DEVICE, HOST or ASLEEP (issue 15)
+    backing: np.ndarray = field(default=None)  # int8 per page: DEVICE, HOST or ASLEEP
 
     def __post_init__(self):
         if self.handles is None:
@@ -215,7 +215,7 @@ class AddressSpace:
         self.aliases = 0  # device mappings beyond each handle's first (meshes' twin pages)
         self.map_calls = 0
         self.unmap_calls = 0
-        # Residency (issue 15, see the module docstring and defrag.residency).
+        # Residency (see the module docstring and defrag.residency).
         self.host_mapped = 0  # pages backed by host-located handles
         self.asleep = 0  # pages released by sleep, mapped again at wake
         self.sleeping = False  # between a pool's sleep() and wake()

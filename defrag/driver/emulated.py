@@ -53,7 +53,7 @@ rules have passed. `defrag.driver.memoryless.MemorylessCuda` swaps only that
 part (`host_memory_class`), so the memory-less device follows exactly these
 rules with no bytes behind them.
 
-Host memory the device can use (issue 15: sleep, wake, offload) is a kind of
+Host memory the device can use (sleep, wake, offload) is a kind of
 its own, with its own capacity (`host_capacity`), separate from the device's:
 
 - host-located physical pages: `cuMemCreate` with a `CU_MEM_LOCATION_TYPE_HOST_NUMA`
