@@ -33,28 +33,13 @@ from __future__ import annotations
 import random
 import time
 
+from .runner import device_pool, device_sync
+
 KiB, MiB = 1 << 10, 1 << 20
 OCCUPANCIES = (0.25, 0.5, 0.75)
 SIZES = (16 * KiB, 256 * KiB)
 SEED = 26
 FILL = 0.95
-
-
-def _pool(device: str, capacity: int):
-    import defrag
-    from defrag.driver import Driver
-
-    if device.startswith("cuda"):
-        return defrag.Pool(device=device, capacity=capacity, auto_compact=False)
-    drv = Driver.emulated(capacity=2 * capacity, granularity=2 * MiB)
-    return defrag.Pool(device=drv, capacity=capacity, auto_compact=False)
-
-
-def _sync(device: str) -> None:
-    if device.startswith("cuda"):
-        import torch
-
-        torch.cuda.synchronize()
 
 
 def _fill(pool, rng: random.Random) -> list:
@@ -79,7 +64,7 @@ def _row(device: str, capacity: int, occupancy: float) -> dict:
     import torch
 
     rng = random.Random(f"{SEED}-{occupancy}")
-    pool = _pool(device, capacity)
+    pool = device_pool(device, capacity)
     try:
         page = pool.page_size
         tensors = _fill(pool, rng)
@@ -98,10 +83,10 @@ def _row(device: str, capacity: int, occupancy: float) -> dict:
         pool.trim(mesh=False)  # the empty pages go: what remains holds data
         before = pool.stats()["reserved_bytes.all.current"] // page
         pointers = {i: t.data_ptr() for i, t in keep.items()}
-        _sync(device)
+        device_sync(device)
         t0 = time.perf_counter()
         report = pool.mesh()
-        _sync(device)
+        device_sync(device)
         seconds = time.perf_counter() - t0
         after = pool.stats()["reserved_bytes.all.current"] // page
         intact = all(bool(torch.all(t == i % 251 + 1)) for i, t in keep.items())

@@ -30,32 +30,17 @@ from __future__ import annotations
 
 import time
 
+from .runner import device_pool, device_sync
+
 MiB, GiB = 1 << 20, 1 << 30
 TENSOR = 4 * MiB
 
 
-def _pool(device: str, capacity: int):
-    import defrag
-    from defrag.driver import Driver
-
-    if device.startswith("cuda"):
-        return defrag.Pool(device=device, capacity=capacity, auto_compact=False)
-    drv = Driver.emulated(capacity=2 * capacity, granularity=2 * MiB)
-    return defrag.Pool(device=drv, capacity=capacity, auto_compact=False)
-
-
-def _sync(device: str) -> None:
-    if device.startswith("cuda"):
-        import torch
-
-        torch.cuda.synchronize()
-
-
 def _timed(device: str, fn) -> float:
-    _sync(device)
+    device_sync(device)
     t0 = time.perf_counter()
     fn()
-    _sync(device)
+    device_sync(device)
     return time.perf_counter() - t0
 
 
@@ -64,7 +49,7 @@ def bench_sleep(device: str, smoke: bool) -> list[dict]:
 
     capacity = (64 if smoke else 1024) * MiB
     repeat = 2 if smoke else 3
-    pool = _pool(device, capacity)
+    pool = device_pool(device, capacity)
     gpu = device.startswith("cuda")
     try:
         n = int(capacity * 0.9) // TENSOR

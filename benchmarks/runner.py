@@ -340,6 +340,26 @@ def time_cuda(fn, *, number: int = 10, repeat: int = 5, warmup: int = 3) -> Timi
     return Timing(min(samples), statistics.median(samples), repeat, number)
 
 
+def device_pool(device: str, capacity: int):
+    """A pool of `capacity` bytes on `device`, automatic compaction off: on a GPU its own, else on a fresh
+    emulated device twice its size with 2 MiB pages (so the device never runs out before the pool)."""
+    import defrag
+    from defrag.driver import Driver
+
+    if device.startswith("cuda"):
+        return defrag.Pool(device=device, capacity=capacity, auto_compact=False)
+    drv = Driver.emulated(capacity=2 * capacity, granularity=2 << 20)
+    return defrag.Pool(device=drv, capacity=capacity, auto_compact=False)
+
+
+def device_sync(device: str) -> None:
+    """Wait for the GPU's queued work (nothing to wait for on the emulated device)."""
+    if device.startswith("cuda"):
+        import torch
+
+        torch.cuda.synchronize()
+
+
 def gbps(nbytes: int, seconds: float) -> float | None:
     """Payload gigabytes (1e9 bytes) per second."""
     return nbytes / seconds / 1e9 if seconds and seconds > 0 else None

@@ -230,18 +230,7 @@ MESH_FAULTS = [("cuCtxSynchronize", 1), ("cuCtxSynchronize", 2), ("cuMemcpyDtoDA
 
 def _quarters(pool, block=8 * KiB):
     """Four pages of pinned blocks, page k keeping only its k-th quarter: one mesh of four pages."""
-    per = P // block
-    made = [_pinned(pool, block, i) for i in range(4 * per)]
-    kept = {}
-    for i, t in enumerate(made):
-        page, slot = divmod(i, per)
-        if slot * 4 // per == page:
-            kept[i] = t
-        else:
-            pool.unpin(t)
-    del made, t
-    gc.collect()
-    return kept
+    return _halves(pool, 4, block, keep=lambda page, part: part == page)
 
 
 def _reserved_and_layout(pool):

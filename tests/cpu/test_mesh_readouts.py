@@ -46,6 +46,19 @@ def _segment_totals_ok(segs, st):
 
 
 # ---------------------------------------------------------------- snapshots
+def _empty_a_twin(pool, kept: dict) -> int:
+    """Free every tensor of the first twin page (it becomes dormant); returns that page."""
+    region = pool.layout()["regions"][0]
+    twin = region["pages"].index("meshed")
+    for seed, t in list(kept.items()):
+        if (t.data_ptr() - region["base"]) // P == twin:
+            pool.unpin(t)
+            del kept[seed]
+    t = None
+    gc.collect()
+    return twin
+
+
 def test_snapshot_segments_count_a_meshed_physical_page_once(make_pool):
     """8 half-used pages meshed onto 4 physical pages: 256 KiB reserved, and the segments add up to
     256 KiB (not the 512 KiB of the 8 virtual pages); every live block is in a segment, twins' included;
@@ -64,14 +77,7 @@ def test_snapshot_segments_count_a_meshed_physical_page_once(make_pool):
     layout = pool.layout()
     assert segments_from_layout(json.loads(json.dumps(layout))) == segments_from_layout(layout)
 
-    region = layout["regions"][0]
-    twin = region["pages"].index("meshed")
-    for seed, t in list(kept.items()):
-        if (t.data_ptr() - region["base"]) // P == twin:
-            pool.unpin(t)
-            del kept[seed]
-    del t
-    gc.collect()
+    twin = _empty_a_twin(pool, kept)
     assert pool.layout()["regions"][0]["pages"][twin] == "meshed-dormant"
     _segment_totals_ok(pool.snapshot()["segments"], pool.stats())
     _intact(kept)
@@ -188,14 +194,7 @@ def test_memory_map_draws_twins_on_their_primaries_and_joins_them(make_pool, tmp
 
 def test_memory_map_shows_a_dormant_twin_and_its_primary_keeps_the_free_space(make_pool):
     pool, kept = _meshed(make_pool)
-    region = pool.layout()["regions"][0]
-    twin = region["pages"].index("meshed")
-    for seed, t in list(kept.items()):
-        if (t.data_ptr() - region["base"]) // P == twin:
-            pool.unpin(t)
-            del kept[seed]
-    del t
-    gc.collect()
+    twin = _empty_a_twin(pool, kept)
     layout = pool.layout()
     assert layout["regions"][0]["pages"][twin] == "meshed-dormant"
     totals, st = viz.layout_totals(layout), pool.stats()
