@@ -330,7 +330,10 @@ class MeshMachine(RuleBasedStateMachine):
         """Free the tensors starting in one part of even pages and another of odd pages: pages with
         complementary live ranges, what meshing feeds on."""
         for seed, t in list(self.tensors.items()):
-            page, offset = divmod(t.data_ptr(), P)
+            # Pages counted from the region's start: an absolute address would make the choice depend on
+            # where the reservation landed, and hypothesis needs the same steps to do the same thing.
+            region = self.pool.core.space.region_of(t.data_ptr())
+            page, offset = divmod(t.data_ptr() - region.base, P)
             if (page + offset * parts // P) % 2 == parity:
                 del self.tensors[seed]
 
