@@ -761,10 +761,15 @@ def _rescue_by_meshing(core: Core, mover: Mover, nbytes: int, tried: list[str]):
         tried.append("meshing found no pages whose live bytes are disjoint")
         return None
     tried.append(f"meshing (freed {report.mesh_freed_pages} physical pages)")
+    return _place_again(core, nbytes, tried, "meshing")
+
+
+def _place_again(core: Core, nbytes: int, tried: list[str], after: str):
+    """The ladder's placement after a rescue step: the Block, or None with the reason added to `tried`."""
     try:
         return core.place(nbytes)
     except NoSpace as exc:
-        tried.append(f"placement after meshing ({exc})")
+        tried.append(f"placement after {after} ({exc})")
         return None
 
 
@@ -804,10 +809,9 @@ def _rescue_by_moving(core: Core, mover: Mover, nbytes: int, tried: list[str], c
         tried.append(f"automatic compaction did not run or was rolled back ({exc})")
         return None
     tried.append(f"automatic compaction (moved {report.moved_tensors} tensors, released {report.released_pages} pages)")
-    try:
-        return core.place(nbytes)
-    except NoSpace as exc:
-        tried.append(f"placement after compaction ({exc})")
+    block = _place_again(core, nbytes, tried, "compaction")
+    if block is not None:
+        return block
     # Every page is needed, but the free bytes are split: merge two holes (a sub-page request), or
     # evacuate a window that shares a page with a block that stays (a request of a page or more).
     large = size >= core.page_size
@@ -823,11 +827,7 @@ def _rescue_by_moving(core: Core, mover: Mover, nbytes: int, tried: list[str], c
     except (CompactionError, CudaError) as exc:
         tried.append(f"{what[0]} compaction did not run or was rolled back ({exc})")
         return None
-    try:
-        return core.place(nbytes)
-    except NoSpace as exc:
-        tried.append(f"placement after {what[1]} ({exc})")
-        return None
+    return _place_again(core, nbytes, tried, what[1])
 
 
 # ---------------------------------------------------------------------- moves the caller places
