@@ -384,8 +384,7 @@ class Backing:
             driver.unmap(region.address(page), P)
             space.unmap_calls += 1
             region.handles[page], region.backing[page] = ASLEEP_HANDLE, ASLEEP
-            del space.refs[handle]  # a pool with meshes does not sleep (`Backing.meshes`): one page per handle
-            space.mapped -= 1
+            space.unref(handle, to_store=False)  # kept in `unmapped`, mapped again at wake
             space.asleep += 1
             unmapped.append((region, page, handle))
         return [h for _, _, h in unmapped]
@@ -399,8 +398,7 @@ class Backing:
             driver.map(region.address(page), P, handle)
             space.map_calls += 1
             region.handles[page], region.backing[page] = handle, DEVICE
-            space.refs[handle] = 1
-            space.mapped += 1
+            space.ref(handle)
             space.asleep -= 1
             by_region[region.index].append(page)
         for index, pages in by_region.items():
@@ -484,16 +482,13 @@ class Backing:
         return olds
 
     def _count(self, backing: int, delta: int, handle: int) -> None:
-        """A re-backed page's handle of kind `backing` mapped (+1) or unmapped (-1) there. A meshed page is
-        never re-backed (offload refuses it), so a device handle maps one page."""
+        """A re-backed page's handle of kind `backing` mapped (+1) or unmapped (-1) there."""
         if backing == HOST:
             self.space.host_mapped += delta
-            return
-        self.space.mapped += delta
-        if delta > 0:
-            self.space.refs[handle] = 1
+        elif delta > 0:
+            self.space.ref(handle)
         else:
-            del self.space.refs[handle]
+            self.space.unref(handle, to_store=False)
 
     def _unswap(self, region: Region, swapped: list, to: int) -> None:
         """Undo of `reback`'s swap: the old handles go back under their pages."""

@@ -291,8 +291,7 @@ class AddressSpace:
                     raise
                 self.map_calls += 1
                 region.handles[page] = handle
-                self.refs[handle] = 1
-                self.mapped += 1
+                self.ref(handle)
                 done.append(page)
             for first, count in page_runs(pages):
                 self.driver.set_access(region.address(first), count * self.page_size)
@@ -340,10 +339,20 @@ class AddressSpace:
                 continue
             handle = int(region.handles[page])
             region.handles[page] = 0
-            self._unref(handle, to_store=True)
+            self.unref(handle, to_store=True)
             pages.remove(page)
 
-    def _unref(self, handle: int, *, to_store: bool) -> None:
+    def ref(self, handle: int) -> None:
+        """One more virtual page maps device `handle`: its first mapping counts it in `mapped`, later
+        ones in `aliases`. The one place that counts a mapping (with `unref`)."""
+        n = self.refs.get(handle, 0) + 1
+        self.refs[handle] = n
+        if n == 1:
+            self.mapped += 1
+        else:
+            self.aliases += 1
+
+    def unref(self, handle: int, *, to_store: bool) -> None:
         """One virtual page stopped mapping device `handle`: at its last mapping it is no longer mapped
         (to the store with `to_store`, else the caller keeps it); before that, one alias less."""
         left = self.refs[handle] - 1
@@ -370,8 +379,7 @@ class AddressSpace:
             self.driver.map(region.address(page), self.page_size, handle)
             self.map_calls += 1
             region.handles[page] = handle
-            self.refs[handle] += 1
-            self.aliases += 1
+            self.ref(handle)
             done.append(page)
         for first, count in page_runs(pages):
             self.driver.set_access(region.address(first), count * self.page_size)
@@ -385,7 +393,7 @@ class AddressSpace:
         self.driver.unmap(region.address(page), self.page_size)
         self.unmap_calls += 1
         region.handles[page] = 0
-        self._unref(handle, to_store=False)
+        self.unref(handle, to_store=False)
         txn.on_rollback(self.attach, region, page, handle)
         return handle
 
@@ -402,11 +410,7 @@ class AddressSpace:
             self.unmap_calls += 1
             raise
         region.handles[page] = handle
-        self.refs[handle] = self.refs.get(handle, 0) + 1
-        if self.refs[handle] == 1:
-            self.mapped += 1
-        else:
-            self.aliases += 1
+        self.ref(handle)
 
     def unattach(self, region: Region, page: int) -> None:
         """Unmap `page`, whose handle the caller (a store transaction's undo) takes back: `attach`'s undo."""
@@ -414,7 +418,7 @@ class AddressSpace:
         self.driver.unmap(region.address(page), self.page_size)
         self.unmap_calls += 1
         region.handles[page] = 0
-        self._unref(handle, to_store=False)
+        self.unref(handle, to_store=False)
 
     def unmap(self, region: Region, pages: list[int]) -> None:
         """Synchronize, then unmap each page and return its handle to the store (cached).
