@@ -10,9 +10,10 @@ from __future__ import annotations
 
 import numpy as np
 
+from .backing import PRIMARY, TWIN
 from .heap import ALIGNMENT
 from .units import format_bytes
-from .vmm import ASLEEP, HOST
+from .vmm import ASLEEP, DEVICE, HOST
 
 
 class OutOfRoom(MemoryError):
@@ -187,7 +188,7 @@ def layout(core) -> dict:
         states = np.where(live, "live", np.where(mapped, "empty", "unmapped"))
         # Pages behind host memory (offloaded) or released by a sleep.
         states = np.where(region.backing == HOST, "offloaded", np.where(region.backing == ASLEEP, "asleep", states))
-        twin = backing.roles[region.index] == 2  # sharing a primary's physical page (a mesh)
+        twin = backing.roles[region.index] == TWIN  # sharing a primary's physical page (a mesh)
         states = np.where(twin, np.where(live, "meshed", "meshed-dormant"), states)
         regions.append({"index": region.index, "base": region.base, "npages": region.npages,
                         "pages": states.tolist(), "free_ranges": backing.heaps[region.index].free_ranges(),
@@ -257,7 +258,7 @@ def _check_meshes(core, meshes) -> None:
     backing, space, P = core.backing, core.space, core.page_size
     refs: dict[int, int] = {}
     for region in space.regions:
-        for h in region.handles[(region.handles != 0) & (region.backing == 0)].tolist():
+        for h in region.handles[(region.handles != 0) & (region.backing == DEVICE)].tolist():
             refs[h] = refs.get(h, 0) + 1
     assert refs == space.refs, "per-handle mapping counts disagree with the pages"
     assert space.mapped == len(refs), f"mapped {space.mapped} != distinct device handles {len(refs)}"
@@ -270,7 +271,8 @@ def _check_meshes(core, meshes) -> None:
         assert twins, f"mesh {mesh_id} has no twin"
         assert len({int(region.handles[p]) for p in group}) == 1 and region.handles[primary], (
             f"mesh {mesh_id}'s pages map different physical pages")
-        assert all(ids[p] == mesh_id for p in group) and roles[primary] == 1 and all(roles[t] == 2 for t in twins)
+        assert all(ids[p] == mesh_id for p in group)
+        assert roles[primary] == PRIMARY and all(roles[t] == TWIN for t in twins)
         assert live == sum(int(counts[p]) for p in group), f"mesh {mesh_id}'s live count disagrees"
         covered = np.zeros(P // ALIGNMENT, dtype=np.int64)
         for p in group:
