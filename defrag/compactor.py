@@ -312,7 +312,7 @@ def compact_core(core: Core, mover: Mover, *, verify: bool = False, progress: bo
             raise
 
     with PhaseTimer(phases, "plan"):
-        plans, stuck = _plan_regions(core, mover, scope, hole_for, automatic)
+        plans, stuck = _plan_regions(core, mover, scope, hole_for, automatic, mesh and hole_for is None)
 
     total_bytes = sum(p.moved_bytes for _, p, _ in plans)
     total_moves = sum(len(p) for _, p, _ in plans)
@@ -328,7 +328,7 @@ def compact_core(core: Core, mover: Mover, *, verify: bool = False, progress: bo
             if plan.hole is not None:
                 with PhaseTimer(phases, "prepare"):
                     _map_hole(core, region, plan.hole)
-        if mesh and hole_for is None and stuck:
+        if stuck:
             with PhaseTimer(phases, "mesh"):
                 _mesh(core, mover, scope, engine, automatic, report, pages=stuck)
     finally:
@@ -345,15 +345,16 @@ def compact_core(core: Core, mover: Mover, *, verify: bool = False, progress: bo
     return report
 
 
-def _plan_regions(core: Core, mover: Mover, scope: Scope, hole_for: int | None, automatic: bool):
+def _plan_regions(core: Core, mover: Mover, scope: Scope, hole_for: int | None, automatic: bool,
+                  mesh: bool):
     """Each region's plan, as (region, plan, layout) for the regions with moves; and, per region index,
     the pages that blocks which cannot move touch (what a compaction's meshing step may share: the
-    moves pack the rest)."""
+    moves pack the rest), only with `mesh` (else empty: nothing will mesh)."""
     plans, stuck = [], {}
     for region in core.regions:
         layout = _collect(core, mover, region, scope)
         fixed = ~layout.movable
-        if fixed.any():
+        if mesh and fixed.any():
             stuck[region.index] = _pages_under(layout.offsets[fixed], layout.sizes[fixed], core.page_size)
         if not layout.held and (hole_for is None or hole_for < core.page_size):
             continue  # nothing can move (a window plan may move nothing: it maps the window's pages)
