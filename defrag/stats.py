@@ -145,9 +145,8 @@ class HistoryRecorder:
             if kind == 1:
                 tracked[address] = nbytes
                 self._add("alloc", address, nbytes, time_us=time_us)
-            elif tracked.pop(address, None) is not None:
-                self.frames.pop(address, None)
-                self._free(address, nbytes, time_us)
+            else:
+                self._untrack(address, time_us)
         self.lost = int(lost)
 
     # ------------------------------------------------------------------ hooks (pool lock held)
@@ -164,11 +163,15 @@ class HistoryRecorder:
 
         Ignored for blocks the trace never saw allocated (see the class doc).
         """
-        nbytes = self._tracked.pop(alloc.address, None)
-        self.frames.pop(alloc.address, None)
-        if nbytes is None:
-            return
-        self._free(alloc.address, nbytes)
+        self._untrack(alloc.address)
+
+    def _untrack(self, address: int, time_us: int | None = None) -> None:
+        """The tracked block at `address` is freed (`_free`, with its recorded size); nothing for an address
+        the trace never saw allocated."""
+        nbytes = self._tracked.pop(address, None)
+        self.frames.pop(address, None)
+        if nbytes is not None:
+            self._free(address, nbytes, time_us)
 
     def _free(self, address: int, nbytes: int, time_us: int | None = None) -> None:
         # PyTorch's viewers fold the pair into one "free" event; a lone
