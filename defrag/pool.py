@@ -151,6 +151,13 @@ class LiveTensor:
     meshed: bool = False  # a page under it shares its physical page with other pages (a mesh: `Pool.mesh`)
 
 
+def _owner_ref(info):
+    """The weak reference to the storage that owns a block with face data `info`, or None where nothing
+    can be held: no data, a segment of PyTorch's allocator (PyTorch sub-allocates inside it), or no
+    storage recorded."""
+    return None if info is None or isinstance(info, SegmentInfo) else info.storage_ref
+
+
 class _TorchMover:
     """The compaction's callbacks for torch storages (see `defrag.compactor.Mover`)."""
 
@@ -175,9 +182,8 @@ class _TorchMover:
         return self.hold_all([block])[0]
 
     def holdable(self, blocks: list) -> list:
-        # `hold_all`'s verdict without the storages: whether each has a live-looking owner to hold.
-        return [not (info is None or isinstance(info, SegmentInfo) or info.storage_ref is None)
-                for info in [block.info for block in blocks]]
+        # `hold_all`'s verdict without the storages: whether each has an owner to hold.
+        return [_owner_ref(block.info) is not None for block in blocks]
 
     def hold_all(self, blocks: list) -> list:
         # `can_rewrite`'s verdict included: a segment or a dead storage has no hold.
@@ -185,8 +191,7 @@ class _TorchMover:
         swap = pool._can_swap
         grips = []
         for block in blocks:
-            info = block.info
-            ref = None if info is None or isinstance(info, SegmentInfo) else info.storage_ref
+            ref = _owner_ref(block.info)
             storage = None if ref is None else lock(ref.cdata)
             if storage is None:
                 grips.append(None)
