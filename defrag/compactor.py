@@ -695,13 +695,6 @@ def _copy(core: Core, mover: Mover, engine: str, moves: list[tuple[int, int, int
     copy_ranges(core, mover.stream(), engine, moves)
 
 
-_relative = relative
-
-
-def _kernel_stream(core: Core, mover: Mover):
-    return kernel_stream(core, mover.stream())
-
-
 def _verify(core: Core, mover: Mover, engine: str, moves: list[tuple[int, int, int]]) -> None:
     """Compare checksums of every source and destination; CompactionError on mismatch.
 
@@ -721,10 +714,10 @@ def _verify(core: Core, mover: Mover, engine: str, moves: list[tuple[int, int, i
                 raise CompactionError(f"verification failed: {n} bytes copied from {src:#x} to {dst:#x} differ")
         return
     from .kernels import checksum, device_arena
-    base, span, table = _relative(moves)
+    base, span, table = relative(moves)
     arena = device_arena(base, span)
-    sums_src = checksum(arena, table[:, [0, 2]], stream=_kernel_stream(core, mover))
-    sums_dst = checksum(arena, table[:, [1, 2]], stream=_kernel_stream(core, mover))
+    sums_src = checksum(arena, table[:, [0, 2]], stream=kernel_stream(core, mover.stream()))
+    sums_dst = checksum(arena, table[:, [1, 2]], stream=kernel_stream(core, mover.stream()))
     bad = np.flatnonzero(sums_src != sums_dst)
     if bad.size:
         src, dst, n = moves[int(bad[0])]
