@@ -65,7 +65,7 @@ block uses it and it holds no live tensor. Call `release_cached()` (or
 This module imports no `defrag.pool`: it sees a pool only through its public
 methods (`alloc_segment`, `free_segment`, `segments`, `driver`, `kind`,
 `device`, `closed`, `id`), so `Pool.capture()` can use it; `install`'s
-native route also takes the pool's native FastPath (`pool.core.front.cpp`),
+native route also takes the pool's native FastPath (`pool.core.fast`),
 as `defrag.cpu_allocator` does.
 """
 
@@ -536,9 +536,8 @@ def native_library() -> str:
 
 
 def _fast_path(pool):
-    """The pool's native FastPath (`defrag.fastpath.FastPath.cpp`), or None (DEFRAG_FASTPATH=0, "rebind" mode)."""
-    front = getattr(getattr(pool, "core", None), "front", None)
-    return getattr(front, "cpp", None)
+    """The pool's native FastPath (`Core.fast`), or None (DEFRAG_FASTPATH=0, "rebind" mode)."""
+    return getattr(getattr(pool, "core", None), "fast", None)
 
 
 def register_native(pool, device: int | None = None) -> CudaInstall:

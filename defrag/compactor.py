@@ -434,7 +434,7 @@ def _convey(core: Core, mover: Mover, scope: Scope, engine: str, verify: bool, r
             if budget < 1:
                 return
             P = core.page_size
-            if not any(b.size >= P and b.region is region for b in core.blocks()):
+            if not any(b.size >= P for b in core.blocks(region)):
                 continue  # nothing to convey: skip holding every block of the region
             layout = _collect(core, mover, region, scope, large_only=True)
             try:
@@ -507,7 +507,7 @@ def _collect(core: Core, mover: Mover, region, scope: Scope, *, large_only: bool
     """
     base, small, blocker = region.base, core.page_size if large_only else 0, scope.blocker
     # Plain lists and one call to the face: this runs for every block of the region before each plan.
-    blocks = [block for block in core.blocks() if block.region is region]
+    blocks = core.blocks(region)
     candidates = [i for i, block in enumerate(blocks) if block.size >= small and not blocker(block)]
     lazy = mover.lets_go()
     picked = [blocks[i] for i in candidates]
@@ -654,10 +654,7 @@ def _commit_destinations(core: Core, mover: Mover | None, dests: list) -> None:
     and `mover` (None when its batch already did) commits each owner."""
     history, commit = core.history, (mover.commit if mover is not None else None)
     for old, new, grip, dest in dests:
-        new.retired, new.counted = False, True
-        old.counted = False
-        new.pins, new.owner, new.shared, new.info = old.pins, old.owner, old.shared, old.info
-        old.retired = True
+        core.swap_in(old, new)
         if commit is not None:
             commit(old, new, grip, dest)
         if history is not None:
@@ -778,7 +775,7 @@ def _rescue_by_moving(core: Core, mover: Mover, nbytes: int, tried: list[str], c
         # A sub-page request needs a hole, not a page. Movable blocks can also fill
         # holes in pages that blocks which cannot move keep (other threads' blocks
         # are spread over every page), so only the live bytes bound what packing frees.
-        slack = core.capacity - core.counters["allocated_bytes"]
+        slack = core.capacity - core.allocated_bytes
         if size > slack:
             tried.append(f"compaction cannot help: even packed, only {format_bytes(max(slack, 0))} would be free")
             return None

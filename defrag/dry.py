@@ -155,6 +155,7 @@ class DryPool:
         `close` does that.
         """
         self._blocks.clear()
+        self.core.books.clear_unattached()  # the Blocks the books hold go now, with the GIL
         self.core.closed = True
 
     def close(self) -> None:

@@ -15,15 +15,15 @@ allocator, `capture`) and `defrag.pool_observability` (`PoolObservability`:
 keeps the pool's life (creation, fast path, release, `trim`, `close`) and
 compaction (`compact`, `live_tensors`).
 
-Lifetime. Each block is owned by the torch storage over it (`defrag.tensors`):
-when the last tensor or view of the storage dies, the block's release is
-queued (from whatever thread, possibly inside a pool call through garbage
-collection) and applied at the next safe point: the start of any pool call.
-On CUDA a released block is reused only after an event recorded on every
-stream that used it has completed (`record_stream`). Pages left with no live
-block stay mapped ("empty") until their physical page is needed elsewhere,
-`trim()`, a compaction or `close()`; the device is synchronized before any
-unmap.
+Lifetime. Each block is owned by the torch storage over it: a storage made in
+C++ over the block's record in the pool's native books (`defrag.native`),
+whose deleter releases the record there in whatever thread torch frees it (at
+once, or, while a thread is inside a pool call, when it leaves). On CUDA a
+released block that other streams used (`record_stream`) is reused only after
+an event on each of them completed; one its own stream alone used is reusable
+by that stream at once. Pages left with no live block stay mapped ("empty")
+until their physical page is needed elsewhere, `trim()`, a compaction or
+`close()`; the device is synchronized before any unmap.
 
 Threads (the contract; `defrag.threads` has the mechanism). Every public
 method holds the pool's lock, so pool calls from several threads are
@@ -85,6 +85,27 @@ DEFAULT_STREAM_ID = 0
 DEFAULT_STREAM_HANDLE = 0
 
 
+def _weakly(method):
+    """A plain function calling the bound `method` through a weak reference to its object (it returns
+    None once the object is gone): a callback native code keeps must not keep the pool alive."""
+    ref = weakref.WeakMethod(method)
+
+    def call(*args):
+        bound = ref()
+        return None if bound is None else bound(*args)
+    return call
+
+
+def _let_go(core: Core) -> None:
+    """The end of a pool's memory (its finalizer: closed and idle, or collected): its native code serves
+    nothing more and keeps no reference to it, and every handle, mapping and reservation goes back."""
+    if core.fast is not None:
+        core.fast.close()
+    core.books.close()
+    core.books.set_keeper(None, None)
+    core.space.release_all()
+
+
 def open_pools() -> list["Pool"]:
     """Every pool of this process that is not closed."""
     return [p for p in list(_open_pools) if not p.closed]
@@ -129,10 +150,23 @@ class TensorInfo:
     shape: tuple[int, ...] | None = None
     storage_ref: object | None = None  # StorageWeakRef to the user's storage
     origin: str = "empty"  # empty | adopt | allocator (PyTorch's CPU or CUDA allocator made it: defrag.install)
-    streams: set = field(default_factory=set)  # CUDA streams that used it (record_stream)
-    alloc_stream: int = 0
     tensors: list = field(default_factory=list)  # weakrefs to the tensors the pool made ("rebind" mode only)
     kind: str = "tensor"
+
+
+def _native_face_maker(regions: list):
+    """`Core.make_face` for a pool whose native code places blocks (`pool.empty`'s fast path, threads
+    Python never saw, PyTorch's allocator entries): the Block of such a block, made when Python first
+    asks for it. No owner (a thread Python never saw, PyTorch's allocator): pinned, since that code
+    holds the raw pointer and a move would leave it stale. No storage (PyTorch's allocator made the
+    block: torch builds the storage itself): origin "allocator"."""
+    from torch.multiprocessing.reductions import StorageWeakRef
+
+    def make(address, size, nbytes, region, origin, owner, weak, dtype, shape):
+        storage_ref = StorageWeakRef.from_weakref(weak) if weak else None
+        info = TensorInfo(dtype, shape, storage_ref, "empty" if storage_ref is not None else "allocator")
+        return Block(address, size, nbytes, regions[region], pins=int(owner is None), owner=owner, info=info)
+    return make
 
 
 @dataclass(frozen=True)
@@ -205,7 +239,7 @@ class _TorchMover:
     def destinations(self, blocks: list) -> list:
         pool = self.pool
         if pool._fast is not None:
-            return pool.core.front.storages_over(blocks)
+            return pool._fast.storages([block.address for block in blocks], blocks, [block.nbytes for block in blocks])
         return [pool._storage_over(block) for block in blocks]
 
     def _rebases(self) -> bool:
@@ -227,8 +261,14 @@ class _TorchMover:
         # where some owner's memory was not the fast path's: the wave then swaps with temporaries.
         if not self._rebases():
             return None
-        failed = self.pool.core.front.rebase([grip[0] for grip in grips], addresses, olds)
+        failed = self.rebase_all([grip[0] for grip in grips], addresses, olds)
         return None if failed == -2 else failed
+
+    def rebase_all(self, users: list, addresses: list, olds: list) -> int:
+        """`FastPath.rebase` for a wave: each storage of `users` takes the memory at the same index of
+        `addresses` from the block at the same index of `olds` (checked first; see the C++ source):
+        -1 when done, i when users[i] changed, -2 when some user's memory is not the fast path's."""
+        return self.pool._fast.rebase(users, addresses, [old.address for old in olds], [old.nbytes for old in olds])
 
     def commit_all(self, dests) -> int | None:
         # One C++ call for the whole wave where torch has it (`swap_storages`: `_swap_data_ptr_` per
@@ -250,8 +290,7 @@ class _TorchMover:
             # `old` dies with the old storage once the compaction's references go.
             tz.rebind(rebind, dest)
             info = old.info
-            new.info = TensorInfo(info.dtype, info.shape, tz.weak_storage(dest), info.origin, info.streams,
-                                  info.alloc_stream, info.tensors)
+            new.info = TensorInfo(info.dtype, info.shape, tz.weak_storage(dest), info.origin, info.tensors)
             old.info = None
 
 
@@ -317,17 +356,21 @@ class Pool(TensorOwnership, PoolResidency, PoolMeshing, AllocatorSegments, PoolO
         self.core = Core(self.driver, capacity_pages=capacity_bytes // page_size, page_size=page_size,
                          auto_compact=auto_compact, min_compact_interval=min_compact_interval,
                          virtual_factor=virtual_factor, label=f"pool #{self.id}", auto_mesh=auto_mesh)
-        if self.kind == "cuda":
-            self.core.defer = self._stream_events
+        if self.kind == "cuda" and self.driver.on_libcuda:
+            # Releases other streams used wait for their events; reuse across streams is fenced.
+            self.core.books.set_streams("cuda", self.driver.context_handle)
+        # The books keep this pool alive while a storage of theirs lives, and tell it of every release
+        # after close (`_release_after_close`), through a weak reference (no cycle).
+        self._close_hook = _weakly(self._release_after_close)  # kept here: the books only borrow it
+        self.core.books.set_keeper(self, self._close_hook)
         self._mover = _TorchMover(self)
         self._segments: dict[int, Block] = {}  # address -> segment handed to PyTorch's allocator
         # Holds the address space, not the pool: it runs when the pool is collected or closed idle.
-        self._finalizer = weakref.finalize(self, self.core.space.release_all)
+        self._finalizer = weakref.finalize(self, _let_go, self.core)
         self._finalizer.atexit = False
         # The allocation fast path (defrag.fastpath) over the core's native books; whenever it
         # declines, the Python path.
         self._fast = None
-        self._fast_recording = False  # whether the fast path logs the allocator entries' blocks (history)
         if fastpath.setting() != "off":
             with self.core.gate:
                 self._attach_fast()
@@ -391,106 +434,71 @@ class Pool(TensorOwnership, PoolResidency, PoolMeshing, AllocatorSegments, PoolO
         self.core.drain()
 
     def _attach_fast(self) -> None:
-        """Hand the kept ranges to the C++ fast path and let it serve `empty` (gate held)."""
+        """Let the native fast path serve `empty` and make this pool's storages (gate held)."""
         if not self._can_swap:
             return  # "rebind" mode must know every tensor it made
         try:
             # The default stream is known without asking torch (see _current_stream): its c10 id is 0.
             cpp = fastpath.wait().FastPath(
-                self.core.books, self, self.core.gate.occupants, threads.owner_ref, list(tz.SUPPORTED_DTYPES),
-                self.device.type, self.device.index or 0, self.driver.stale_probe_fd(), DEFAULT_STREAM_ID)
+                self.core.books, threads.owner_ref, list(tz.SUPPORTED_DTYPES), self.device.type,
+                self.device.index or 0, self.driver.stale_probe_fd(), DEFAULT_STREAM_ID)
         except Exception:  # never fatal: the Python path does everything the fast path does
             _log.warning("defrag: the allocation fast path could not attach to %s; using the Python path\n%s",
                          self.core.label, traceback.format_exc())
             return
-        alloc_stream = DEFAULT_STREAM_HANDLE
-
-        def make_info(dtype, shape, storage_ref):
-            # No storage: a block of PyTorch's CPU allocator (`defrag.install`), never one of pool.empty().
-            origin = "empty" if storage_ref is not None else "allocator"
-            return TensorInfo(dtype, shape, storage_ref, origin, alloc_stream=alloc_stream)
-
-        self.core.front = fastpath.FastPath(cpp, make_info)
-        self.core.gate.books = self.core.books  # native placement waits while a thread holds the gate
+        self.core.fast = cpp
+        self.core.make_face = _native_face_maker(self.core.space.regions)
+        cpp.set_room(_weakly(self._room))
         if type(self).empty is Pool.empty:  # a subclass's own empty() stays in charge
             # `pool.empty` straight into C++ (the same as `Pool.empty`, without its Python frame).
             self.empty = cpp.bind_empty(Pool._empty_after_miss, weakref.ref(self))
         self._fast = cpp
         self._update_fast()
 
-    def _refill(self) -> bool:
-        """Apply queued releases so that their ranges are kept for the fast path again; whether any was.
-        Cheaper than `_enter`: the fast path's new blocks stay unrecorded (see `Core.drain`)."""
-        core = self.core
-        with core.gate:
-            if core.closed:
-                return False
-            before = core.books.kept_count()
-            core.drain(made_too=False)
-            return core.books.kept_count() > before
+    def _room(self, nbytes: int, origin: int, stream: int = 0):
+        """Place a block of `nbytes` for `stream` through the ladder for native code that could not place
+        it (the fast path's room, `FastPath.set_room`: called with the GIL by a thread Python never saw,
+        origin 1, or by PyTorch's CPU or CUDA allocator entries, origin 2, which then attach the block).
+        Its face is pinned and belongs to no thread: PyTorch, or a C++ thread, holds its raw pointer.
 
-    def _stock_for_native(self, nbytes: int) -> bool:
-        """A thread Python never saw could not place `nbytes` natively (pages must be mapped, or the
-        ladder must climb; the fast path's `native_empty` calls this with the GIL): place a block
-        through the ladder (compaction included: those threads' blocks are pinned, and the calling
-        thread waits outside any op) and keep its range for that size, for the native placement to
-        take. False when the pool cannot (closed, asleep, out of memory, the fast path off); never
-        raises (it is called across the C boundary)."""
-        return self._stock(nbytes, True, allocator=False) is None
-
-    def _stock_for_allocator(self, nbytes: int, no_room: bool = True) -> "str | bool | None":
-        """`_stock_for_native` for PyTorch's CPU allocator and CUDA entry points (`defrag.install`;
-        native/pool_allocator.h calls it with the GIL; the calling thread's own allocations meanwhile
-        never come back here). `no_room` False: the native placement found releases waiting, the books
-        held or a history log to take, not a lack of room: only apply the releases (the ladder would
-        record every live block again, whose frees would queue again). The ladder stops before
-        compacting: PyTorch may allocate in the middle of an op whose inputs' addresses it has read
-        (an output, a workspace), so moving pool tensors there is unsafe. None: stocked (place
-        again); a str: the pool cannot serve it, the explained OOM (raised to the program as
-        torch.OutOfMemoryError); False: the pool is closed or asleep (the CPU allocator's previous
-        allocator serves it; on CUDA it fails). Never raises (it is called across the C boundary)."""
-        return self._stock(nbytes, no_room, allocator=True)
-
-    def _stock(self, nbytes: int, no_room: bool, *, allocator: bool) -> "str | bool | None":
-        """`_stock_for_native` and `_stock_for_allocator`: `allocator` reads the allocator entries' switch
-        (on while recording history) instead of the fast path's, and stops the ladder before compacting."""
-        compact = not allocator
+        Returns (address, its Block); else a str, the pool's explained OOM (raised to the program as
+        torch.OutOfMemoryError); else None: the pool does not serve it (closed, asleep, the fast path
+        off). For PyTorch's allocator the ladder stops before compacting: PyTorch may allocate in the
+        middle of an op whose inputs' addresses it has read (an output, a workspace), so moving pool
+        tensors there is unsafe. Never raises (it is called across the C boundary)."""
+        allocator = origin == 2
         try:
             fast = self._fast
             if fast is None or not (fast.serves_allocator if allocator else fast.enabled):
-                return False
-            if self._refill() or not no_room:  # releases were waiting (the common case): their ranges may serve it
                 return None
             with self.core.gate:
                 self._enter()
-                block = self._allocate(nbytes, compact=compact)
-                self.core.unplace(block)
-            return None
+                block = self._allocate(nbytes, compact=not allocator, stream=stream)
+                block.pins, block.owner = 1, None
+                block.info = TensorInfo(None if allocator else torch.uint8, (nbytes,), None,
+                                        "allocator" if allocator else "empty")
+            return block.address, block
         except OutOfMemoryError as exc:
-            if compact:
+            if not allocator:
                 return str(exc)
             return (f"{exc}\n  not tried inside PyTorch's allocator: compacting (an op may hold its inputs' "
                     f"addresses); compact between steps (pool.compact()) or retry with defrag.retry_on_oom")
         except StaleAccessError as exc:
             return str(exc)
         except (PoolClosedError, PoolAsleepError):
-            return False
+            return None
         except Exception as exc:
-            _log.error("defrag: stocking a range for a native allocation failed\n%s", traceback.format_exc())
+            _log.error("defrag: placing a block for native code failed\n%s", traceback.format_exc())
             return f"defrag: making room for {nbytes} bytes failed: {exc!r}"
 
     def _update_fast(self) -> None:
         """Let the fast path serve only while nothing needs the Python path's eyes (gate held). PyTorch's
-        allocator entries (`defrag.install`) keep serving while the pool records history: the fast path
-        logs their blocks for the recorder (`FastPath.sync` hands them over)."""
+        allocator entries (`defrag.install`) keep serving while the pool records history: the books log
+        their blocks for the recorder."""
         if self._fast is not None:
             core, cpp = self.core, self._fast
             serves = not (core.closed or core.space.sleeping)
-            recording = core.history is not None
-            if recording != self._fast_recording:
-                cpp.set_recording(recording)
-                self._fast_recording = recording
-            cpp.enabled = serves and not recording
+            cpp.enabled = serves and core.history is None
             cpp.serves_allocator = serves
 
     def _current_stream(self) -> int:
@@ -506,31 +514,19 @@ class Pool(TensorOwnership, PoolResidency, PoolMeshing, AllocatorSegments, PoolO
             return torch.cuda.current_stream(self.device).cuda_stream
         return DEFAULT_STREAM_HANDLE
 
-    def _stream_events(self, block: Block) -> list:
-        """CUDA: events on every stream that used `block`; it is reused once they completed."""
-        info = block.info
-        streams = {info.alloc_stream, *info.streams} if info is not None else {0}
-        events = []
-        for stream in streams:
-            event = torch.cuda.Event()
-            event.record(torch.cuda.ExternalStream(stream, device=self.device) if stream else
-                         torch.cuda.default_stream(self.device))
-            events.append(event)
-        return events
-
     # ------------------------------------------------------------------ release
     def _on_release(self, block: Block) -> None:
-        """Runs when torch drops a block's owner: any thread, any time. Only queues,
-        except after close, when nothing else will come to drain the queue."""
+        """Runs when torch drops a Python-path block's owner (the fast path off): any thread, any time.
+        Releases it in the books (at once, or when the thread inside the gate leaves); after close,
+        also gives back what nothing uses any more."""
         self.core.release(block)
         if self.core.closed:
             self._release_after_close()
 
     def _release_after_close(self) -> None:
-        """A block died after close: free it, and give everything back once nothing lives
-        (the fast path's deleter calls this too, with the GIL). When the block died inside one of
-        this pool's own calls on this thread (the collector ran there), after that call: its release
-        is queued meanwhile."""
+        """A block died after close: give everything back once nothing lives (the books' close hook calls
+        this too, with the GIL). When the block died inside one of this pool's own calls on this thread
+        (the collector ran there), after that call."""
         if self.core.gate.run_outside(self._release_after_close):
             return
         with self.core.gate:
@@ -538,10 +534,11 @@ class Pool(TensorOwnership, PoolResidency, PoolMeshing, AllocatorSegments, PoolO
             self._release_if_idle()
 
     # ------------------------------------------------------------------ allocation
-    def _allocate(self, nbytes: int, *, compact: bool = True) -> Block:
-        """Place `nbytes` (the ladder, with automatic compaction); OutOfMemoryError when nothing helps."""
+    def _allocate(self, nbytes: int, *, compact: bool = True, stream: int = 0) -> Block:
+        """Place `nbytes` for `stream` (the ladder, with automatic compaction); OutOfMemoryError when
+        nothing helps."""
         try:
-            return self.core.allocate(nbytes, self._rescue if compact else None, self._describe)
+            return self.core.allocate(nbytes, self._rescue if compact else None, self._describe, stream)
         except OutOfRoom as room:
             error = OutOfMemoryError(room.message, **room.figures)
         for observer in list(self.on_oom):
@@ -566,17 +563,17 @@ class Pool(TensorOwnership, PoolResidency, PoolMeshing, AllocatorSegments, PoolO
         return f"{dtype}{list(info.shape) if info.shape is not None else ''}"
 
     def _storage_over(self, block: Block) -> torch.UntypedStorage:
-        """A storage over `block` whose death releases it (the fast path's, or one whose release hook
-        the block keeps)."""
+        """A storage over `block` whose death releases it (made in C++ over the block's record, or, the fast
+        path off, one whose release hook the block keeps)."""
         if self._fast is not None:
-            return self.core.front.storage_over(block)
+            return self._fast.storages([block.address], [block], [block.nbytes])[0]
         storage, block.keepalive = tz.storage_over(self.kind, self.device, block.address, block.nbytes,
                                                    self._on_release, block)
         return storage
 
     def _record(self, block: Block, dtype, shape, storage: torch.UntypedStorage, origin: str) -> None:
         """The block's TensorInfo for the user's storage over it."""
-        block.info = TensorInfo(dtype, shape, tz.weak_storage(storage), origin, alloc_stream=self._current_stream())
+        block.info = TensorInfo(dtype, shape, tz.weak_storage(storage), origin)
 
     def _storage_for(self, block: Block, dtype, shape, origin: str = "empty") -> torch.UntypedStorage:
         """The user's storage over a new block, with the block's TensorInfo."""
@@ -585,9 +582,17 @@ class Pool(TensorOwnership, PoolResidency, PoolMeshing, AllocatorSegments, PoolO
         return storage
 
     def _tensor_for(self, block: Block, dtype, shape: tuple, stride: tuple) -> torch.Tensor:
-        """The user's tensor over a new block (its own storage), with the block's TensorInfo."""
-        tensor, block.keepalive = tz.tensor_at(self.kind, self.device, block.address, block.nbytes, dtype, shape,
-                                               stride, self._on_release, block)
+        """The user's tensor over a new block (its own storage), with the block's TensorInfo. On failure the
+        block is released (its storage may have been made and died already)."""
+        try:
+            if self._fast is not None:
+                tensor = self._fast.tensor_over(block.address, block, list(shape), list(stride), dtype)
+            else:
+                tensor, block.keepalive = tz.tensor_at(self.kind, self.device, block.address, block.nbytes, dtype,
+                                                       shape, stride, self._on_release, block)
+        except BaseException:
+            self.core.release(block)
+            raise
         self._record(block, dtype, shape, tensor.untyped_storage(), "empty")
         return tensor
 
@@ -596,8 +601,8 @@ class Pool(TensorOwnership, PoolResidency, PoolMeshing, AllocatorSegments, PoolO
         """An uninitialized tensor over pool memory (an ordinary torch tensor).
 
         Zero-element tensors hold no pool memory: they are plain `torch.empty`
-        results on `pool.device`. A size the pool keeps from an earlier free
-        is served by the C++ fast path when it is attached (`defrag.fastpath`).
+        results on `pool.device`. Any size mapped free space holds is served
+        by the C++ fast path when it is attached (`defrag.fastpath`).
         """
         fast = self._fast
         if fast is not None and not requires_grad:
@@ -608,17 +613,11 @@ class Pool(TensorOwnership, PoolResidency, PoolMeshing, AllocatorSegments, PoolO
 
     def _empty_after_miss(self, *shape, dtype: torch.dtype | None = None, requires_grad: bool = False):
         """`empty` once the fast path declined (also the fallback of the C function `_attach_fast` binds
-        as this pool's `empty`): apply queued releases and try it again, else the Python path."""
-        fast = self._fast
-        if fast is not None and not requires_grad and fast.enabled and self._refill():
-            tensor = fast.empty(shape, dtype)
-            if tensor is not None:
-                return tensor
+        as this pool's `empty`): the Python path, the ladder, errors included."""
         if len(shape) == 1 and not isinstance(shape[0], int):
             shape = shape[0]
         shape = tz.check_shape(shape)
-        return self._new_tensor(shape, tz.contiguous_strides(shape), dtype, requires_grad,
-                                stock=fast is not None and not requires_grad)
+        return self._new_tensor(shape, tz.contiguous_strides(shape), dtype, requires_grad)
 
     def empty_strided(self, size, stride, *, dtype: torch.dtype | None = None,
                       requires_grad: bool = False) -> torch.Tensor:
@@ -630,11 +629,9 @@ class Pool(TensorOwnership, PoolResidency, PoolMeshing, AllocatorSegments, PoolO
             raise ValueError(f"empty_strided: {len(size)} sizes but {len(stride)} strides")
         return self._new_tensor(size, stride, dtype, requires_grad)
 
-    def _new_tensor(self, shape: tuple, stride: tuple, dtype, requires_grad: bool, *,
-                    stock: bool = False) -> torch.Tensor:
-        """A tensor over a new block. `stock` (a contiguous `empty` the fast path declined): place the
-        block, keep it for the fast path and let the fast path make the tensor, so that its release
-        comes back to the fast path too; the Python path when the fast path declines again."""
+    def _new_tensor(self, shape: tuple, stride: tuple, dtype, requires_grad: bool) -> torch.Tensor:
+        """A tensor over a new block placed through the ladder (the block placed once: the fast path, when
+        attached, makes the tensor over that very block)."""
         dtype = tz.check_dtype(dtype if dtype is not None else torch.get_default_dtype())
         if len(shape) == 1 and stride[0] == 1:
             elements = shape[0]
@@ -646,21 +643,10 @@ class Pool(TensorOwnership, PoolResidency, PoolMeshing, AllocatorSegments, PoolO
             if nbytes == 0:
                 return torch.empty_strided(shape, stride, dtype=dtype, device=self.device,
                                            requires_grad=requires_grad)
-            block = self._allocate(nbytes)
-            if stock and self._fast is not None and self._fast.enabled:
-                self.core.unplace(block)
-                block = None
-            else:
-                try:
-                    tensor = self._tensor_for(block, dtype, shape, stride)
-                except BaseException:
-                    self.core.free(block)
-                    raise
-                if self.core.history is not None:
-                    self.core.history.block_allocated(block)
-        if block is None:
-            tensor = self._fast.empty(shape, dtype)
-            return tensor if tensor is not None else self._new_tensor(shape, stride, dtype, requires_grad)
+            block = self._allocate(nbytes, stream=self._current_stream())
+            tensor = self._tensor_for(block, dtype, shape, stride)
+            if self.core.history is not None:
+                self.core.history.block_allocated(block)
         if not self._can_swap:  # "rebind" mode only: otherwise no weakref on users' tensors (swap_tensors works)
             block.info.tensors.append(weakref.ref(tensor))
         if requires_grad:
@@ -792,7 +778,8 @@ class Pool(TensorOwnership, PoolResidency, PoolMeshing, AllocatorSegments, PoolO
             self.core.wait_pending()
             self.core.closed = True
             if self._fast is not None:
-                self._fast.close()  # later releases of its blocks call _release_after_close
+                self._fast.close()  # no more fast allocations
+            self.core.books.close()  # later releases call _release_after_close
             _open_pools.discard(self)
             self._release_if_idle()
 

@@ -117,7 +117,7 @@ class TensorOwnership:
             self._enter()
             block = self._require_own(tensor, "record_stream")
             if self.kind == "cuda":
-                block.info.streams.add(int(stream.cuda_stream))
+                self.core.books.record_stream(block.address, block, int(stream.cuda_stream))
 
     # ------------------------------------------------------------------ adopt
     def adopt(self, obj):

@@ -17,7 +17,7 @@ after `close`).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from .capture import capture as capture_block
 from .capture import release_cached as release_captured
@@ -31,8 +31,6 @@ class SegmentInfo:
     who uses it: a segment never moves. Its bytes count as allocated.
     """
 
-    alloc_stream: int = 0
-    streams: set = field(default_factory=set)
     kind: str = "segment"
 
 
@@ -56,8 +54,8 @@ class AllocatorSegments:
             raise ValueError(f"a segment needs at least one byte, got {nbytes}")
         with self.core.gate:
             self._enter()
-            block = self._allocate(nbytes, compact=compact)
-            block.info = SegmentInfo(alloc_stream=int(stream))
+            block = self._allocate(nbytes, compact=compact, stream=int(stream))
+            block.info = SegmentInfo()
             block.owner, block.shared = None, True
             self._segments[block.address] = block
             if self.core.history is not None:
@@ -68,7 +66,8 @@ class AllocatorSegments:
         """Give back a segment from `alloc_segment`; False (and nothing changes) if `address` is not one.
 
         Works after `close()` too (PyTorch may free its cached segments late).
-        On CUDA the pages are reused only after the segment's streams are done.
+        On CUDA the range is reused at once on the segment's stream; another stream waits for it on the
+        device first (the books' fence).
         """
         with self.core.gate:
             block = self._segments.pop(int(address), None)

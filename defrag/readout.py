@@ -104,8 +104,9 @@ def stats(core) -> dict:
     backing = core.backing
     stranded, fragmentation = core.stranded()
     P = core.page_size
-    allocated = core.counters["allocated_bytes"]
-    pending = core.counters["pending_bytes"]
+    counted = core.books.counters()  # the block counters are the books'
+    allocated = counted["allocated_bytes"]
+    pending = counted["pending_bytes"]
     mapped = core.space.mapped
     empty = backing.empty
     heap_free = stranded + empty * P
@@ -122,16 +123,16 @@ def stats(core) -> dict:
     c = core.counters
     return {
         "allocated_bytes.all.current": allocated,
-        "allocated_bytes.all.peak": core.peaks["allocated_bytes"],
+        "allocated_bytes.all.peak": counted["allocated_bytes.peak"],
         "active_bytes.all.current": active,
-        "active_bytes.all.peak": core.peaks["active_bytes"],
+        "active_bytes.all.peak": counted["active_bytes.peak"],
         "reserved_bytes.all.current": reserved,
         "reserved_bytes.all.peak": core.peaks["reserved_bytes"],
         "requested_bytes.all.current": sum(b.nbytes for b in core.blocks()),
         "num_alloc_retries": c["num_alloc_retries"],
         "num_ooms": c["num_ooms"],
-        "num_allocs": c["num_allocs"],
-        "num_frees": c["num_frees"],
+        "num_allocs": counted["num_allocs"],
+        "num_frees": counted["num_frees"],
         "num_device_alloc": store.created,
         "num_device_free": store.created - store.total,
         "pages.mapped": mapped,
@@ -233,7 +234,7 @@ def check_invariants(core) -> None:
             assert region.handles[first:end].all(), "free space recorded inside an unmapped page"
     allocated = sum(b.size for b in core.blocks())
     counted = sum(b.size for b in core.blocks() if b.counted)
-    assert counted == core.counters["allocated_bytes"], "allocated counter disagrees with blocks"
+    assert counted == core.allocated_bytes, "allocated counter disagrees with blocks"
     heap_free = sum(h.free_bytes() for h in backing.heaps)
     assert allocated + heap_free == core.space.book_pages * core.page_size, (
         f"allocated {allocated} + free {heap_free} != mapped {core.space.book_pages * core.page_size}")

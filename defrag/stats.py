@@ -83,7 +83,11 @@ class HistoryRecorder:
     recorded or that was live when recording began (so the destination of an
     abandoned compaction wave, or an old location released after its data
     moved, never appears as a spurious free); map/unmap entries name only
-    pages whose state really changed.
+    pages whose state really changed. Frees, and the allocations native code
+    made, are logged by the pool's books as they happen (any thread) and
+    taken in order before anything the pool's Python code records
+    (`catch_up`), so a range is always freed in the trace before it is used
+    again.
 
     Frames: with `stacks=True`, `alloc` and `oom` entries carry the caller's
     Python frames (innermost first, defrag's own frames left out), kept for
@@ -116,10 +120,9 @@ class HistoryRecorder:
     def entries(self) -> list[dict]:
         """The recorded entries, oldest first (copies: callers may keep or edit them).
 
-        In the order the pool learned of them: the allocator entries' events (`absorb`) arrive at the
-        pool's next sync, which comes before any event the pool's Python code records, so a range is
-        always freed in the trace before it is used again (their `time_us` may tie within a
-        microsecond: order by position, not by time)."""
+        In the order things happened: the books' log (`absorb`) is taken before any event the pool's
+        Python code records, so a range is always freed in the trace before it is used again (their
+        `time_us` may tie within a microsecond: order by position, not by time)."""
         return [dict(e) for e in self._entries]
 
     def __len__(self) -> int:
@@ -134,12 +137,18 @@ class HistoryRecorder:
         self._entries.append(entry)
         self.recorded += 1
 
+    def catch_up(self) -> None:
+        """Take what the pool's books logged since the last call (`absorb`): before anything else is
+        recorded, so the trace keeps the order things happened in."""
+        core = self._core()
+        if core is not None:
+            self.absorb(*core.books.take_events())
+
     def absorb(self, events, lost: int = 0) -> None:
-        """The allocator entries' blocks made and released natively (`defrag.install`), as logged by the
-        fast path (`FastPath.take_events`): (1 alloc / 2 free, address, requested bytes, time_us) each,
-        oldest first, with the time they happened; no frames (PyTorch's C++ made them). A free of a
-        block never seen allocated is ignored, as in `block_freed`. `lost`: events the native log
-        could not keep (no host memory), ever."""
+        """Blocks the books placed natively and every free, as they logged them (`Books.take_events`):
+        (1 alloc / 2 free, address, requested bytes, time_us) each, oldest first, with the time they
+        happened; no frames (native code made them). A free of a block never seen allocated is ignored
+        (see the class doc). `lost`: events the native log could not keep (no host memory), ever."""
         tracked = self._tracked
         for kind, address, nbytes, time_us in events:
             if kind == 1:
@@ -152,18 +161,12 @@ class HistoryRecorder:
     # ------------------------------------------------------------------ hooks (pool lock held)
     def block_allocated(self, alloc) -> None:
         """A block now owned by a user storage (`empty`, `adopt`, ...): one `alloc` entry."""
+        self.catch_up()
         self._tracked[alloc.address] = alloc.nbytes
         frames = python_frames() if self.stacks else []
         if frames:
             self.frames[alloc.address] = frames
         self._add("alloc", alloc.address, alloc.nbytes, frames=frames)
-
-    def block_freed(self, alloc) -> None:
-        """A block went back to the heap: `free_requested` then `free_completed`.
-
-        Ignored for blocks the trace never saw allocated (see the class doc).
-        """
-        self._untrack(alloc.address)
 
     def _untrack(self, address: int, time_us: int | None = None) -> None:
         """The tracked block at `address` is freed (`_free`, with its recorded size); nothing for an address
@@ -189,6 +192,7 @@ class HistoryRecorder:
         itself, released later when the compaction drops its temporary owner
         (if it has one), is not recorded again.
         """
+        self.catch_up()
         self._free(old_address, self._tracked.pop(old_address, nbytes))
         self._tracked[new_address] = nbytes
         frames = self.frames.pop(old_address, [])
@@ -198,12 +202,14 @@ class HistoryRecorder:
 
     def pages_mapped(self, region, pages) -> None:
         """Pages of `region` were mapped: one `segment_map` per run of consecutive pages."""
+        self.catch_up()
         done = [p for p in pages if region.handles[p]]
         for first, count in page_runs(done):
             self._add("segment_map", region.address(first), count * self.page_size)
 
     def pages_unmapped(self, region, pages) -> None:
         """Pages of `region` were unmapped: one `segment_unmap` per run of consecutive pages."""
+        self.catch_up()
         done = [p for p in pages if not region.handles[p]]
         for first, count in page_runs(done):
             self._add("segment_unmap", region.address(first), count * self.page_size)
@@ -215,6 +221,7 @@ class HistoryRecorder:
         capacity minus its allocated bytes: memory that exists but could not
         be used for this request.
         """
+        self.catch_up()
         core = self._core()
         free = 0
         if core is not None:
@@ -234,6 +241,7 @@ class HistoryRecorder:
 
     def snapshot_taken(self, allocated: int) -> None:
         """A snapshot was taken: one `snapshot` entry (addr 0, size = allocated bytes), as PyTorch does."""
+        self.catch_up()
         self._add("snapshot", 0, allocated)
 
 

@@ -79,6 +79,11 @@ def describe(ref) -> str:
 class Gate:
     """A pool's lock that also knows which threads are waiting for it or holding it.
 
+    The lock itself is the pool's native books' (`Books.enter` / `Books.leave`):
+    one lock for Python's multi-step operations and native placement and
+    release. While a thread is inside, native placement declines and releases
+    wait in the books' queue, applied in order when it leaves.
+
     A thread inside the gate (waiting to enter, or in) is running the pool's
     own code, not the user's: it cannot be touching its tensors until the
     gate lets it out, which cannot happen while a compaction holds the lock.
@@ -87,35 +92,34 @@ class Gate:
     be let out at any time and is not parked here. Reentrant, like RLock.
     """
 
-    __slots__ = ("_lock", "_inside", "_after", "books")
+    __slots__ = ("books", "_inside", "_after")
 
-    def __init__(self) -> None:
-        self._lock = threading.RLock()
+    # How long one native wait for the lock lasts before Python gets to run its signal handlers
+    # (a KeyboardInterrupt reaches a thread waiting at the gate within this).
+    WAIT_SLICE = 0.05
+
+    def __init__(self, books) -> None:
+        self.books = books  # the pool's native books, whose lock this is
         self._inside: dict[int, int] = {}  # token id -> nesting depth; each thread writes only its own key
         self._after: dict[int, list] = {}  # token id -> work put off until that thread leaves (`run_outside`)
-        # The pool's native books when native code places and releases beside Python: held (`hold`)
-        # while a thread is inside, so that they never change under a multi-step Python operation.
-        self.books = None
 
     def __enter__(self) -> ThreadToken:
         token = current_token()
         inside = self._inside
         inside[token.id] = inside.get(token.id, 0) + 1
         try:
-            self._lock.acquire()
+            enter = self.books.enter
+            while not enter(self.WAIT_SLICE):
+                pass  # Python runs pending signal handlers between the tries
         except BaseException:  # interrupted while waiting: not inside after all
             self._leave(token.id)
             raise
-        if self.books is not None and inside[token.id] == 1:  # the outermost entry
-            self.books.hold()
         return token
 
     def __exit__(self, *exc) -> None:
         tid = current_token().id
         outermost = self._inside[tid] == 1
-        if self.books is not None and outermost:
-            self.books.unhold()
-        self._lock.release()
+        self.books.leave()
         self._leave(tid)
         if outermost and self._after:
             for fn in self._after.pop(tid, ()):
@@ -143,12 +147,6 @@ class Gate:
             self._inside[tid] = depth
         else:
             del self._inside[tid]
-
-    @property
-    def occupants(self) -> dict:
-        """The live dict of threads waiting at or inside the gate (token id -> depth): empty exactly when
-        no thread is. Read-only to callers (a fast path checks its size without taking the lock)."""
-        return self._inside
 
     def parked(self, ref) -> bool:
         """Whether the thread behind owner reference `ref` is waiting at or inside this gate."""

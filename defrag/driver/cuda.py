@@ -116,6 +116,17 @@ class Driver:
         self._host_prop = None
         self._trial_handle = 0  # the probe's trial page, if releasing it failed (released at the next probe)
 
+    @property
+    def on_libcuda(self) -> bool:
+        """Whether this driver's calls go to the real CUDA driver library (not an emulation of one, even
+        one rehearsing the "cuda" kind): what native code may then call itself (stream events)."""
+        return self.api is cu
+
+    @property
+    def context_handle(self) -> int:
+        """The device's primary context (CUcontext) as an integer, for native code that must make it current."""
+        return self._context_id
+
     # ------------------------------------------------------------ constructors
     @classmethod
     def cuda(cls, ordinal: int = 0) -> "Driver":

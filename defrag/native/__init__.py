@@ -25,7 +25,7 @@ import threading
 from ..errors import NativeBuildError
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
-SOURCES = ("heap.h", "planner.h", "plan_attempt.h", "books.h", "module.cpp", "pool_allocator.h", "cpu_allocator.cpp",
+SOURCES = ("heap.h", "planner.h", "plan_attempt.h", "streams.h", "books.h", "module.cpp", "pool_allocator.h", "cpu_allocator.cpp",
            "cuda_allocator.cpp")  # in dependency order
 _LOCAL_INCLUDE = re.compile(r'^\s*(#pragma once|#include "[^"]+")\s*$')
 

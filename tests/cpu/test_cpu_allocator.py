@@ -285,7 +285,7 @@ import torch, defrag
 from defrag import cpu_allocator
 pool = defrag.Pool("emulated", capacity="256MiB")
 defrag.install(pool)
-churn = pool.core.front.cpp.churn  # C++ threads Python never saw, at::empty through PyTorch's CPU allocator
+churn = pool.core.fast.churn  # C++ threads Python never saw, at::empty through PyTorch's CPU allocator
 sizes = [64, 256, 1000, 4096, 12_000, 65_536, 100, 30_000]
 for _ in range(3):
     c0 = cpu_allocator.counters()
