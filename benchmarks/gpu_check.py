@@ -82,6 +82,8 @@ GPU_BENCHMARKS = {
     "compaction": (None, 120),
     "sleep": (None, 90),  # issue 15: sleep/wake and offload/reload vs copy_ to pinned host memory
     "install": (90, 150),  # issue 25: install as PyTorch's CUDA allocator vs the caching allocator (child processes)
+    # one record: GPT-2-sized training on varying lengths, install vs caching vs expandable, and under a budget
+    "install_varying": (None, 240),
 }
 OTHER_BENCH_TIMEOUT = (60, 150)
 MODEL_TIMEOUT = (45, 120)  # per model stage (native, expandable): (smoke, full)

@@ -102,6 +102,12 @@ REGISTRY: dict[str, Benchmark] = {b.name: b for b in [
               "child process, same run: a torch.nn training step (MLP, transformer layer, conv net; goal: install "
               "<= 1.1x plain) and ns per torch.empty / at::empty + drop over 48 sizes (16 B - 16 MiB)",
               "bench_install:plot_install"),
+    Benchmark("install_varying", "bench_varying:bench_install_varying",
+              "a transformer trained on a different sequence length every step (GPU: GPT-2 small's shapes, 16k "
+              "tokens a step) under defrag.install vs the caching allocator and expandable segments, each in a "
+              "child process: step time (goal: <= 1.02x), peak reserved (goal: <= expandable's), trips to the "
+              "pool's Python code after warm-up (goal: <= 1 per 1000 allocations), and a budget where the caching "
+              "allocator OOMs (goal: install completes); on the emulated device a CPU rehearsal"),
     Benchmark("workloads", "bench_workloads:bench_workloads",
               "trace replays with compaction on/off (and PyTorch's allocator on a GPU): peak live, peak reserved, "
               "OOMs (goal: peak reserved <= 1.02x peak live + one page)",
