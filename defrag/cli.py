@@ -46,10 +46,11 @@ def _fast_line() -> str:
 
 
 def doctor(args) -> int:
-    """Say plainly what works here and what does not. Always exits 0."""
+    """Say plainly what works here and what does not. Exits 0 (`main` has already refused, with exit
+    code 2, a DEFRAG_* variable that holds a value defrag cannot use)."""
     import torch
 
-    from . import tensors
+    from . import settings, tensors
     from .driver import cuda_driver_usable, default_emulated_driver
     from .units import format_bytes
 
@@ -75,6 +76,8 @@ def doctor(args) -> int:
     emu = default_emulated_driver()
     lines.append(f"emulated device: '{emu.name}', capacity {format_bytes(emu.api.capacity)}, "
                  f"granularity {format_bytes(emu.granularity)} (DEFRAG_EMULATED_CAPACITY / DEFRAG_EMULATED_GRANULARITY)")
+    lines.append(f"settings: all {len(settings.VARIABLES)} DEFRAG_* variables checked (docs/api.md lists them)")
+    lines += [f"  {line}" for line in settings.report()]
     print("\n".join(lines))
     return 0
 
@@ -176,6 +179,8 @@ def main(argv=None) -> int:
         print(f"defrag {args.command}: error: unrecognized arguments: {' '.join(extra)} "
               f"(see defrag {args.command} --help)", file=sys.stderr)
         return 2
+    if _bad_settings(args.command):
+        return 2
     from .errors import NativeBuildError, SettingError
 
     try:
@@ -188,15 +193,31 @@ def main(argv=None) -> int:
         return 1
 
 
+def _bad_settings(command: str) -> bool:
+    """Whether some DEFRAG_* variable holds a value defrag cannot use; each such one is then one line on
+    stderr (checked before any command runs, so none fails half-way on one)."""
+    from . import settings
+
+    found = settings.problems()
+    for exc in found:
+        print(f"defrag {command}: error: {exc}", file=sys.stderr)
+    return bool(found)
+
+
 def _run(argv: list[str]) -> int:
     """`defrag run`: the program's exit code; a bad argument is one line and exit code 2."""
     from . import run
     from .errors import NativeBuildError, SettingError
 
+    if _bad_settings("run"):
+        return 2
     try:
         return run.main(argv)
-    except (UsageError, SettingError) as exc:
+    except UsageError as exc:
         print(f"defrag run: error: {exc} (see defrag run --help)", file=sys.stderr)
+        return 2
+    except SettingError as exc:
+        print(f"defrag run: error: {exc}", file=sys.stderr)
         return 2
     except NativeBuildError as exc:
         print(f"defrag run: error: {exc}", file=sys.stderr)

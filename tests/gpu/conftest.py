@@ -55,6 +55,7 @@ _bootstrap()
 import torch  # noqa: E402
 
 import defrag  # noqa: E402
+from defrag import settings  # noqa: E402
 from defrag.driver import Driver, cuda_driver_usable  # noqa: E402
 
 MiB = 1 << 20
@@ -68,7 +69,7 @@ def _decide() -> tuple[str | None, str]:
                                  "(torch.cuda.is_available() is False)")
     if usable:
         return "cuda", reason
-    if os.environ.get("DEFRAG_GPU_REHEARSAL") == "1":
+    if settings.gpu_rehearsal():
         return "rehearsal", reason
     return None, reason
 
@@ -226,7 +227,7 @@ class Figures:
         row = {"test": self.nodeid.split("::")[-1], "name": name, "value": value, "unit": unit,
                "backend": self.backend, **extra}
         _FIGURES.append(row)
-        path = os.environ.get("DEFRAG_GPU_FIGURES")
+        path = settings.gpu_figures()
         if path:
             with open(path, "a") as f:
                 f.write(json.dumps(row, default=str) + "\n")
