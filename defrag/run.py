@@ -179,6 +179,7 @@ def _open_pool(driver, capacity: int, *, record: bool = False):
     from . import install
     from .arguments import pool_open_error
     from .errors import CudaError, NotSupportedError
+    from .oom import set_capacity_option
     from .pool import Pool
 
     try:
@@ -192,6 +193,7 @@ def _open_pool(driver, capacity: int, *, record: bool = False):
     except NotSupportedError as exc:
         pool.close()
         raise UsageError(f"cannot install the pool here: {exc}") from None
+    set_capacity_option("--capacity")  # an OOM inside PyTorch's allocator names the option, not Pool(capacity=)
     return pool
 
 
