@@ -1165,10 +1165,11 @@ def _smallest(r: ReplayResult | None) -> str | None:
 def summary_sentence(report: DeviceReport) -> str:
     """What happened on one device and what would have helped, in a user's words (the table follows).
 
-    What happened: the recorded peak reserved against the peak live bytes;
+    What happened: the recorded peak reserved (else what the snapshot's
+    segments held at the end, else nothing) against the peak live bytes;
     the recorded OOMs, and whether live + request fit in the capacity
-    (fragmentation) or not; without either, the peak live bytes, and
-    whether defrag fails at the capacity. What would have helped: whether
+    (fragmentation) or not; without recorded OOMs, whether defrag fails at
+    the capacity. What would have helped: whether
     defrag and PyTorch with expandable segments (the model) run to the end
     with each refused request served where it failed, and the smallest
     capacity that runs the trace for defrag (and its meshing row when that
@@ -1183,6 +1184,10 @@ def summary_sentence(report: DeviceReport) -> str:
         over = rec.peak_bytes / live - 1 if live else 0.0
         happened.append(f"{who} reserved up to {fb(rec.peak_bytes)} for {fb(live)} live"
                         + (f" ({over:+.1%})" if abs(over) >= 0.0005 else ""))
+    elif report.trace.meta.get("reserved_bytes_at_snapshot"):
+        end = report.trace.meta["reserved_bytes_at_snapshot"]
+        happened.append(f"{who} held {fb(end)} at the end for a peak of {fb(live)} live (its reserved bytes over "
+                        f"time are not recorded)")
     else:
         happened.append(f"the trace peaks at {fb(live)} live")
     if ooms:
