@@ -152,9 +152,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--capacity", default=None,
                    help="pool capacity, e.g. 80GiB (required for a defrag trace; a snapshot's default: the GPU "
                         "at its OOM, reserved + free, else PyTorch's recorded peak reserved)")
-    p.add_argument("--dry", action="store_true", help="the pool's own code over a memory-less device: no bytes are mapped or copied")
+    p.add_argument("--dry", action="store_true",
+                   help="the pool's own code over a memory-less device: no bytes are mapped or copied (without it, "
+                        "a trace the emulated device could not hold on this machine replays dry anyway, and says so)")
     p.add_argument("--json", default=None, help="write the results as JSON to this path")
-    p.add_argument("--plot", default=None, help="draw live and reserved bytes over time per allocator and device (PNG)")
+    p.add_argument("--plot", default=None,
+                   help="draw live and reserved bytes over time for every allocator and device, PyTorch's recorded "
+                        "curve on top (PNG, or another format matplotlib writes: .svg, .pdf, ...)")
     p.add_argument("--snapshot-device", type=int, default=None,
                    help="replay only this device of a snapshot (default: every device with recorded actions)")
     p.add_argument("--device", default=None, help="'emulated' or 'cuda:N'")

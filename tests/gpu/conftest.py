@@ -76,6 +76,8 @@ def _decide() -> tuple[str | None, str]:
 
 MODE, WHY = _decide()
 REHEARSAL = MODE == "rehearsal"
+# A skip reason is one short line: the cause without the driver's own explanation in parentheses.
+SHORT_WHY = WHY.split(" (", 1)[0]
 
 
 def pytest_configure(config):
@@ -91,8 +93,8 @@ def pytest_collection_modifyitems(config, items):
         if not _in_here(item):
             continue  # this hook sees the whole session's items
         if MODE is None:
-            item.add_marker(pytest.mark.skip(
-                reason=f"needs a CUDA GPU: {WHY} (DEFRAG_GPU_REHEARSAL=1 rehearses them on the emulated device)"))
+            item.add_marker(pytest.mark.skip(reason=f"needs a CUDA GPU, none here ({SHORT_WHY}); "
+                                                    f"DEFRAG_GPU_REHEARSAL=1 rehearses it on the emulated device"))
         elif REHEARSAL:
             mark = item.get_closest_marker("needs_cuda")
             if mark is not None:
