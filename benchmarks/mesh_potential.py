@@ -55,6 +55,7 @@ import time
 
 import numpy as np
 
+from defrag import settings
 from defrag.dry import DryPool
 from defrag.mesh_planner import plan_meshes
 from defrag.replay import snapshot_capacity
@@ -71,7 +72,7 @@ SPLIT_PROBES = 64  # random: Mesh's t (probes per page per round)
 ROUNDS = 6  # random: SplitMesher rounds (each can merge existing meshes again)
 EXACT_MAX = 5000  # greedy*: unbounded probing only on sets this small
 SAMPLES = 24  # evenly spaced sample points per trace, besides the peak of reserved
-SNAPSHOTS = os.environ.get("DEFRAG_SNAPSHOTS", "/work/shared/snapshots")
+SNAPSHOTS = settings.snapshots() or "/work/shared/snapshots"
 SEED = 0
 
 

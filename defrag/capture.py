@@ -98,6 +98,9 @@ FREE_FN = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_ssize_t, ctypes.c_int
 _KEEP: list = []
 _registry = threading.Lock()
 _by_pool: dict[int, "TorchAllocator"] = {}  # pool.id -> the allocator capture/install use
+# pool.id -> every allocator PyTorch was routed through for that pool (for_pool's and any passed to
+# capture): `release_cached(pool)` hands back what each caches.
+_routed: dict[int, list["TorchAllocator"]] = {}
 _installed: "TorchAllocator | None" = None
 _is_finalizing = sys.is_finalizing  # bound now: `sys` may be half torn down when late frees arrive
 
@@ -193,6 +196,7 @@ class TorchAllocator:
             allocator = _by_pool.get(pool.id)
             if allocator is None and create:
                 allocator = _by_pool[pool.id] = cls(pool)
+                _remember(allocator)
             return allocator
 
     # ------------------------------------------------------------------ the C face
@@ -391,6 +395,13 @@ def _holds_no_tensor(mempool) -> bool:
     return all(block.get("state") == "inactive" for seg in segments for block in seg.get("blocks", ()))
 
 
+def _remember(allocator: TorchAllocator) -> None:
+    """Note that PyTorch may route `allocator.pool`'s allocations through `allocator` (`_registry` held)."""
+    routed = _routed.setdefault(allocator.pool.id, [])
+    if all(a is not allocator for a in routed):
+        routed.append(allocator)
+
+
 def _require_cuda(pool, what: str) -> None:
     if pool.kind != "cuda":
         raise RuntimeError(
@@ -433,6 +444,9 @@ def capture(pool, *, allocator: TorchAllocator | None = None):
         allocator = TorchAllocator.for_pool(pool)
     elif allocator.pool is not pool:
         raise ValueError(f"capture: the allocator serves pool #{allocator.pool.id}, not pool #{pool.id}")
+    else:
+        with _registry:
+            _remember(allocator)
     routing = getattr(_local, "routing", None)
     if routing is not None:
         if routing is allocator:
@@ -453,9 +467,12 @@ def capture(pool, *, allocator: TorchAllocator | None = None):
 
 
 def release_cached(pool) -> int:
-    """`TorchAllocator.release_cached()` for `pool`'s allocator; 0 when PyTorch was never routed to it."""
-    allocator = TorchAllocator.for_pool(pool, create=False)
-    return 0 if allocator is None else allocator.release_cached()
+    """`TorchAllocator.release_cached()` of every allocator `pool` was captured or installed with (the
+    pool's own, `TorchAllocator.for_pool`, and any passed to `capture(pool, allocator=...)`): the bytes
+    they gave back, 0 when PyTorch was never routed to the pool."""
+    with _registry:
+        routed = list(_routed.get(pool.id, ()))
+    return sum(allocator.release_cached() for allocator in routed)
 
 
 def install(pool):

@@ -46,10 +46,11 @@ def _fast_line() -> str:
 
 
 def doctor(args) -> int:
-    """Say plainly what works here and what does not. Always exits 0."""
+    """Say plainly what works here and what does not. Exits 0 (`main` has already refused, with exit
+    code 2, a DEFRAG_* variable that holds a value defrag cannot use)."""
     import torch
 
-    from . import tensors
+    from . import settings, tensors
     from .driver import cuda_driver_usable, default_emulated_driver
     from .units import format_bytes
 
@@ -75,6 +76,8 @@ def doctor(args) -> int:
     emu = default_emulated_driver()
     lines.append(f"emulated device: '{emu.name}', capacity {format_bytes(emu.api.capacity)}, "
                  f"granularity {format_bytes(emu.granularity)} (DEFRAG_EMULATED_CAPACITY / DEFRAG_EMULATED_GRANULARITY)")
+    lines.append(f"settings: all {len(settings.VARIABLES)} DEFRAG_* variables checked (docs/api.md lists them)")
+    lines += [f"  {line}" for line in settings.report()]
     print("\n".join(lines))
     return 0
 
@@ -149,9 +152,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--capacity", default=None,
                    help="pool capacity, e.g. 80GiB (required for a defrag trace; a snapshot's default: the GPU "
                         "at its OOM, reserved + free, else PyTorch's recorded peak reserved)")
-    p.add_argument("--dry", action="store_true", help="the pool's own code over a memory-less device: no bytes are mapped or copied")
+    p.add_argument("--dry", action="store_true",
+                   help="the pool's own code over a memory-less device: no bytes are mapped or copied (without it, "
+                        "a trace the emulated device could not hold on this machine replays dry anyway, and says so)")
     p.add_argument("--json", default=None, help="write the results as JSON to this path")
-    p.add_argument("--plot", default=None, help="draw live and reserved bytes over time per allocator and device (PNG)")
+    p.add_argument("--plot", default=None,
+                   help="draw live and reserved bytes over time for every allocator and device, PyTorch's recorded "
+                        "curve on top (PNG, or another format matplotlib writes: .svg, .pdf, ...)")
     p.add_argument("--snapshot-device", type=int, default=None,
                    help="replay only this device of a snapshot (default: every device with recorded actions)")
     p.add_argument("--device", default=None, help="'emulated' or 'cuda:N'")
@@ -176,6 +183,8 @@ def main(argv=None) -> int:
         print(f"defrag {args.command}: error: unrecognized arguments: {' '.join(extra)} "
               f"(see defrag {args.command} --help)", file=sys.stderr)
         return 2
+    if _bad_settings(args.command):
+        return 2
     from .errors import NativeBuildError, SettingError
 
     try:
@@ -188,15 +197,31 @@ def main(argv=None) -> int:
         return 1
 
 
+def _bad_settings(command: str) -> bool:
+    """Whether some DEFRAG_* variable holds a value defrag cannot use; each such one is then one line on
+    stderr (checked before any command runs, so none fails half-way on one)."""
+    from . import settings
+
+    found = settings.problems()
+    for exc in found:
+        print(f"defrag {command}: error: {exc}", file=sys.stderr)
+    return bool(found)
+
+
 def _run(argv: list[str]) -> int:
     """`defrag run`: the program's exit code; a bad argument is one line and exit code 2."""
     from . import run
     from .errors import NativeBuildError, SettingError
 
+    if _bad_settings("run"):
+        return 2
     try:
         return run.main(argv)
-    except (UsageError, SettingError) as exc:
+    except UsageError as exc:
         print(f"defrag run: error: {exc} (see defrag run --help)", file=sys.stderr)
+        return 2
+    except SettingError as exc:
+        print(f"defrag run: error: {exc}", file=sys.stderr)
         return 2
     except NativeBuildError as exc:
         print(f"defrag run: error: {exc}", file=sys.stderr)

@@ -5,9 +5,10 @@
 folder per extension, Python and torch version. A later process whose folder
 holds a library built from the same source imports it directly (no compiler
 run); a compile error is remembered on disk so that every later process does
-not pay the failed build again. Nothing here ever raises to its caller: an
-extension that cannot be had is None plus a one-line reason (`failure()`),
-and its user falls back to Python.
+not pay the failed build again. Nothing here raises to its caller but a
+`SettingError` for a DEFRAG_EXT_DIR it cannot use: an extension that cannot
+be had is None plus a one-line reason (`failure()`), and its user falls
+back to Python (or says what to install).
 
 Users: `defrag.storage_ext` (exchanging storages' memory on torch < 2.12) and
 `defrag.fastpath` (the allocation fast path).
@@ -26,6 +27,8 @@ import threading
 import time
 
 import torch
+
+from . import settings
 
 _log = logging.getLogger("defrag")
 
@@ -64,7 +67,9 @@ class CppExtension:
         self._seconds: float | None = None
 
     def build_directory(self) -> str:
-        root = os.environ.get("DEFRAG_EXT_DIR")
+        """This extension's build folder (not made here). `SettingError` when DEFRAG_EXT_DIR names a folder
+        defrag cannot write or make (`defrag.settings.ext_dir`)."""
+        root = settings.ext_dir()
         if not root:
             cache = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
             root = os.path.join(cache, "defrag")
@@ -81,7 +86,9 @@ class CppExtension:
         build folder, once per machine, torch version and source). Never raises: a
         failure is remembered and returned as None (`failure()` says why).
         `build=False`: import what is built, never compile (a build elsewhere
-        that left no library is then the failure).
+        that left no library is then the failure). The one exception:
+        `SettingError` when DEFRAG_EXT_DIR names a folder defrag cannot use,
+        which no compiler would fix (checked first, remembered as nothing).
         """
         if self._module is not None or self._failure is not None:
             return self._module
@@ -90,11 +97,11 @@ class CppExtension:
                 return self._module
             start = time.perf_counter()
             marker = None
+            folder = self.build_directory()
             try:
                 missing = missing_tools()
                 if missing:
                     raise RuntimeError(missing)
-                folder = self.build_directory()
                 os.makedirs(folder, exist_ok=True)
                 marker = self._failure_marker(folder)
                 if os.path.exists(marker):  # a compile error would cost every process the full build time again

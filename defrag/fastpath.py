@@ -25,17 +25,15 @@ its storages' releases come through Python owners).
 
 from __future__ import annotations
 
-import os
-
-from . import native
+from . import native, settings
 
 module = None  # the native module once a pool loaded it (read without a lock: set once)
 
 
 def setting() -> str:
-    """DEFRAG_FASTPATH as "off" or "on" (the default)."""
-    value = os.environ.get("DEFRAG_FASTPATH", "").strip().lower()
-    return "off" if value in ("0", "off", "false", "no") else "on"
+    """DEFRAG_FASTPATH as "off" or "on" (the default); `SettingError` for a value that is neither
+    (`defrag.settings`)."""
+    return "on" if settings.fastpath() else "off"
 
 
 def wait():

@@ -68,7 +68,7 @@ from .pool_meshing import PoolMeshing
 from .core import Block, Core, OutOfRoom
 from .driver import Driver, open_driver
 from .errors import PoolAsleepError, PoolClosedError, StaleAccessError
-from .oom import OutOfMemoryError
+from .oom import OutOfMemoryError, refused_inside_allocator
 from .pool_observability import PoolObservability
 from .pool_ownership import TensorOwnership
 from .pool_residency import PoolResidency
@@ -481,8 +481,7 @@ class Pool(TensorOwnership, PoolResidency, PoolMeshing, AllocatorSegments, PoolO
         except OutOfMemoryError as exc:
             if not allocator:
                 return str(exc)
-            return (f"{exc}\n  not tried inside PyTorch's allocator: compacting (an op may hold its inputs' "
-                    f"addresses); compact between steps (pool.compact()) or retry with defrag.retry_on_oom")
+            return refused_inside_allocator(exc)
         except StaleAccessError as exc:
             return str(exc)
         except (PoolClosedError, PoolAsleepError):

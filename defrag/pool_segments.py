@@ -90,5 +90,6 @@ class AllocatorSegments:
         return capture_block(self, allocator=allocator)
 
     def release_cached(self) -> int:
-        """Hand back to the pool the segments PyTorch caches for `capture()` blocks and no longer uses."""
+        """Hand back to the pool the segments PyTorch caches for `capture()` blocks and no longer uses, through
+        every allocator the pool was captured with (`defrag.capture.release_cached`); their bytes."""
         return release_captured(self)

@@ -19,8 +19,14 @@ from .vmm import ASLEEP, DEVICE, HOST
 class OutOfRoom(MemoryError):
     """The ladder is exhausted: `message` explains; faces raise their own error from it.
 
-    Figures as attributes: `requested`, `capacity`, `live`, `stranded`,
-    `pinned`, `tried`.
+    `figures` (a dict): `requested`, `capacity`, `live`, `stranded`,
+    `pinned`, `tried`, and for faces that word their own advice
+    (`defrag.oom.refused_inside_allocator`): `movable` (live bytes a
+    compaction could move), `reserved`, `page_size`, `device_total`,
+    `device_full` (the device refused a page below the capacity),
+    `capacity_needed` (the smallest capacity whose pages would have served
+    this request now, layout unchanged) and `facts` (the message's lines
+    before its suggestion).
     """
 
     def __init__(self, message: str, **figures):
@@ -64,10 +70,17 @@ def out_of_room(core, nbytes: int, tried: list[str], describe=None) -> OutOfRoom
         lines.append("  largest live tensors: " + ", ".join(
             (f"{format_bytes(b.nbytes)} {describe(b) if describe else ''}".strip()
              + (" (pinned)" if b.pins else "")) for b in largest))
+    facts = tuple(lines)
     lines.append("  suggestion: " + _suggestion(core, nbytes, st["allocated_bytes.all.current"], pinned))
+    P = core.page_size
+    store = core.space.store
+    free_pages = len(store.cached) + (0 if store.device_full else store.creatable) + core.backing.empty
     return OutOfRoom("\n".join(lines), requested=nbytes, capacity=core.capacity,
                      live=st["allocated_bytes.all.current"], stranded=st["stranded_bytes"],
-                     pinned=pinned, tried=tuple(tried))
+                     pinned=pinned, tried=tuple(tried), movable=packing_floor(core, core.scope(None))[1],
+                     reserved=st["reserved_bytes.all.current"], page_size=P,
+                     device_total=core.driver.total_memory, device_full=bool(store.device_full),
+                     capacity_needed=(core.capacity_pages - free_pages + -(-nbytes // P)) * P, facts=facts)
 
 
 def _suggestion(core, nbytes: int, live: int, pinned: int) -> str:

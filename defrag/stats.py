@@ -217,16 +217,19 @@ class HistoryRecorder:
     def oom(self, nbytes: int) -> None:
         """An allocation of `nbytes` failed for good: one `oom` entry.
 
-        `device_free` (PyTorch: what the driver reports free) is the pool's
-        capacity minus its allocated bytes: memory that exists but could not
-        be used for this request.
+        `device_free` (PyTorch: what the driver reports free, outside what
+        the allocator reserved) is what the pool could still map: its
+        capacity minus its mapped pages, or only its cached pages when the
+        device refused more. So reserved + free is the pool's capacity, as
+        reserved + free is the GPU's for PyTorch; the free space stranded
+        inside mapped pages is not in it.
         """
         self.catch_up()
         core = self._core()
         free = 0
         if core is not None:
-            st = core.stats_locked()
-            free = st["capacity_bytes"] - st["allocated_bytes.all.current"]
+            store = core.space.store
+            free = (len(store.cached) + (0 if store.device_full else store.creatable)) * core.page_size
         self._add("oom", None, nbytes, device_free=int(free), frames=python_frames() if self.stacks else [])
 
     def compacted(self, report) -> None:
