@@ -991,7 +991,7 @@ class DefragAllocator : public cca::CUDAAllocator {
     if (status != DEFRAG_POOL_OK) fail(d, device, n, status, why);
     const size_t size = round_up(n, kAlignment);
     count_alloc(tally(d, size), static_cast<int64_t>(size));
-    history_alloc(device, reinterpret_cast<uintptr_t>(ptr), n, stream, MempoolId{0, 0});
+    history_alloc(device, reinterpret_cast<uintptr_t>(ptr), size, stream, MempoolId{0, 0});  // as PyTorch: the block's size
     return c10::DataPtr(ptr, ptr, kBlockDeleters[device], c10::Device(c10::DeviceType::CUDA, device));
   }
 
@@ -1015,7 +1015,7 @@ class DefragAllocator : public cca::CUDAAllocator {
       }
       if (addr != 0) {
         count_alloc(tally(d, size), static_cast<int64_t>(size));
-        history_alloc(device, addr, n, stream, id);
+        history_alloc(device, addr, size, stream, id);
         return c10::DataPtr(reinterpret_cast<void*>(addr), reinterpret_cast<void*>(addr), kPrivateDeleters[device],
                             c10::Device(c10::DeviceType::CUDA, device));
       }
