@@ -752,7 +752,9 @@ class DefragAllocator : public cca::CUDAAllocator {
 
   // ------------------------------------------------------------------ streams
   void recordStream(const c10::DataPtr& ptr, c10::cuda::CUDAStream stream) DEFRAG_CHECKED {
-    if (ptr.get() == nullptr || ptr.get_deleter() != kBlockDeleters[ptr.device().index()]) return;
+    const int index = ptr.device().index();
+    if (ptr.get() == nullptr || index < 0 || index >= kDevices || ptr.get_deleter() != kBlockDeleters[index])
+      return;  // empty, or a graph's private block (its pool is reused only by its own graph)
     Device& d = device_state(ptr.device().index());
     std::lock_guard<std::mutex> guard(d.streams_mu);
     auto& streams = d.uses[reinterpret_cast<uintptr_t>(ptr.get())];
@@ -1090,31 +1092,36 @@ class DefragAllocator : public cca::CUDAAllocator {
     return s;
   }
 
+  // PyTorch's emptyCache: for the default id, on every device a pool serves, held frees whose streams
+  // finished, empty segments of private pools nobody uses, and the pool's empty pages (`Pool.trim`); for
+  // a MemPool's id, that private pool's empty segments.
   void empty_cache(MempoolId id) {
-    const int device = c10::cuda::current_device();
-    Device& d = device_state(device);
-    release_waiting(d, device, false);
-    std::vector<uintptr_t> back;
-    {
-      std::lock_guard<std::mutex> guard(d.graphs_mu);
-      for (auto it = d.pools.begin(); it != d.pools.end();) {
-        const bool this_one = it->first == id;
-        if (this_one || it->second.use_count == 0) {
-          auto empty = take_empty_segments(it->second, !this_one);
-          back.insert(back.end(), empty.begin(), empty.end());
-        }
-        if (it->second.use_count == 0 && it->second.segments.empty()) {
-          it = d.pools.erase(it);
-        } else {
-          ++it;
+    for (int device = 0; device < kDevices; ++device) {
+      Device& d = g_devices[device];
+      if (d.snapshot_source == nullptr) continue;  // no pool serves this device
+      release_waiting(d, device, false);
+      std::vector<uintptr_t> back;
+      {
+        std::lock_guard<std::mutex> guard(d.graphs_mu);
+        for (auto it = d.pools.begin(); it != d.pools.end();) {
+          const bool this_one = it->first == id;
+          if (this_one || it->second.use_count == 0) {
+            auto empty = take_empty_segments(it->second, !this_one);
+            back.insert(back.end(), empty.begin(), empty.end());
+          }
+          if (it->second.use_count == 0 && it->second.segments.empty()) {
+            it = d.pools.erase(it);
+          } else {
+            ++it;
+          }
         }
       }
-    }
-    for (uintptr_t seg : back) give_back(device, seg);
-    if (id == MempoolId{0, 0}) {
-      const int32_t status = g_abi.empty_cache(device, nullptr);
-      TORCH_CHECK(status == DEFRAG_POOL_OK || status == DEFRAG_POOL_BUSY || status == DEFRAG_POOL_NO_POOL,
-                  ask_failed(status, "emptyCache"));
+      for (uintptr_t seg : back) give_back(device, seg);
+      if (id == MempoolId{0, 0}) {
+        const int32_t status = g_abi.empty_cache(device, nullptr);
+        TORCH_CHECK(status == DEFRAG_POOL_OK || status == DEFRAG_POOL_BUSY || status == DEFRAG_POOL_NO_POOL,
+                    ask_failed(status, "emptyCache"));
+      }
     }
   }
 
