@@ -135,6 +135,17 @@ int64_t wall_us() {
       .count();
 }
 
+// Whether Python may be called now (PyTorch's context recorder and trace trackers call into it): not
+// once the interpreter is finalizing, when late frees still arrive.
+bool python_alive() {
+  if (!Py_IsInitialized()) return false;
+#if PY_VERSION_HEX >= 0x030D0000
+  return !Py_IsFinalizing();
+#else
+  return !_Py_IsFinalizing();
+#endif
+}
+
 // ---------------------------------------------------------------------------------------------- ABI
 struct PoolAbi {
   decltype(&defrag_pool_abi_version) version = nullptr;
@@ -307,7 +318,7 @@ void trace(cca::TraceEntry::Action action, int device, uintptr_t addr, size_t si
            MempoolId pool, Context context) {
   History& h = *g_history;
   cca::TraceEntry entry = make_entry(action, device, addr, size, stream, pool, std::move(context));
-  if (g_tracking.load(std::memory_order_relaxed)) {
+  if (g_tracking.load(std::memory_order_relaxed) && python_alive()) {
     std::vector<cca::AllocatorTraceTracker> trackers;
     {
       std::lock_guard<std::mutex> guard(*g_observers_mu);
@@ -333,7 +344,7 @@ void trace(cca::TraceEntry::Action action, int device, uintptr_t addr, size_t si
 
 Context gather(bool on_free) {
   History& h = *g_history;
-  if (!h.on.load(std::memory_order_relaxed)) return nullptr;
+  if (!h.on.load(std::memory_order_relaxed) || !python_alive()) return nullptr;
   cca::CreateContextFn recorder;
   cca::RecordContext when;
   {
@@ -647,7 +658,7 @@ class DefragAllocator : public cca::CUDAAllocator {
   bool initialized() DEFRAG_CHECKED { return initialized_; }
 
   // ------------------------------------------------------------------ statistics
-  c10::CachingDeviceAllocator::DeviceStats getDeviceStats(c10::DeviceIndex device) DEFRAG_CHECKED {
+  cca::DeviceStats getDeviceStats(c10::DeviceIndex device) DEFRAG_CHECKED {
     Device& d = device_state(device);
     DefragPoolStats s = pool_stats(device, d);
     cca::DeviceStats out;
