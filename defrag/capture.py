@@ -20,10 +20,13 @@ Two ways to route PyTorch to a pool:
 - `install(pool)` (a CUDA pool; an emulated pool becomes PyTorch's CPU allocator
   instead, `defrag.cpu_allocator`): `torch.cuda.memory.change_current_allocator`, process-wide,
   before PyTorch's first CUDA allocation: every CUDA tensor is one pool block.
-  Natively (`install_cuda`, `CudaInstall`): PyTorch's `CUDAPluggableAllocator`
-  over the entry points `defrag_cuda_alloc` / `defrag_cuda_free` of defrag's
-  own native module (`native/cuda_allocator.cpp`, found by the loaded
-  module's path, `native_library()`), over the pool's native books, sharing
+  Natively (`install_cuda`, `CudaInstall`): defrag's CUDA allocator backend
+  (`defrag.cuda_backend`, a `CUDAAllocator` that answers PyTorch's statistics,
+  snapshots and graphs from the pool) where it can be built, else PyTorch's
+  `CUDAPluggableAllocator` over the entry points `defrag_cuda_alloc` /
+  `defrag_cuda_free` of defrag's own native module
+  (`native/cuda_allocator.cpp`, found by the loaded module's path,
+  `native_library()`); both over the pool's native books, sharing
   the CPU allocator's ladder (`native/pool_allocator.h`): no Python on the
   hot path, and a request the pool cannot serve raises torch.OutOfMemoryError
   with the pool's explained OOM. A pool without the native fast path falls
@@ -504,11 +507,16 @@ def uninstall() -> bool:
 
 
 class CudaInstall:
-    """A pool serving one CUDA device through defrag's native entry points (`install_cuda`'s native route).
+    """A pool serving one CUDA device through defrag's native allocation (`install_cuda`'s native route).
 
-    The entry points `defrag_cuda_alloc` / `defrag_cuda_free` live in
-    defrag's native module (`native/cuda_allocator.cpp`) and place blocks in
-    the pool's books with no Python and no GIL, exactly as the fast path
+    `route` says how PyTorch reaches it: ``"backend"``, defrag's own CUDA
+    allocator backend (`defrag.cuda_backend`: a `CUDAAllocator` that also
+    answers PyTorch's statistics, snapshots, history, `empty_cache`, memory
+    fractions, `record_stream`, CUDA graphs and MemPools from the pool), or
+    ``"pluggable"``, PyTorch's `CUDAPluggableAllocator` over the entry points
+    `defrag_cuda_alloc` / `defrag_cuda_free` (allocations only); `backend_note`
+    says why the backend was not used (None when it was). Both place blocks
+    in the pool's books with no Python and no GIL, exactly as the fast path
     does; the GIL only when pages must be mapped (the pool's ladder). A
     request the pool cannot serve raises torch.OutOfMemoryError with the
     pool's explained OOM. `pool`, `device` (the CUDA device index it serves);
@@ -518,6 +526,8 @@ class CudaInstall:
 
     def __init__(self, pool, device: int):
         self.pool, self.device = pool, int(device)
+        self.route: str | None = None  # set when PyTorch is handed the route (install_cuda)
+        self.backend_note: str | None = None
 
     def counters(self) -> dict:
         """The entry's counters for this device: allocs and frees (blocks handed out and given back),
@@ -525,19 +535,26 @@ class CudaInstall:
         pool could not serve now: closed, asleep...), asked (trips to the pool's
         Python code), other_stream_allocs (allocations for a stream other than the default one),
         foreign_frees (process-wide: frees of pointers no installed pool handed out), last_error
-        (process-wide), installed, forked_child."""
+        (process-wide), installed, forked_child; with the backend, also `backend` (its own counters:
+        PyTorch's blocks by small/large, blocks held for other streams, graphs' private pools)."""
         from . import fastpath
 
-        return dict(fastpath.module.cuda_allocator_counters(self.device))
+        out = dict(fastpath.module.cuda_allocator_counters(self.device))
+        if self.route == "backend":
+            from . import cuda_backend
+
+            out["backend"] = dict(cuda_backend.load().counters(self.device))
+        return out
 
     def __repr__(self) -> str:
         c = self.counters()
-        return (f"<defrag.capture.CudaInstall pool #{self.pool.id} cuda:{self.device} allocs={c['allocs']} "
-                f"frees={c['frees']} failures={c['failures']} foreign_frees={c['foreign_frees']}>")
+        return (f"<defrag.capture.CudaInstall pool #{self.pool.id} cuda:{self.device} route={self.route} "
+                f"allocs={c['allocs']} frees={c['frees']} failures={c['failures']} "
+                f"foreign_frees={c['foreign_frees']}>")
 
 
 _routes: dict[int, CudaInstall] = {}  # device index -> the native route serving it (for the life of the process)
-_native_current = False  # whether PyTorch's CUDA allocator is the native entry points (change_current_allocator)
+_native_current: str | None = None  # PyTorch's CUDA allocator now: "backend", "pluggable" or None (not ours)
 
 
 def native_library() -> str:
@@ -603,17 +620,25 @@ def register_native(pool, device: int | None = None) -> CudaInstall:
 def install_cuda(pool) -> "CudaInstall | TorchAllocator":
     """Make `pool` PyTorch's CUDA allocator for its device, for the whole process; returns the route.
 
-    Native route (the pool has the native fast path): PyTorch's
-    `CUDAPluggableAllocator` over defrag's own library (`native_library()`,
-    entry points `defrag_cuda_alloc` / `defrag_cuda_free`); every CUDA tensor
-    is one pool block, placed with no Python and no GIL unless pages must be
+    Native route (the pool has the native fast path): every CUDA tensor is
+    one pool block, placed with no Python and no GIL unless pages must be
     mapped, pinned (PyTorch holds its raw pointer: it never moves). A request
     the pool cannot serve raises torch.OutOfMemoryError with the pool's
-    explained OOM, and the program can go on. One pool per device: pools on
-    other GPUs may be installed later (the same pool again returns its
-    `CudaInstall`; a second pool for one device raises RuntimeError), and an
-    allocation on a device with no pool raises RuntimeError. Returns the
-    `CudaInstall`.
+    explained OOM, and the program can go on. PyTorch reaches the pool
+    through defrag's CUDA allocator backend where it can be had
+    (`defrag.cuda_backend`, torch >= 2.4 with CUDA, built on the first
+    install: `torch.cuda.memory_stats` and friends, `cacheInfo`, snapshots
+    and history, the OOM observer, `empty_cache`, memory fractions,
+    `record_stream`, CUDA graphs and MemPools are then answered from the
+    pool; CUDA IPC raises one clear error), else through PyTorch's
+    `CUDAPluggableAllocator` over defrag's own library (`native_library()`,
+    entry points `defrag_cuda_alloc` / `defrag_cuda_free`: allocations only;
+    PyTorch's statistics, snapshots and `empty_cache` then raise "does not
+    yet support"; `pool.stats()` works). The returned `CudaInstall`'s `route`
+    says which, `backend_note` why not the backend. One pool per device:
+    pools on other GPUs may be installed later (the same pool again returns
+    its `CudaInstall`; a second pool for one device raises RuntimeError), and
+    an allocation on a device with no pool raises RuntimeError.
 
     Fallback (no native fast path: DEFRAG_FASTPATH=0, "rebind" mode): the
     ctypes `TorchAllocator` (one Python call per allocation, ~90 us), one
@@ -622,14 +647,13 @@ def install_cuda(pool) -> "CudaInstall | TorchAllocator":
     (leave headroom, watch its `failures` and the "defrag" log). Returns the
     `TorchAllocator`.
 
-    Both: the first install must run before PyTorch's first CUDA allocation
+    All: the first install must run before PyTorch's first CUDA allocation
     (RuntimeError otherwise: PyTorch cannot swap an initialized allocator);
-    nothing can undo it; PyTorch's memory statistics, snapshots and
-    `empty_cache` do not work with a pluggable allocator (`pool.stats()`
-    does). Does not: move the blocks PyTorch holds, order block reuse
-    between CUDA streams (a block freed on one stream may serve another at
-    once: exact for a program on one stream per device), serve a sleeping
-    or closed pool (its allocations raise).
+    nothing can undo it. Does not: move the blocks PyTorch holds, serve a
+    sleeping or closed pool (its allocations raise). Block reuse between
+    CUDA streams: the backend holds a block that `record_stream` named until
+    those streams finish with it, as PyTorch does; the pluggable route
+    reuses a freed block at once (exact for one stream per device).
     """
     global _installed, _native_current
     _require_cuda(pool, "defrag.install(pool)")
@@ -653,13 +677,50 @@ def install_cuda(pool) -> "CudaInstall | TorchAllocator":
     # leaves PyTorch's allocator as it was. If PyTorch then refuses the switch, the route stays registered
     # but unused (`installed()` says None) until an install that PyTorch accepts.
     route = register_native(pool)
-    if not native_current:
-        _change_allocator(torch.cuda.memory.CUDAPluggableAllocator(native_library(), "defrag_cuda_alloc",
-                                                                   "defrag_cuda_free"))
+    if native_current == "backend":
+        from . import cuda_backend
+
+        cuda_backend.install(pool, device)  # the backend is PyTorch's already: it serves this device's snapshots too
+        route.route = "backend"
+    elif native_current == "pluggable":
+        route.route, route.backend_note = "pluggable", "PyTorch's allocator was already the pluggable route"
+    else:
+        note = _install_backend(pool, device)
+        if note is None:
+            route.route = "backend"
+        else:
+            _change_allocator(torch.cuda.memory.CUDAPluggableAllocator(native_library(), "defrag_cuda_alloc",
+                                                                       "defrag_cuda_free"))
+            route.route, route.backend_note = "pluggable", note
         with _registry:
-            _native_current = True
-    _log.info("defrag: pool #%d now serves PyTorch's CUDA allocations on cuda:%d (install, native)", pool.id, device)
+            _native_current = route.route
+    _log.info("defrag: pool #%d now serves PyTorch's CUDA allocations on cuda:%d (install, %s)", pool.id, device,
+              route.route if route.backend_note is None else f"{route.route}: {route.backend_note}")
     return route
+
+
+def _install_backend(pool, device: int) -> str | None:
+    """Make defrag's CUDA allocator backend PyTorch's (`defrag.cuda_backend`); None when done, else why it
+    could not be had (the caller installs the pluggable route instead). RuntimeError, as
+    `_change_allocator`'s, when PyTorch's allocator is already in use."""
+    from . import cuda_backend
+    from .errors import NativeBuildError
+
+    try:
+        cuda_backend.install(pool, device)
+    except NativeBuildError as exc:
+        _log.warning("defrag: %s; PyTorch's memory statistics, snapshots and CUDA graphs will not work "
+                     "(the pluggable allocator route serves allocations only)", exc)
+        return str(exc)
+    except RuntimeError as exc:
+        if "initialized" in str(exc):
+            raise RuntimeError(f"defrag.install(pool) must run before PyTorch's first CUDA allocation (PyTorch: "
+                               f"{exc}); call it first thing, or route a block with `with pool.capture():` "
+                               "instead") from None
+        _log.warning("defrag: the CUDA allocator backend could not be installed (%s); using the pluggable "
+                     "allocator route", exc)
+        return f"the backend could not be installed: {exc}"
+    return None
 
 
 def _change_allocator(handle) -> None:

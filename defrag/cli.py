@@ -45,6 +45,49 @@ def _fast_line() -> str:
     return "ready -> pool.empty of any size that mapped pages hold costs about what torch.empty does"
 
 
+_BACKEND_SERVES = ("memory_stats / memory_allocated / max_memory_allocated / memory_summary, reset_peak_memory_stats, "
+                   "cacheInfo (cudnn.benchmark), _record_memory_history / _snapshot / _dump_snapshot, the OOM "
+                   "observer, empty_cache, get/set_per_process_memory_fraction, record_stream, CUDA graphs and "
+                   "torch.compile(mode='reduce-overhead') (private pools), MemPool; CUDA IPC: one clear error")
+_PLUGGABLE_LACKS = ("allocations only: memory_stats and memory_summary, cudnn.benchmark's cacheInfo, snapshots and "
+                    "history, the OOM observer, empty_cache, CUDA graph trees and IPC raise PyTorch's "
+                    "'CUDAPluggableAllocator does not yet support'; pool.stats() and defrag's own snapshots work")
+
+
+def _cuda_allocator_lines() -> list[str]:
+    """Which route `defrag.install` of a CUDA pool takes here and what PyTorch's memory APIs do on it (starts
+    no build: a backend not built yet is compile-checked, from the cached result when there is one)."""
+    from . import cuda_backend, fastpath
+
+    if fastpath.setting() == "off":
+        return ["defrag run / install on CUDA: the ctypes fallback (DEFRAG_FASTPATH=0): " + _PLUGGABLE_LACKS]
+    why = cuda_backend.unavailable_reason()
+    if why is None:
+        lines = [f"defrag run / install on CUDA: defrag's CUDA allocator backend ({cuda_backend.status()}) -> "
+                 f"answered from the pool: {_BACKEND_SERVES}"]
+        features = cuda_backend.features()
+        missing = {k: v for k, v in (features or {}).items() if isinstance(v, str) and v.startswith("NOT served")}
+        if missing:
+            lines.append("  not reached on this torch: " + "; ".join(f"{k} ({v})" for k, v in missing.items()))
+        return lines
+    lines = [f"defrag run / install on CUDA: PyTorch's pluggable allocator route, because the backend is "
+             f"unavailable ({why}) -> {_PLUGGABLE_LACKS}"]
+    check = cuda_backend.compile_check()
+    if check["ok"] is None:
+        lines.append(f"  backend source: not compile-checked here ({check['reason']})")
+    else:
+        verdict = "compiles" if check["ok"] else "does NOT compile: " + check["reason"].splitlines()[0][:200]
+        lines.append(f"  backend source: {verdict} against torch {_torch_version()}'s headers"
+                     f"{' (cached)' if check['cached'] else ''}")
+    return lines
+
+
+def _torch_version() -> str:
+    import torch
+
+    return torch.__version__
+
+
 def doctor(args) -> int:
     """Say plainly what works here and what does not. Exits 0 (`main` has already refused, with exit
     code 2, a DEFRAG_* variable that holds a value defrag cannot use)."""
@@ -73,6 +116,7 @@ def doctor(args) -> int:
         lines.append(f"GPU: none usable ({reason})")
         lines.append("-> Pool(device=None) uses the emulated device (CPU tensors over emulated device memory); "
                      "kernels can run under the numba simulator (NUMBA_ENABLE_CUDASIM=1) for tests.")
+    lines.extend(_cuda_allocator_lines())
     emu = default_emulated_driver()
     lines.append(f"emulated device: '{emu.name}', capacity {format_bytes(emu.api.capacity)}, "
                  f"granularity {format_bytes(emu.granularity)} (DEFRAG_EMULATED_CAPACITY / DEFRAG_EMULATED_GRANULARITY)")

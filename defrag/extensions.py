@@ -10,8 +10,9 @@ not pay the failed build again. Nothing here raises to its caller but a
 be had is None plus a one-line reason (`failure()`), and its user falls
 back to Python (or says what to install).
 
-Users: `defrag.storage_ext` (exchanging storages' memory on torch < 2.12) and
-`defrag.fastpath` (the allocation fast path).
+Users: `defrag.storage_ext` (exchanging storages' memory on torch < 2.12),
+`defrag.native` (the pool's books and the allocation fast path) and
+`defrag.cuda_backend` (PyTorch's CUDA allocator backend, built with CUDA).
 """
 
 from __future__ import annotations
@@ -56,11 +57,13 @@ class CppExtension:
 
     `name`: the module's name; `folder`: the build folder's stem; `source`:
     the C++ text; `what`: how log lines name it; `expected`: the build time to
-    announce ("about 10-30 s").
+    announce ("about 10-30 s"); `with_cuda`: compile against the CUDA toolkit's
+    headers and link torch's CUDA libraries (c10_cuda, torch_cuda, cudart).
     """
 
-    def __init__(self, name: str, folder: str, source: str, what: str, expected: str):
+    def __init__(self, name: str, folder: str, source: str, what: str, expected: str, *, with_cuda: bool = False):
         self.name, self.folder, self.source, self.what, self.expected = name, folder, source, what, expected
+        self.with_cuda = with_cuda
         self._lock = threading.Lock()
         self._module = None
         self._failure: str | None = None
@@ -175,7 +178,8 @@ class CppExtension:
         _drop_stale_lock(folder)
         source = self._source_path(folder)
         _write_if_changed(source, self.source)
-        module = cpp_extension.load(self.name, [source], build_directory=folder, extra_cflags=["-O2"], verbose=False)
+        module = cpp_extension.load(self.name, [source], build_directory=folder, extra_cflags=["-O2"],
+                                    with_cuda=True if self.with_cuda else None, verbose=False)
         if fresh:
             _log.info("defrag: %s built in %.1f s", self.what, time.perf_counter() - start)
         return module

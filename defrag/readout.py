@@ -130,6 +130,9 @@ def stats(core) -> dict:
     else:
         largest = max((h.largest_free() for h in backing.heaps), default=0)
         largest = min(largest, P - ALIGNMENT)
+    # The largest block servable without mapping a page (PyTorch's cacheInfo; `stranded()` above
+    # returned the kept ranges to the heaps).
+    largest_mapped = max((h.largest_free() for h in backing.heaps), default=0)
     reserved = mapped * P
     core.peaks["reserved_bytes"] = max(core.peaks["reserved_bytes"], reserved)
     active = allocated + pending
@@ -164,6 +167,7 @@ def stats(core) -> dict:
         "free_inside_mapped_bytes": heap_free,
         "stranded_bytes": stranded,
         "largest_free_bytes": largest,
+        "largest_mapped_free_bytes": largest_mapped,
         "fragmentation": fragmentation,
         "num_compactions": c["num_compactions"],
         "num_compactions.explicit": c["num_compactions.explicit"],

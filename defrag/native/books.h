@@ -535,6 +535,19 @@ class Books : public std::enable_shared_from_this<Books> {
   // Another stream used `r`'s block (PyTorch's record_stream): its release waits for that stream.
   void record_stream(Record* r, uintptr_t stream) {
     std::lock_guard<std::mutex> guard(mu);
+    record_stream_locked(r, stream);
+  }
+
+  // `record_stream` for the live block of `origin` at `address`; false when there is none.
+  bool record_stream_at(int64_t address, uintptr_t stream, Origin origin) {
+    std::lock_guard<std::mutex> guard(mu);
+    Record* r = find_locked(address, nullptr);
+    if (r == nullptr || r->origin != origin || r->released) return false;
+    record_stream_locked(r, stream);
+    return true;
+  }
+
+  void record_stream_locked(Record* r, uintptr_t stream) {
     if (stream == r->stream || std::find(r->uses.begin(), r->uses.end(), stream) != r->uses.end()) return;
     r->uses.push_back(stream);
   }
