@@ -58,7 +58,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from . import cpu_allocator, fastpath, residency
+from . import copying, cpu_allocator, fastpath, residency
 from . import stats as observe
 from . import tensors as tz
 from . import threads
@@ -319,6 +319,7 @@ class Pool(TensorOwnership, PoolResidency, PoolMeshing, AllocatorSegments, PoolO
                          virtual_factor=virtual_factor, label=f"pool #{self.id}", auto_mesh=auto_mesh)
         if self.kind == "cuda":
             self.core.defer = self._stream_events
+            copying.prepare(self.driver)  # the move kernel loads (or compiles, once per machine) in the background
         self._mover = _TorchMover(self)
         self._segments: dict[int, Block] = {}  # address -> segment handed to PyTorch's allocator
         # Holds the address space, not the pool: it runs when the pool is collected or closed idle.
@@ -810,8 +811,9 @@ class Pool(TensorOwnership, PoolResidency, PoolMeshing, AllocatorSegments, PoolO
         """Move live tensors so that the pages they strand become free; see `defrag.compactor`.
 
         `verify`: compare checksums of every moved block; `progress`: a progress
-        bar (None: only for large compactions); `engine`: "kernel" (GPU
-        default), "memmove" (emulated default) or "driver"; `release`: also
+        bar (None: only for large compactions); `engine`: "auto" (GPU default:
+        the move kernel, and the copy engine for the largest moves; see
+        `defrag.copying`), "kernel", "memmove" (emulated default) or "driver"; `release`: also
         unmap every empty page at the end (default False: emptied pages stay
         mapped and free, so the next request needs no driver call; a request
         that needs their physical page unmaps them then, and `trim()` returns
