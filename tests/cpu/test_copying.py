@@ -361,3 +361,34 @@ def test_a_fault_at_any_copy_step_loses_nothing(make_pool, monkeypatch, call, nt
     pool.compact(engine="auto", verify=True)
     assert _intact(keep)
     pool.check_invariants()
+
+
+# ---------------------------------------------------------------- meshing copies through the same engines
+def test_meshing_copies_a_groups_pieces_in_one_launch(make_pool):
+    from .test_mesh import _intact as mesh_intact
+    from .test_mesh import _quarters
+
+    pool = make_pool("1MiB", auto_compact=False)
+    kept = _quarters(pool)
+    report = pool.mesh(engine="auto")
+    assert report.meshed_pages == 3 and copying.launcher_for(pool.driver).launches == report.groups == 1
+    mesh_intact(kept)
+    pool.check_invariants()
+
+
+@pytest.mark.parametrize("call", ["cuLaunchKernel", "cuMemcpyHtoDAsync"])
+def test_a_launch_fault_while_meshing_changes_nothing(make_pool, call):
+    from .test_mesh import _intact as mesh_intact
+    from .test_mesh import _quarters
+
+    pool = make_pool("1MiB", auto_compact=False)
+    kept = _quarters(pool)
+    reserved = pool.stats()["reserved_bytes.all.current"]
+    pool.driver.faults.inject(call, CUresult.CUDA_ERROR_LAUNCH_FAILED)
+    with pytest.raises(defrag.CudaError):
+        pool.mesh(engine="auto")
+    assert pool.stats()["reserved_bytes.all.current"] == reserved
+    mesh_intact(kept)
+    pool.check_invariants()
+    assert pool.mesh(engine="auto").meshed_pages == 3
+    mesh_intact(kept)
