@@ -64,30 +64,51 @@ def _segments(memory, params):
     return launch, src, dst, sizes
 
 
-def run_move(memory, params) -> bool:
-    """Copy every segment of the launch's table (see the module docstring); False where it may not."""
+def _all_accessible(memory, base: int, starts: np.ndarray, sizes: np.ndarray, write: bool) -> bool:
+    """Whether every range [base + 16 * start, + 16 * size) is device memory with (write) access: one
+    check per run of overlapping or touching ranges."""
+    order = np.argsort(starts, kind="stable")
+    lo, hi = starts[order], starts[order] + sizes[order]
+    reach = np.maximum.accumulate(hi)
+    breaks = np.flatnonzero(lo[1:] > reach[:-1]) + 1
+    firsts = lo[np.concatenate(([0], breaks))]
+    lasts = reach[np.concatenate((breaks - 1, [lo.size - 1]))]
+    return all(memory.accessible(base + a * WORD, (b - a) * WORD, write)
+               for a, b in zip(firsts.tolist(), lasts.tolist()))
+
+
+def _checked(memory, params):
+    """`_segments`, and only where every source may be read and every destination written."""
     found = _segments(memory, params)
+    if found is None or found[1].size == 0:
+        return found
+    launch, src, dst, sizes = found
+    if not (_all_accessible(memory, launch.base, src, sizes, False)
+            and _all_accessible(memory, launch.base, dst, sizes, True)):
+        return None
+    return found
+
+
+def run_move(memory, params) -> bool:
+    """Copy every segment of the launch's table (see the module docstring); False, touching nothing,
+    where it may not."""
+    found = _checked(memory, params)
     if found is None:
         return False
     launch, src, dst, sizes = found
     base, copy = launch.base, memory.copy
     for s, d, n in zip(src.tolist(), dst.tolist(), sizes.tolist()):
-        if not copy(base + d * WORD, base + s * WORD, n * WORD):
-            return False
+        copy(base + d * WORD, base + s * WORD, n * WORD)
     return True
 
 
 def run_move_simulated(memory, params) -> bool:
     """The real kernel body under numba's CUDA simulator, over the launch's memory (see the module docstring)."""
-    found = _segments(memory, params)
+    found = _checked(memory, params)
     if found is None:
         return False
-    launch, src, dst, sizes = found
+    launch = found[0]
     base = launch.base
-    for s, d, n in zip(src.tolist(), dst.tolist(), sizes.tolist()):
-        if not (memory.accessible(base + s * WORD, n * WORD, False)
-                and memory.accessible(base + d * WORD, n * WORD, True)):
-            return False
     from numba.cuda.simulator.cudadrv.devicearray import FakeCUDAArray
 
     from . import _device

@@ -18,10 +18,11 @@ machine without a GPU, and its mistakes show as wrong bytes.
 
 A twin is called as `run(memory, params)`: `params` is the tuple of the
 launch's 8-byte parameter values (read when the launch is issued, as the
-driver copies them then), `memory` a `KernelMemory` over the device (views and
-copies of device addresses, each checked as a copy's ranges are). It returns
-False where it found an address it may not touch (the launch's
-synchronize then reports CUDA_ERROR_ILLEGAL_ADDRESS, as a GPU does).
+driver copies them then), `memory` a `KernelMemory` over the device (the
+device's access rule, then views and copies of the ranges it allows). It
+returns False, touching nothing, where a range it would touch is not device
+memory with access (the launch's synchronize then reports
+CUDA_ERROR_ILLEGAL_ADDRESS, as a GPU does).
 """
 
 from __future__ import annotations
@@ -97,23 +98,12 @@ def occupancy(registers: int, block: int) -> int:
 
 class KernelMemory:
     """What a host twin may do with device memory: `accessible(ptr, nbytes, write)` (the device's own
-    rule: mapped with access, or a cuMemAlloc buffer), `view(ptr, nbytes)` (a writable memoryview of
-    a range the twin checked first) and `copy(dst, src, nbytes)` (checked; False where either range
-    may not be touched)."""
+    rule: mapped with access, or a cuMemAlloc buffer), then, on ranges it checked so, `view(ptr,
+    nbytes)` (a writable memoryview) and `copy(dst, src, nbytes)`. A twin checks before it touches:
+    a GPU kernel touching an unmapped address faults, a host process would crash."""
 
     def __init__(self, device_accessible: Callable, copy: Callable, view: Callable):
-        self._accessible, self._copy, self._view = device_accessible, copy, view
+        self._accessible, self.copy, self.view = device_accessible, copy, view
 
     def accessible(self, ptr: int, nbytes: int, write: bool) -> bool:
         return nbytes >= 0 and self._accessible(ptr, nbytes, write)
-
-    def view(self, ptr: int, nbytes: int):
-        return self._view(ptr, nbytes)
-
-    def copy(self, dst: int, src: int, nbytes: int) -> bool:
-        if nbytes == 0:
-            return True
-        if nbytes < 0 or not (self._accessible(src, nbytes, False) and self._accessible(dst, nbytes, True)):
-            return False
-        self._copy(dst, src, nbytes)
-        return True

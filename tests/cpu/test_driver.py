@@ -1006,7 +1006,10 @@ COPY_TWIN = "test_copy_twin"  # params: (dst, src, nbytes), all 8 bytes
 
 def _copy_twin(memory, params) -> bool:
     dst, src, n = params
-    return memory.copy(dst, src, n)
+    if not (memory.accessible(src, n, False) and memory.accessible(dst, n, True)):
+        return False
+    memory.copy(dst, src, n)
+    return True
 
 
 host_kernels.register(host_kernels.HostKernel(COPY_TWIN, _copy_twin, params=3, registers=56))
