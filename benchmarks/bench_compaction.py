@@ -37,8 +37,8 @@ the same total bytes (the device's copy bandwidth): the GPU goal.
 ``compaction_overhead`` and ``compaction_random``: seeded random layouts, 70%
 of the tensors dropped in random order, against ONE copy of the moved bytes
 between two contiguous buffers (memmove between prefaulted host buffers on
-the emulated device, torch ``copy_`` on a GPU), sampled in the same run
-(``compaction_overhead``: right after each compaction):
+the emulated device, torch ``copy_`` on a GPU), timed right after each
+compaction:
 
 - ``compaction_overhead``: 3000 filled tensors of 8-256 KiB; timed: dropping
   70% of them and ``pool.compact()``; reported: (that time - the one copy) /
@@ -290,6 +290,7 @@ class _Rounds:
     baseline_s: list  # seconds of the timed baselines, in order
     baseline_rounds: list  # the round of each
     kernel_s: list  # GPU: the move kernel alone, per baseline round (when asked for)
+    after_s: list = dataclasses.field(default_factory=list)  # `after(report)` right after each timed compaction
 
     def pairs(self) -> list[tuple[float, float]]:
         """(compaction wall, baseline) for each compaction round followed by a timed baseline round."""
@@ -297,7 +298,7 @@ class _Rounds:
         return [(w, base[r + 1]) for (w, _), r in zip(self.compactions, self.compaction_rounds) if r + 1 in base]
 
 
-def _timed_rounds(pool, fill, rounds: int, gpu: bool, *, kernel: bool = False) -> _Rounds:
+def _timed_rounds(pool, fill, rounds: int, gpu: bool, *, kernel: bool = False, after=None) -> _Rounds:
     """Rounds of `fill()` (returns the live tensors) then `pool.compact()`: timed compactions and baselines.
 
     Rounds alternate: a timed compaction, or a timed baseline copy of the moves
@@ -306,7 +307,9 @@ def _timed_rounds(pool, fill, rounds: int, gpu: bool, *, kernel: bool = False) -
     mapped free space) and then compacted untimed. So both sides copy the same
     bytes between the same addresses, each right after the same fill. Round 0
     only warms up. `fill` must build the same layout every round
-    (`same_moves_every_round` in the rows checks it).
+    (`same_moves_every_round` in the rows checks it). `after(report)`, if
+    given, runs right after each timed compaction (a baseline that should
+    meet the same machine state); its results are `after_s`.
     """
     base = pool.layout()["regions"][0]["base"]
     out = _Rounds(base, None, [], [], [], [], [], [])
@@ -334,6 +337,8 @@ def _timed_rounds(pool, fill, rounds: int, gpu: bool, *, kernel: bool = False) -
             if not timed_baseline:
                 out.compactions.append((wall, report))
                 out.compaction_rounds.append(r)
+                if after is not None:
+                    out.after_s.append(after(report))
         if r == 1:
             out.moves = now
         del keep
@@ -489,7 +494,7 @@ def _fill_random(pool, sizes, drop) -> list:
     return keep
 
 
-def _random_rounds(device: str, count: int, lo: int, hi: int, rounds: int):
+def _random_rounds(device: str, count: int, lo: int, hi: int, rounds: int, after=None):
     """A pool just large enough (plus 8 pages), filled by `_fill_random`, through `_timed_rounds`."""
     import defrag
 
@@ -499,7 +504,8 @@ def _random_rounds(device: str, count: int, lo: int, hi: int, rounds: int):
     probe.close()
     pages = -(-sum(sizes) // page) + 8
     with defrag.Pool(device=device, capacity=pages * page, auto_compact=False) as pool:
-        rr = _timed_rounds(pool, lambda: _fill_random(pool, sizes, drop), rounds, device.startswith("cuda"))
+        rr = _timed_rounds(pool, lambda: _fill_random(pool, sizes, drop), rounds, device.startswith("cuda"),
+                           after=after)
         kind = pool.kind
     return rr, sizes, kind
 
@@ -522,11 +528,11 @@ def _random_skip(rr) -> dict | None:
     return None
 
 
-def _random_run(device: str, size_range: tuple[int, int], count: int, smoke: bool):
+def _random_run(device: str, size_range: tuple[int, int], count: int, smoke: bool, after=None):
     """(rounds, device kind, the rows' common fields) of `count` tensors of random sizes in `size_range`;
     (None, None, a skip row) where the rounds could not run."""
     lo, hi = size_range
-    rr, sizes, kind = _random_rounds(device, count, lo, hi, 2 if smoke else 9)
+    rr, sizes, kind = _random_rounds(device, count, lo, hi, 2 if smoke else 9, after=after)
     skip = _random_skip(rr)
     if skip:
         return None, None, skip
@@ -625,20 +631,26 @@ def bench_compaction_random(device: str, smoke: bool) -> list[dict]:
 
     Rounds as `bench_compaction` (`_timed_rounds`, equal quarter-page tensors
     there), on a random mix: `ratio_x` = median one-copy time (`OneCopy`,
-    sampled in this run) / median compaction time (>= 1: as fast as one
-    memmove); `ratio_vs_per_move_x` against a memmove per move between the
+    right after each timed compaction) / median compaction time (>= 1: as
+    fast as one memmove); `ratio_vs_per_move_x` against a memmove per move between the
     same addresses on the same fresh layout (the older baseline). Goal
     (emulated): >= 0.7x one memmove.
     """
     gpu = device.startswith("cuda")
-    rr, kind, common = _random_run(device, RANDOM_SIZES, 32 if smoke else RANDOM_TENSORS, smoke)
+    copier = {}
+
+    def one_copy(report) -> float:  # right after each timed compaction: the same machine state
+        if "one" not in copier:
+            copier["one"] = OneCopy(device, max(report.moved_bytes, 16))
+        return copier["one"].seconds()
+
+    rr, kind, common = _random_run(device, RANDOM_SIZES, 32 if smoke else RANDOM_TENSORS, smoke, after=one_copy)
     if rr is None:
         return [common]
     moved = common["moved_bytes"]
     walls, w_med, b_med, phases = _random_medians(rr)
     copies = [rp.phases.get("copy", 0.0) for _, rp in rr.compactions]
-    one = OneCopy(device, moved)
-    ones = [one.seconds() for _ in range(len(walls))]
+    ones = rr.after_s
     o_med = statistics.median(ones)
     ratio = o_med / w_med
     timing = (f"perf_counter, median of {len(walls)} compactions, {len(ones)} one-copy samples, "
