@@ -87,8 +87,11 @@ def copy_ranges(core, stream: int, engine: str, moves: list[tuple[int, int, int]
 def _copy_auto(core, stream: int, moves) -> None:
     driver = core.driver
     launcher = launcher_for(driver)
-    if launcher is not None and core.kind != "cuda":
-        launcher.wait()  # the host twin loads at once
+    if launcher is not None:
+        if core.kind == "cuda":
+            launcher.start()  # no-op once started (a pool starts it at creation)
+        else:
+            launcher.wait()  # the host twin loads at once
     if launcher is None or not launcher.ready:
         copy = driver.copy
         for src, dst, n in moves:

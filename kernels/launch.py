@@ -107,6 +107,7 @@ class MoveLauncher:
         self.sm_count = self.blocks_per_sm = self.registers = 0
         self.launches = 0
         self._lock = threading.Lock()
+        self._load_lock = threading.Lock()  # one load at a time (a background one and a caller's)
         self._loaded = threading.Event()
         self._thread: threading.Thread | None = None
         self._slots: list[_Slot] = []
@@ -125,8 +126,12 @@ class MoveLauncher:
     def load(self) -> bool:
         """Get the image (cached or compiled), load it, ask its occupancy and the SM count; True when
         ready. Any failure is kept in `error` (logged once), not raised."""
-        if self._loaded.is_set():
-            return self.ready
+        with self._load_lock:
+            if self._loaded.is_set():
+                return self.ready
+            return self._load()
+
+    def _load(self) -> bool:
         try:
             image = self._image_source()
             if image.params != abi.PARAMS:
@@ -157,7 +162,7 @@ class MoveLauncher:
 
     def wait(self, timeout: float | None = None) -> bool:
         """Load now if nothing started it; else wait for the load in progress. Whether ready."""
-        if self._thread is None and not self._loaded.is_set():
+        if self._thread is None:
             return self.load()
         self._loaded.wait(timeout)
         return self.ready
@@ -214,8 +219,9 @@ class MoveLauncher:
 
     def close(self) -> None:
         """Free the slots and unload the module (after the device has finished every launch)."""
-        self.wait()
-        with self._lock:
+        if self._thread is not None:
+            self._loaded.wait()
+        with self._load_lock, self._lock:
             if self._slots:
                 for slot in self._slots:
                     if slot.used:

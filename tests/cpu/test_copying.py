@@ -392,3 +392,30 @@ def test_a_launch_fault_while_meshing_changes_nothing(make_pool, call):
     pool.check_invariants()
     assert pool.mesh(engine="auto").meshed_pages == 3
     mesh_intact(kept)
+
+
+def test_a_background_load_is_not_ready_until_done_and_loads_once():
+    """A pool starts the load in a background thread: until it finishes, `ready` is False (engine 'auto'
+    then copies with the copy engine on a GPU); a caller's `wait` joins that load instead of loading twice."""
+    import threading
+
+    region = Region(2)
+    gate, calls = threading.Event(), []
+    source = copying._host_image(host.ENTRY)
+
+    def slow():
+        calls.append(1)
+        gate.wait(30)
+        return source()
+    launcher = MoveLauncher(region.drv, slow)
+    launcher.start()
+    launcher.start()
+    assert not launcher.ready and not launcher.loaded
+    waiter = threading.Thread(target=launcher.wait)
+    waiter.start()
+    gate.set()
+    waiter.join(30)
+    assert launcher.wait() and launcher.ready and calls == [1]
+    assert region.drv.api.kernel_state()["modules"] == 1
+    launcher.close()
+    region.close()
