@@ -46,7 +46,7 @@ KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
 MIXED_GOAL_X = 0.8
 COMPACTION_GOAL_MS = 20.0
 FIRST_COMPACTION_GOAL_MS = 50.0
-ISSUE_LAYOUT = dict(count=8710, lo=64 * KiB, hi=4 * MiB, seed=34)
+REPORT_LAYOUT = dict(count=8710, lo=64 * KiB, hi=4 * MiB, seed=34)
 
 
 def _launcher(pool):
@@ -241,13 +241,13 @@ def _intact(ts) -> bool:
 
 
 def bench_compaction_gpu(device: str, smoke: bool) -> list[dict]:
-    """The issue's compaction (about 2 GB moved on a GPU), its first run in a fresh process, and the
+    """The H200 report's compaction (about 2 GB moved on a GPU), its first run in a fresh process, and the
     automatic trigger serving a request; against one copy of the moved bytes."""
     import defrag
 
     gpu = device.startswith("cuda")
     if gpu:
-        layout = dict(ISSUE_LAYOUT, count=600 if smoke else ISSUE_LAYOUT["count"])
+        layout = dict(REPORT_LAYOUT, count=600 if smoke else REPORT_LAYOUT["count"])
     else:
         layout = dict(count=60 if smoke else 600, lo=64 * KiB, hi=MiB, seed=34)
     sizes, drop = _layout(**layout)

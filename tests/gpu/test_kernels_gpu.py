@@ -10,7 +10,7 @@ warm-up (median of several samples), the bytes checked after every variant.
 
 The compactor's own launch path (`kernels.launch.MoveLauncher`: the cubin
 cached on disk, cuLaunchKernel through defrag's driver) is checked the same
-way, with the issue's figures: one move of 1-256 MiB by the launcher, the
+way, with the figures its goals are about: one move of 1-256 MiB by the launcher, the
 copy engine and engine="auto" against ``copy_``; 10,000 moves of 4 KiB in one
 launch; a mixed wave against one contiguous ``copy_``; the image compiled once
 and loaded without numba in a later process. The last test (a compaction
