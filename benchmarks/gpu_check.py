@@ -77,6 +77,11 @@ IS_CHECKOUT = (ROOT / "defrag" / "__init__.py").is_file() and (ROOT / "kernels" 
 GPU_BENCHMARKS = {
     "copy_bandwidth": (45, 90),
     "batched_launch": (45, 60),
+    # The compaction's copy at the GPU's bandwidth: the engines' crossover, a mixed wave, the 2 GB compaction,
+    # its first run in a fresh process and the automatic trigger (goals judged in the full run).
+    "engine_crossover": (45, 90),
+    "mixed_wave": (45, 60),
+    "compaction_gpu": (120, 240),
     "stitching": (45, 60),
     "alloc_free": (None, 60),  # None: not in the smoke run
     "compaction": (None, 120),

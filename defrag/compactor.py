@@ -11,10 +11,14 @@ free and overlap no source, see `defrag.planner`):
 1. **prepare**: map the destination pages that are not mapped yet and carve
    the destination ranges in the heap (giving the old ranges back at once
    where the face lets go of them at the commit).
-2. **copy**: every move of the wave in one batch (the numba kernel on a GPU;
-   memmove, the simulated kernel or the driver's copy on the emulated device),
-   then synchronize. With `verify=True`, checksums of sources and
-   destinations are compared.
+2. **copy**: every move of the wave in one batch, queued on the face's
+   stream (on a GPU the move kernel in one launch and the copy engine for
+   the largest moves, `defrag.copying`; memmove, the simulated kernel or the
+   driver's copy on the emulated device). Nothing waits for it: stream order
+   runs the next wave's copies after it, and the compaction synchronizes
+   once, after its last wave (and before any page is unmapped: `vmm` waits
+   for the device first). With `verify=True`, the device is synchronized and
+   checksums of sources and destinations are compared.
 3. **commit**: every owner is checked, then rewritten to use its new range.
    In place where the face can (`Mover.move_in_place`: for torch, each
    storage takes a data pointer over its new range in one C++ call and every
@@ -29,7 +33,10 @@ free and overlap no source, see `defrag.planner`):
 A failure in steps 1-2 of a wave (driver error, copy failure, checksum
 mismatch, any exception) drops that wave's destinations and unmaps the pages
 it mapped: every tensor keeps its old location and bytes. Earlier waves stay
-done (their tensors are valid at their new places). After the last wave the
+done (their tensors are valid at their new places). The closing synchronize
+is the one step after the commits: when it fails, the device reported an
+error from work it ran (on a GPU a sticky one: the context is lost); the
+books and every owner stay as committed, and the error is raised. After the last wave the
 emptied pages stay mapped and free (`release=False`, the default): unmapping
 them would free no device memory (their handles stay in the pool) and costs
 a driver call per mapping, here and again when they are reused. A request
@@ -75,7 +82,7 @@ from typing import Protocol
 
 import numpy as np
 
-from .copying import ENGINES, copy_ranges, default_engine, kernel_stream, relative
+from .copying import ENGINES, WaveMoves, copy_ranges, default_engine, kernel_stream, relative
 from .core import Core, NoSpace, Scope
 from .errors import CompactionError, CudaError
 from .mesher import mesh_core
@@ -308,7 +315,7 @@ def compact_core(core: Core, mover: Mover, *, verify: bool = False, progress: bo
         try:
             _convey(core, mover, scope, engine, verify, report, automatic)
         except BaseException:
-            _finish(core, report, t_start, automatic, release)
+            _finish(core, report, t_start, automatic, release, failing=True)
             raise
 
     with PhaseTimer(phases, "plan"):
@@ -318,6 +325,7 @@ def compact_core(core: Core, mover: Mover, *, verify: bool = False, progress: bo
     total_moves = sum(len(p) for _, p, _ in plans)
     bar = progress_bar(total_bytes, progress, "defrag compact",
                        large=total_bytes > PROGRESS_BYTES or total_moves > PROGRESS_MOVES)
+    done = False
     try:
         for region, plan, layout in plans:
             for a, b in plan.wave_slices():
@@ -331,11 +339,12 @@ def compact_core(core: Core, mover: Mover, *, verify: bool = False, progress: bo
         if stuck:
             with PhaseTimer(phases, "mesh"):
                 _mesh(core, mover, scope, engine, automatic, report, pages=stuck)
+        done = True
     finally:
         for _, _, layout in plans:
             layout.held.clear()  # strong references to the owners end here, error or not
         bar.close()
-        _finish(core, report, t_start, automatic, release)
+        _finish(core, report, t_start, automatic, release, failing=not done)
     for callback in list(callbacks):
         try:
             callback(report)
@@ -387,9 +396,13 @@ def _mesh(core: Core, mover: Mover, scope: Scope, engine: str, automatic: bool, 
         _log.warning("defrag: meshing stopped after a driver fault (that mesh was rolled back): %s", meshed.error)
 
 
-def _finish(core: Core, report: CompactionReport, t_start: float, automatic: bool, release: bool) -> None:
-    """The end of every compaction, failed or not: release, the report's after-figures, the counters."""
+def _finish(core: Core, report: CompactionReport, t_start: float, automatic: bool, release: bool,
+            failing: bool = False) -> None:
+    """The end of every compaction, failed or not: the one synchronize after the waves' copies, release,
+    the report's after-figures, the counters. A failed synchronize is raised after the rest is done
+    (only logged when the compaction is `failing` already: its own error goes up)."""
     phases = report.phases
+    sync_error = _wait_for_copies(core, report, failing)
     # Release the pages the moves emptied, even after a failed wave: earlier
     # waves' work is committed and their pages are free.
     core.drain()
@@ -406,6 +419,29 @@ def _finish(core: Core, report: CompactionReport, t_start: float, automatic: boo
     report.released_pages = max(report.pages_before - report.pages_after, 0)
     report.seconds = time.perf_counter() - t_start
     core.record_compaction(report)
+    if sync_error is not None:
+        raise sync_error
+
+
+def _wait_for_copies(core: Core, report: CompactionReport, failing: bool) -> CudaError | None:
+    """The compaction's one synchronize after its waves: their copies were queued without waiting
+    (stream order runs each wave's after the one before), and a caller may use the moved tensors on
+    any stream once the compaction returns. Counted in the copy phase. Returns the driver's error,
+    if any (logged and dropped when the compaction is `failing` already)."""
+    if not report.waves and not failing:
+        return None  # nothing was queued (a failed wave may have queued part of its copies)
+    with PhaseTimer(report.phases, "copy"):
+        try:
+            core.driver.synchronize()
+        except CudaError as exc:
+            if failing:
+                _log.error("defrag: the synchronize after a failed compaction's copies failed too: %s", exc)
+                return None
+            exc.add_note("the compaction's copies were queued on the device, which reported this error while "
+                         "running them; the pool's books and every tensor's address are as committed (on a "
+                         "GPU this error is sticky: the CUDA context is lost)")
+            return exc
+    return None
 
 
 def _page_budget(core: Core, automatic: bool) -> int:
@@ -580,7 +616,8 @@ def _run_wave(core: Core, mover: Mover, region, plan: ArrayPlan, a: int, b: int,
             to_map = dest_pages[region.handles[dest_pages] == 0].tolist()
             _make_physical_room(core, region, dest_pages, len(to_map))
             core.backing.map(region, to_map, txn)
-        moves = [(old.address, dst, old.size) for old, dst in zip(olds, dsts)]
+        moves = WaveMoves([(old.address, dst, old.size) for old, dst in zip(olds, dsts)],
+                          (region.base, region.size, plan.src[a:b], plan.dst[a:b], plan.size[a:b]))
         overlap = core.kind == "cuda"
         if overlap:
             with PhaseTimer(phases, "copy"):
@@ -593,11 +630,10 @@ def _run_wave(core: Core, mover: Mover, region, plan: ArrayPlan, a: int, b: int,
         with PhaseTimer(phases, "prepare"):
             lets_go = mover.lets_go()
             core.begin_moves(region, olds, dsts, txn, vacate=lets_go)
-        # 3. copy, wait for it; verify.
-        with PhaseTimer(phases, "copy"):
-            if not overlap:
+        # 3. copy (queued: the compaction synchronizes once, after its last wave); verify.
+        if not overlap:
+            with PhaseTimer(phases, "copy"):
                 _copy(core, mover, engine, moves)
-            core.driver.synchronize()
         if verify:
             with PhaseTimer(phases, "verify"):
                 _verify(core, mover, engine, moves)
@@ -702,6 +738,7 @@ def _verify(core: Core, mover: Mover, engine: str, moves: list[tuple[int, int, i
     """
     if core.kind == "memoryless":
         return
+    core.driver.synchronize()  # the wave's copies were only queued
     if core.kind == "emulated" and engine != "kernel":
         from .kernels import host_checksum
         for src, dst, n in moves:
@@ -871,11 +908,16 @@ def move_blocks(core: Core, mover: Mover, moves, *, engine: str | None = None, v
                      wave=np.ones(len(blocks), dtype=np.int64), page_size=core.page_size,
                      pages_before=0, pages_after=0, moved_bytes=int(size.sum()))
     layout = _Layout(blocks, src, size, np.ones(len(blocks), dtype=bool), held)
+    done = False
     try:
         _run_wave(core, mover, region, plan, 0, len(blocks), layout, engine, verify, report)
         report.waves = 1
+        done = True
     finally:
         held.clear()  # strong references to the owners end here, error or not
+        sync_error = _wait_for_copies(core, report, failing=not done)
         core.drain()
         report.seconds = time.perf_counter() - t0
+    if sync_error is not None:
+        raise sync_error
     return report

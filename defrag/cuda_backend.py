@@ -45,6 +45,7 @@ import time
 
 import torch
 
+from . import settings
 from .errors import NativeBuildError
 
 __all__ = ["MIN_TORCH", "PoolStats", "source_text", "unavailable_reason", "load", "install", "status",
@@ -102,7 +103,7 @@ def cuda_include_dir() -> str | None:
 
 def unavailable_reason() -> str | None:
     """Why the backend cannot be built or used here, in words; None when it can (a build may still fail)."""
-    if os.environ.get("DEFRAG_CUDA_BACKEND", "").strip().lower() in ("0", "off", "false", "no"):
+    if not settings.cuda_backend():
         return "turned off (DEFRAG_CUDA_BACKEND=0)"
     if torch_version() < MIN_TORCH:
         return f"torch {torch.__version__} is older than {MIN_TORCH[0]}.{MIN_TORCH[1]}"
@@ -239,7 +240,7 @@ def _check_key(cxx: str, include: str | None) -> str:
 
 
 def _check_folder() -> str:
-    root = os.environ.get("DEFRAG_EXT_DIR")
+    root = settings.ext_dir()
     if not root:
         cache = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
         root = os.path.join(cache, "defrag")

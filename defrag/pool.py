@@ -58,7 +58,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from . import cpu_allocator, fastpath, residency
+from . import copying, cpu_allocator, fastpath, residency
 from . import stats as observe
 from . import tensors as tz
 from . import threads
@@ -363,6 +363,8 @@ class Pool(TensorOwnership, PoolResidency, PoolMeshing, AllocatorSegments, PoolO
         # after close (`_release_after_close`), through a weak reference (no cycle).
         self._close_hook = _weakly(self._release_after_close)  # kept here: the books only borrow it
         self.core.books.set_keeper(self, self._close_hook)
+        if self.kind == "cuda":
+            copying.prepare(self.driver)  # the move kernel loads (or compiles, once per machine) in the background
         self._mover = _TorchMover(self)
         self._segments: dict[int, Block] = {}  # address -> segment handed to PyTorch's allocator
         # Holds the address space, not the pool: it runs when the pool is collected or closed idle.
@@ -796,8 +798,9 @@ class Pool(TensorOwnership, PoolResidency, PoolMeshing, AllocatorSegments, PoolO
         """Move live tensors so that the pages they strand become free; see `defrag.compactor`.
 
         `verify`: compare checksums of every moved block; `progress`: a progress
-        bar (None: only for large compactions); `engine`: "kernel" (GPU
-        default), "memmove" (emulated default) or "driver"; `release`: also
+        bar (None: only for large compactions); `engine`: "auto" (GPU default:
+        the move kernel, and the copy engine for the largest moves; see
+        `defrag.copying`), "kernel", "memmove" (emulated default) or "driver"; `release`: also
         unmap every empty page at the end (default False: emptied pages stay
         mapped and free, so the next request needs no driver call; a request
         that needs their physical page unmaps them then, and `trim()` returns

@@ -64,6 +64,12 @@ VARIABLES: dict[str, Variable] = {v.name: v for v in (
              "on: the storage-swap extension is never built (torch < 2.12 then moves storages by rebinding only)"),
     Variable("DEFRAG_EXT_DIR", "a folder defrag can write (made if missing)", "$XDG_CACHE_HOME/defrag or "
              "~/.cache/defrag", "where the native module and extensions are built, once per torch version"),
+    Variable("DEFRAG_KERNEL_CACHE", "a folder defrag can write (made if missing)", "$XDG_CACHE_HOME/defrag/kernels "
+             "or ~/.cache/defrag/kernels, else a folder in the temp dir", "where the compiled move kernel is kept, "
+             "once per machine, kernel source and compute capability"),
+    Variable("DEFRAG_CUDA_BACKEND", "1 or 0 (also true/false, yes/no, on/off)", "1",
+             "on: defrag run and defrag.install hand PyTorch defrag's own CUDA allocator backend where it can be "
+             "built; 0: PyTorch's pluggable-allocator route (the entry points alone)"),
     Variable("DEFRAG_LIBNVVM", "the path of a libnvvm.so", "unset: numba finds its own",
              "the libNVVM numba compiles the kernels with (one no newer than the driver)"),
     Variable("DEFRAG_GPU_REHEARSAL", "1 or 0", "0",
@@ -168,7 +174,23 @@ def ext_dir() -> str | None:
     """DEFRAG_EXT_DIR: the folder to build defrag's native module and extensions in, or None (unset: the
     cache folder, `defrag.extensions` decides). Refused unless it is a folder defrag can write, or a
     folder it can make (its nearest existing parent is a folder it can write in); nothing is made here."""
-    name = "DEFRAG_EXT_DIR"
+    return _writable_folder("DEFRAG_EXT_DIR")
+
+
+def kernel_cache() -> str | None:
+    """DEFRAG_KERNEL_CACHE: the folder the compiled move kernel is kept in, or None (unset: the cache
+    folder, `defrag.kernels.image` decides). Refused like DEFRAG_EXT_DIR."""
+    return _writable_folder("DEFRAG_KERNEL_CACHE")
+
+
+def cuda_backend() -> bool:
+    """DEFRAG_CUDA_BACKEND: whether CUDA installs use defrag's own allocator backend where it can be built
+    (default on)."""
+    return _flag("DEFRAG_CUDA_BACKEND")
+
+
+def _writable_folder(name: str) -> str | None:
+    """The folder variable `name` names, or None (unset): a folder defrag can write, or one it can make."""
     raw = _raw(name)
     if raw is None:
         return None
@@ -246,6 +268,8 @@ _READERS = {
     "DEFRAG_FORCE_NO_SWAP_DATA_PTR": force_no_swap_data_ptr,
     "DEFRAG_NO_STORAGE_EXT": no_storage_ext,
     "DEFRAG_EXT_DIR": ext_dir,
+    "DEFRAG_KERNEL_CACHE": kernel_cache,
+    "DEFRAG_CUDA_BACKEND": cuda_backend,
     "DEFRAG_LIBNVVM": libnvvm,
     "DEFRAG_GPU_REHEARSAL": gpu_rehearsal,
     "DEFRAG_GPU_FIGURES": gpu_figures,

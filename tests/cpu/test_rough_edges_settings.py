@@ -34,6 +34,8 @@ JUNK = {
     "DEFRAG_FORCE_NO_SWAP_DATA_PTR": ("sometimes", "is not a switch"),
     "DEFRAG_NO_STORAGE_EXT": ("maybe", "is not a switch"),
     "DEFRAG_EXT_DIR": ("{file}/sub", "is a file, not a folder"),
+    "DEFRAG_KERNEL_CACHE": ("{file}", "is a file, not a folder"),
+    "DEFRAG_CUDA_BACKEND": ("perhaps", "is not a switch"),
     "DEFRAG_LIBNVVM": ("{tmp}/no-libnvvm.so", "is not a file"),
     "DEFRAG_GPU_REHEARSAL": ("yes", "is not 1 or 0"),
     "DEFRAG_GPU_FIGURES": ("{tmp}/no-folder/figures.jsonl", "does not exist"),
