@@ -30,7 +30,7 @@ import json
 import statistics
 import sys
 
-from .runner import Skip, child_command
+from .runner import Skip, run_child
 
 STEP_GOAL_X = 1.02
 TRIPS_GOAL_PER_1000 = 1.0
@@ -130,15 +130,8 @@ def _child_main() -> int:
 
 
 def _run(spec: dict) -> dict:
-    import subprocess
-
     module = __spec__.name if __spec__ is not None else __name__
-    argv, env = child_command(f"import importlib, sys\nsys.exit(importlib.import_module({module!r})._child_main())\n")
-    proc = subprocess.run(argv, input=json.dumps(spec), capture_output=True, text=True, env=env, timeout=900)
-    if proc.returncode != 0:
-        raise RuntimeError(f"the varying-length benchmark's {spec['mode']} child failed (rc {proc.returncode}): "
-                           f"{proc.stderr[-3000:]}")
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return run_child(module, "_child_main", spec, f"the varying-length benchmark's {spec['mode']} child")
 
 
 def bench_install_varying(device: str, smoke: bool) -> list[dict]:

@@ -145,6 +145,19 @@ def child_command(code: str) -> tuple[list[str], dict]:
     return [sys.executable, "-c", prelude + code], env
 
 
+def run_child(module: str, entry: str, spec: dict, what: str, timeout: float = 900) -> dict:
+    """Run `module.entry()` in a child (`child_command`) with `spec` as JSON on its stdin, and return the
+    JSON of its last stdout line. RuntimeError naming `what` (with the end of its stderr) if it fails."""
+    import json
+    import subprocess
+
+    argv, env = child_command(f"import importlib, sys\nsys.exit(importlib.import_module({module!r}).{entry}())\n")
+    proc = subprocess.run(argv, input=json.dumps(spec), capture_output=True, text=True, env=env, timeout=timeout)
+    if proc.returncode != 0:
+        raise RuntimeError(f"{what} failed (rc {proc.returncode}): {proc.stderr[-3000:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
 def _resolve(spec: str):
     module, _, attr = spec.partition(":")
     mod = importlib.import_module(f"{__package__}.{module}" if __package__ else module)
