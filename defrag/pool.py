@@ -1,9 +1,9 @@
 """`Pool`: the torch face of the core: a page-mapped heap whose tensors are ordinary torch tensors.
 
 Placement, release, page accounting and the allocation ladder live in
-`defrag.core`, the compaction protocol in `defrag.compactor`; this module
-turns blocks into torch storages and back, and rewrites a moved block's
-storage (`_TorchMover`).
+`defrag.core`, the compaction protocol in `defrag.compactor`; the pool turns
+blocks into torch storages and back, and rewrites a moved block's storage
+(`_TorchMover`, in `defrag.pool_context`).
 
 `Pool` is cut by concept into parts it inherits, one module each:
 `defrag.pool_ownership` (`TensorOwnership`: `owns`, `pin`, `share`,
@@ -11,9 +11,11 @@ storage (`_TorchMover`).
 (`PoolResidency`: `sleep`, `wake`, `offload`, `reload`),
 `defrag.pool_segments` (`AllocatorSegments`: raw segments for PyTorch's
 allocator, `capture`) and `defrag.pool_observability` (`PoolObservability`:
-`stats`, `layout`, `record_history`, `snapshot`, `summary`). This module
-keeps the pool's life (creation, fast path, release, `trim`, `close`) and
-compaction (`compact`, `live_tensors`).
+`stats`, `layout`, `record_history`, `snapshot`, `summary`). What the parts
+share (the core, the device, the mover, the fast path and the operations
+they build on) is the pool's `PoolContext` (`defrag.pool_context`). This
+module keeps the pool's life (creation, fast path, release, `trim`,
+`close`) and compaction (`compact`, `live_tensors`).
 
 Lifetime. Each block is owned by the torch storage over it: a storage made in
 C++ over the block's record in the pool's native books (`defrag.native`),
@@ -54,7 +56,7 @@ import logging
 import math
 import traceback
 import weakref
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -62,27 +64,25 @@ from . import cpu_allocator, fastpath, residency
 from . import stats as observe
 from . import tensors as tz
 from . import threads
-from .capture import in_callback
-from .compactor import CompactionReport, compact_core, rescue
-from .pool_meshing import PoolMeshing
-from .core import Block, Core, OutOfRoom
+from .compactor import CompactionReport, compact_core
+from .core import Block, Core
 from .driver import Driver, open_driver
 from .errors import PoolAsleepError, PoolClosedError, StaleAccessError
 from .oom import OutOfMemoryError, refused_inside_allocator
+from .pool_context import PoolContext, TensorInfo
+from .pool_meshing import PoolMeshing
 from .pool_observability import PoolObservability
 from .pool_ownership import TensorOwnership
 from .pool_residency import PoolResidency
-from .pool_segments import AllocatorSegments, SegmentInfo
+from .pool_segments import AllocatorSegments
 from .units import format_bytes, parse_size
 
 _log = logging.getLogger("defrag")
 _open_pools: "weakref.WeakSet[Pool]" = weakref.WeakSet()
 _pool_ids = itertools.count(1)
 # A CUDA device's default stream, known without asking torch (whose stream queries initialize its
-# CUDA allocator): c10 numbers it 0 (StreamIdType DEFAULT, index 0) and its cudaStream_t is the
-# legacy default stream, 0.
+# CUDA allocator): c10 numbers it 0 (StreamIdType DEFAULT, index 0).
 DEFAULT_STREAM_ID = 0
-DEFAULT_STREAM_HANDLE = 0
 
 
 def _weakly(method):
@@ -142,18 +142,6 @@ def compact(*, verify: bool = False, progress: bool | None = None, engine: str |
             for p in open_pools()]
 
 
-@dataclass(eq=False, slots=True)
-class TensorInfo:
-    """What the torch face keeps on a block (`Block.info`): its storage and what it was made as."""
-
-    dtype: torch.dtype | None = None
-    shape: tuple[int, ...] | None = None
-    storage_ref: object | None = None  # StorageWeakRef to the user's storage
-    origin: str = "empty"  # empty | adopt | allocator (PyTorch's CPU or CUDA allocator made it: defrag.install)
-    tensors: list = field(default_factory=list)  # weakrefs to the tensors the pool made ("rebind" mode only)
-    kind: str = "tensor"
-
-
 def _native_face_maker(regions: list):
     """`Core.make_face` for a pool whose native code places blocks (`pool.empty`'s fast path, threads
     Python never saw, PyTorch's allocator entries): the Block of such a block, made when Python first
@@ -183,115 +171,6 @@ class LiveTensor:
     reason: str  # why not movable ("" when movable)
     owner: str = ""  # "thread 'name'", "an ended thread" or "shared"
     meshed: bool = False  # a page under it shares its physical page with other pages (a mesh: `Pool.mesh`)
-
-
-def _owner_ref(info):
-    """The weak reference to the storage that owns a block with face data `info`, or None where nothing
-    can be held: no data, a segment of PyTorch's allocator (PyTorch sub-allocates inside it), or no
-    storage recorded."""
-    return None if info is None or isinstance(info, SegmentInfo) else info.storage_ref
-
-
-class _TorchMover:
-    """The compaction's callbacks for torch storages (see `defrag.compactor.Mover`)."""
-
-    def __init__(self, pool: "Pool"):
-        self.pool = pool
-
-    def stream(self) -> int:
-        return self.pool._current_stream()
-
-    def can_rewrite(self, block: Block) -> str:
-        info = block.info
-        if isinstance(info, SegmentInfo):
-            return "a segment of PyTorch's allocator (capture): PyTorch sub-allocates inside it, so it never moves"
-        if info is None or info.storage_ref is None or info.storage_ref.expired():
-            return "its storage is being released"
-        if not self.pool._can_swap and self.pool._rebindable(block) is None:
-            return ("torch < 2.12 lacks UntypedStorage._swap_data_ptr_ (and the storage-swap extension could not "
-                    "be built), and views or other references to this storage exist that the pool cannot rewrite")
-        return ""
-
-    def hold(self, block: Block):
-        return self.hold_all([block])[0]
-
-    def holdable(self, blocks: list) -> list:
-        # `hold_all`'s verdict without the storages: whether each has an owner to hold.
-        return [_owner_ref(block.info) is not None for block in blocks]
-
-    def hold_all(self, blocks: list) -> list:
-        # `can_rewrite`'s verdict included: a segment or a dead storage has no hold.
-        pool, lock = self.pool, torch.UntypedStorage._new_with_weak_ptr  # `tz.strong_storage`, inlined
-        swap = pool._can_swap
-        grips = []
-        for block in blocks:
-            ref = _owner_ref(block.info)
-            storage = None if ref is None else lock(ref.cdata)
-            if storage is None:
-                grips.append(None)
-            elif swap:
-                grips.append((storage, None))
-            else:
-                rebind = pool._rebindable(block, storage)
-                grips.append(None if rebind is None else (storage, rebind))
-        return grips
-
-    def destinations(self, blocks: list) -> list:
-        pool = self.pool
-        if pool._fast is not None:
-            return pool._fast.storages([block.address for block in blocks], blocks, [block.nbytes for block in blocks])
-        return [pool._storage_over(block) for block in blocks]
-
-    def _rebases(self) -> bool:
-        # The owners take their new memory in place (`FastPath.rebase`) where the fast path made it
-        # and the old ranges go back to the books at once (`lets_go`).
-        return self.pool._fast is not None and self.lets_go()
-
-    def check(self, old: Block, held, dest) -> bool:
-        user = held[0]
-        return user.nbytes() == dest.nbytes() and user.data_ptr() == old.address
-
-    def lets_go(self) -> bool:
-        # Swapped: the temporary `dest` owns each old range alone, and dies with the compaction's
-        # references. Rebind mode: the old storage dies only once every reference to it is gone.
-        return self.pool._can_swap
-
-    def move_in_place(self, olds: list, addresses: list, grips: list) -> int | None:
-        # One C++ call for the whole wave: every owner rebased in place (`FastPath.rebase`). None
-        # where some owner's memory was not the fast path's: the wave then swaps with temporaries.
-        if not self._rebases():
-            return None
-        failed = self.rebase_all([grip[0] for grip in grips], addresses, olds)
-        return None if failed == -2 else failed
-
-    def rebase_all(self, users: list, addresses: list, olds: list) -> int:
-        """`FastPath.rebase` for a wave: each storage of `users` takes the memory at the same index of
-        `addresses` from the block at the same index of `olds` (checked first; see the C++ source):
-        -1 when done, i when users[i] changed, -2 when some user's memory is not the fast path's."""
-        return self.pool._fast.rebase(users, addresses, [old.address for old in olds], [old.nbytes for old in olds])
-
-    def commit_all(self, dests) -> int | None:
-        # One C++ call for the whole wave where torch has it (`swap_storages`: `_swap_data_ptr_` per
-        # pair after every check); else move by move.
-        swap_all = getattr(fastpath.module, "swap_storages", None) if self.pool._swap_mode == "native" else None
-        if swap_all is None:
-            return None
-        return swap_all([held[0] for _, _, held, _ in dests], [dest for _, _, _, dest in dests],
-                        [old.address for old, _, _, _ in dests])
-
-    def commit(self, old: Block, new: Block, held, dest) -> None:
-        user, rebind = held
-        if rebind is None:
-            # `new` is now the user's block; `old` is owned by the temporary `dest`. Sizes were
-            # checked by `check`; `dest` was made on the pool's device.
-            tz.swap_data(user, dest, self.pool._swap_mode, checked=True)
-        else:
-            # Rebind mode: the known tensors (provably all users) take `dest`;
-            # `old` dies with the old storage once the compaction's references go.
-            tz.rebind(rebind, dest)
-            info = old.info
-            new.info = TensorInfo(info.dtype, info.shape, tz.weak_storage(dest), info.origin, info.tensors)
-            old.info = None
 
 
 class Pool(TensorOwnership, PoolResidency, PoolMeshing, AllocatorSegments, PoolObservability):
@@ -343,34 +222,26 @@ class Pool(TensorOwnership, PoolResidency, PoolMeshing, AllocatorSegments, PoolO
         self.id = next(_pool_ids)
         self.kind = self.driver.kind
         self.device = torch.device("cpu") if self.kind == "emulated" else torch.device("cuda", self.driver.ordinal)
-        self.on_compact: list = []  # callbacks(report) after every compaction
-        self.on_oom: list = []  # callbacks(OutOfMemoryError) before an allocation raises it
-        # Callables run (outside the lock) before an explicit compaction or trim, to hand
-        # back memory cached elsewhere (pool.capture() adds PyTorch's cached segments).
-        self.on_pressure: list = []
-        # How a moved storage takes its new memory, fixed for the pool's life: torch's
-        # _swap_data_ptr_, else defrag's small extension (built here on first use, once
-        # per machine), else rebinding the tensors the pool knows (views pin blocks).
-        self._swap_mode = tz.swap_mode()  # fixed for the pool's life, like the storages it made
-        self._can_swap = self._swap_mode != "rebind"
+        swap_mode = tz.swap_mode()  # fixed for the pool's life, like the storages it made
         self.core = Core(self.driver, capacity_pages=capacity_bytes // page_size, page_size=page_size,
                          auto_compact=auto_compact, min_compact_interval=min_compact_interval,
                          virtual_factor=virtual_factor, label=f"pool #{self.id}", auto_mesh=auto_mesh)
         if self.kind == "cuda" and self.driver.on_libcuda:
             # Releases other streams used wait for their events; reuse across streams is fenced.
             self.core.books.set_streams("cuda", self.driver.context_handle)
+        # Holds the address space, not the pool: it runs when the pool is collected or closed idle.
+        finalizer = weakref.finalize(self, _let_go, self.core)
+        finalizer.atexit = False
+        # What the parts share; a Python-path storage's death calls this pool's `_on_release`.
+        self._context = PoolContext(self.id, self.core, self.device, swap_mode, on_release=self._on_release,
+                                    finalizer=finalizer)
         # The books keep this pool alive while a storage of theirs lives, and tell it of every release
         # after close (`_release_after_close`), through a weak reference (no cycle).
         self._close_hook = _weakly(self._release_after_close)  # kept here: the books only borrow it
         self.core.books.set_keeper(self, self._close_hook)
-        self._mover = _TorchMover(self)
         self._segments: dict[int, Block] = {}  # address -> segment handed to PyTorch's allocator
-        # Holds the address space, not the pool: it runs when the pool is collected or closed idle.
-        self._finalizer = weakref.finalize(self, _let_go, self.core)
-        self._finalizer.atexit = False
         # The allocation fast path (defrag.fastpath) over the core's native books; whenever it
         # declines, the Python path.
-        self._fast = None
         if fastpath.setting() != "off":
             with self.core.gate:
                 self._attach_fast()
@@ -428,17 +299,42 @@ class Pool(TensorOwnership, PoolResidency, PoolMeshing, AllocatorSegments, PoolO
         return (f"<defrag.Pool #{self.id} {self.kind} capacity={format_bytes(self.capacity)} "
                 f"page={format_bytes(self.page_size)} {state}>")
 
-    def _enter(self) -> None:
-        """The start of every mutating call (gate held): open, no stale access, releases applied."""
-        self.core.check_open()
-        self.core.drain()
+    @property
+    def on_compact(self) -> list:
+        """Callbacks `f(report)` after every compaction (a list: append to it)."""
+        return self._context.on_compact
 
+    @on_compact.setter
+    def on_compact(self, callbacks: list) -> None:
+        self._context.on_compact = callbacks
+
+    @property
+    def on_oom(self) -> list:
+        """Callbacks `f(error)` with the `OutOfMemoryError` just before an allocation raises it."""
+        return self._context.on_oom
+
+    @on_oom.setter
+    def on_oom(self, callbacks: list) -> None:
+        self._context.on_oom = callbacks
+
+    @property
+    def on_pressure(self) -> list:
+        """Callables run (outside the lock) before an explicit compaction or trim, to hand back memory cached
+        elsewhere (`pool.capture()` adds PyTorch's cached segments)."""
+        return self._context.on_pressure
+
+    @on_pressure.setter
+    def on_pressure(self, callbacks: list) -> None:
+        self._context.on_pressure = callbacks
+
+    # ------------------------------------------------------------------ the fast path
     def _attach_fast(self) -> None:
         """Let the native fast path serve `empty` and make this pool's storages (gate held)."""
-        if not self._can_swap:
+        context = self._context
+        if not context.can_swap:
             return  # "rebind" mode must know every tensor it made
         try:
-            # The default stream is known without asking torch (see _current_stream): its c10 id is 0.
+            # The default stream is known without asking torch (see PoolContext.current_stream): its c10 id is 0.
             cpp = fastpath.wait().FastPath(
                 self.core.books, threads.owner_ref, list(tz.SUPPORTED_DTYPES), self.device.type,
                 self.device.index or 0, self.driver.stale_probe_fd(), DEFAULT_STREAM_ID)
@@ -452,8 +348,7 @@ class Pool(TensorOwnership, PoolResidency, PoolMeshing, AllocatorSegments, PoolO
         if type(self).empty is Pool.empty:  # a subclass's own empty() stays in charge
             # `pool.empty` straight into C++ (the same as `Pool.empty`, without its Python frame).
             self.empty = cpp.bind_empty(Pool._empty_after_miss, weakref.ref(self))
-        self._fast = cpp
-        self._update_fast()
+        context.update_fast()
 
     def _room(self, nbytes: int, origin: int, stream: int = 0):
         """Place a block of `nbytes` for `stream` through the ladder for native code that could not place
@@ -468,12 +363,13 @@ class Pool(TensorOwnership, PoolResidency, PoolMeshing, AllocatorSegments, PoolO
         tensors there is unsafe. Never raises (it is called across the C boundary)."""
         allocator = origin == 2
         try:
-            fast = self._fast
+            context = self._context
+            fast = context.fast
             if fast is None or not (fast.serves_allocator if allocator else fast.enabled):
                 return None
             with self.core.gate:
-                self._enter()
-                block = self._allocate(nbytes, compact=not allocator, stream=stream)
+                context.enter()
+                block = context.allocate(nbytes, compact=not allocator, stream=stream)
                 block.pins, block.owner = 1, None
                 block.info = TensorInfo(None if allocator else torch.uint8, (nbytes,), None,
                                         "allocator" if allocator else "empty")
@@ -489,29 +385,6 @@ class Pool(TensorOwnership, PoolResidency, PoolMeshing, AllocatorSegments, PoolO
         except Exception as exc:
             _log.error("defrag: placing a block for native code failed\n%s", traceback.format_exc())
             return f"defrag: making room for {nbytes} bytes failed: {exc!r}"
-
-    def _update_fast(self) -> None:
-        """Let the fast path serve only while nothing needs the Python path's eyes (gate held). PyTorch's
-        allocator entries (`defrag.install`) keep serving while the pool records history: the books log
-        their blocks for the recorder."""
-        if self._fast is not None:
-            core, cpp = self.core, self._fast
-            serves = not (core.closed or core.space.sleeping)
-            cpp.enabled = serves and core.history is None
-            cpp.serves_allocator = serves
-
-    def _current_stream(self) -> int:
-        """The cudaStream_t torch runs on now (0 on the emulated device).
-
-        Asks torch only once torch has initialized CUDA itself: its stream
-        queries initialize its CUDA allocator, after which `defrag.install`
-        can no longer replace it. Before that no stream can have been made
-        current (making a torch stream initializes CUDA), so the answer is
-        the default stream.
-        """
-        if self.kind == "cuda" and torch.cuda.is_initialized():
-            return torch.cuda.current_stream(self.device).cuda_stream
-        return DEFAULT_STREAM_HANDLE
 
     # ------------------------------------------------------------------ release
     def _on_release(self, block: Block) -> None:
@@ -530,70 +403,7 @@ class Pool(TensorOwnership, PoolResidency, PoolMeshing, AllocatorSegments, PoolO
             return
         with self.core.gate:
             self.core.drain()
-            self._release_if_idle()
-
-    # ------------------------------------------------------------------ allocation
-    def _allocate(self, nbytes: int, *, compact: bool = True, stream: int = 0) -> Block:
-        """Place `nbytes` for `stream` (the ladder, with automatic compaction); OutOfMemoryError when
-        nothing helps."""
-        try:
-            return self.core.allocate(nbytes, self._rescue if compact else None, self._describe, stream)
-        except OutOfRoom as room:
-            error = OutOfMemoryError(room.message, **room.figures)
-        for observer in list(self.on_oom):
-            try:
-                observer(error)
-            except Exception:  # an observer must not replace the OOM the caller is about to get
-                _log.error("defrag: an on_oom observer raised; ignored\n%s", traceback.format_exc())
-        raise error
-
-    def _rescue(self, nbytes: int, tried: list[str]) -> Block | None:
-        return rescue(self.core, self._mover, nbytes, tried, self.on_compact)
-
-    def _describe(self, block: Block) -> str:
-        info = block.info
-        if info is None:
-            return ""
-        if isinstance(info, SegmentInfo):
-            return "(a segment of PyTorch's allocator)"
-        if getattr(info, "origin", None) == "allocator":  # defrag.install: the pool is PyTorch's allocator
-            return "(PyTorch's CUDA allocator)" if self.kind == "cuda" else "(PyTorch's CPU allocator)"
-        dtype = str(info.dtype).replace("torch.", "") if info.dtype else ""
-        return f"{dtype}{list(info.shape) if info.shape is not None else ''}"
-
-    def _storage_over(self, block: Block) -> torch.UntypedStorage:
-        """A storage over `block` whose death releases it (made in C++ over the block's record, or, the fast
-        path off, one whose release hook the block keeps)."""
-        if self._fast is not None:
-            return self._fast.storages([block.address], [block], [block.nbytes])[0]
-        storage, block.keepalive = tz.storage_over(self.kind, self.device, block.address, block.nbytes,
-                                                   self._on_release, block)
-        return storage
-
-    def _record(self, block: Block, dtype, shape, storage: torch.UntypedStorage, origin: str) -> None:
-        """The block's TensorInfo for the user's storage over it."""
-        block.info = TensorInfo(dtype, shape, tz.weak_storage(storage), origin)
-
-    def _storage_for(self, block: Block, dtype, shape, origin: str = "empty") -> torch.UntypedStorage:
-        """The user's storage over a new block, with the block's TensorInfo."""
-        storage = self._storage_over(block)
-        self._record(block, dtype, shape, storage, origin)
-        return storage
-
-    def _tensor_for(self, block: Block, dtype, shape: tuple, stride: tuple) -> torch.Tensor:
-        """The user's tensor over a new block (its own storage), with the block's TensorInfo. On failure the
-        block is released (its storage may have been made and died already)."""
-        try:
-            if self._fast is not None:
-                tensor = self._fast.tensor_over(block.address, block, list(shape), list(stride), dtype)
-            else:
-                tensor, block.keepalive = tz.tensor_at(self.kind, self.device, block.address, block.nbytes, dtype,
-                                                       shape, stride, self._on_release, block)
-        except BaseException:
-            self.core.release(block)
-            raise
-        self._record(block, dtype, shape, tensor.untyped_storage(), "empty")
-        return tensor
+            self._context.release_if_idle()
 
     # ------------------------------------------------------------------ public: creation
     def empty(self, *shape, dtype: torch.dtype | None = None, requires_grad: bool = False) -> torch.Tensor:
@@ -603,7 +413,7 @@ class Pool(TensorOwnership, PoolResidency, PoolMeshing, AllocatorSegments, PoolO
         results on `pool.device`. Any size mapped free space holds is served
         by the C++ fast path when it is attached (`defrag.fastpath`).
         """
-        fast = self._fast
+        fast = self._context.fast
         if fast is not None and not requires_grad:
             tensor = fast.empty(shape, dtype)
             if tensor is not None:
@@ -637,16 +447,17 @@ class Pool(TensorOwnership, PoolResidency, PoolMeshing, AllocatorSegments, PoolO
         else:
             elements = 0 if 0 in shape else 1 + sum((n - 1) * st for n, st in zip(shape, stride))
         nbytes = elements * dtype.itemsize
+        context = self._context
         with self.core.gate:
-            self._enter()
+            context.enter()
             if nbytes == 0:
                 return torch.empty_strided(shape, stride, dtype=dtype, device=self.device,
                                            requires_grad=requires_grad)
-            block = self._allocate(nbytes, stream=self._current_stream())
-            tensor = self._tensor_for(block, dtype, shape, stride)
+            block = context.allocate(nbytes, stream=context.current_stream())
+            tensor = context.tensor_for(block, dtype, shape, stride)
             if self.core.history is not None:
                 self.core.history.block_allocated(block)
-        if not self._can_swap:  # "rebind" mode only: otherwise no weakref on users' tensors (swap_tensors works)
+        if not context.can_swap:  # "rebind" mode only: otherwise no weakref on users' tensors (swap_tensors works)
             block.info.tensors.append(weakref.ref(tensor))
         if requires_grad:
             tensor.requires_grad_(True)
@@ -697,7 +508,7 @@ class Pool(TensorOwnership, PoolResidency, PoolMeshing, AllocatorSegments, PoolO
             shape = shape[0]
         shape = tz.check_shape(shape)
         with self.core.gate:
-            self._enter()
+            self._context.enter()
             self._require_own(tensor, "resize_")
         need = (tensor.storage_offset() + math.prod(shape)) * tensor.element_size()
         if need <= tensor.untyped_storage().nbytes():
@@ -715,18 +526,6 @@ class Pool(TensorOwnership, PoolResidency, PoolMeshing, AllocatorSegments, PoolO
         """The other open pool whose address space holds `ptr`, if any."""
         return next((p for p in open_pools() if p is not self and p.owns_address(ptr)), None)
 
-    def _rebindable(self, block: Block, storage=None) -> list | None:
-        """Rebind mode: the tensors to rebind, if they are provably all users of the storage.
-
-        Pass the caller's own strong `storage` reference if it holds one (it is
-        the one reference the proof allows besides the tensors).
-        """
-        storage = storage if storage is not None else tz.strong_storage(block.info.storage_ref)
-        if storage is None:
-            return None
-        known = [t for t in (r() for r in block.info.tensors) if t is not None]
-        return known if tz.rebind_proof(storage, known) else None
-
     def live_tensors(self) -> list[LiveTensor]:
         """Every live block, in address order, as a `compact()` called from this thread sees it."""
         with self.core.gate:
@@ -737,7 +536,7 @@ class Pool(TensorOwnership, PoolResidency, PoolMeshing, AllocatorSegments, PoolO
             for block in sorted(self.core.blocks(), key=lambda b: b.address):
                 if block.retired:
                     continue
-                reason = scope.blocker(block, self._mover.can_rewrite)
+                reason = scope.blocker(block, self._context.mover.can_rewrite)
                 info = block.info
                 first, end = backing.pages_of(block)
                 meshed = bool((backing.mesh_ids[block.region.index][first:end] >= 0).any())
@@ -755,7 +554,7 @@ class Pool(TensorOwnership, PoolResidency, PoolMeshing, AllocatorSegments, PoolO
         are disjoint share physical pages (`Pool.mesh`), so that trim gives
         back the most; a driver fault there rolls that mesh back and is logged.
         """
-        self._relieve()
+        self._context.relieve()
         with self.core.gate:
             self.core.check_open()
             return (self._mesh_to_release() if mesh else 0) + self.core.trim()
@@ -776,19 +575,11 @@ class Pool(TensorOwnership, PoolResidency, PoolMeshing, AllocatorSegments, PoolO
             self.core.drain()
             self.core.wait_pending()
             self.core.closed = True
-            if self._fast is not None:
-                self._fast.close()  # no more fast allocations
+            if self._context.fast is not None:
+                self._context.fast.close()  # no more fast allocations
             self.core.books.close()  # later releases call _release_after_close
             _open_pools.discard(self)
-            self._release_if_idle()
-
-    def _release_if_idle(self) -> None:
-        if self.core.has_live_blocks() or self._finalizer is None:
-            if any(True for _ in self.core.blocks()):
-                self.core.give_back_idle()  # keep what is live; give back the rest now
-            return
-        self._finalizer()  # the address space's release_all, exactly once
-        self._finalizer = None
+            self._context.release_if_idle()
 
     # ------------------------------------------------------------------ compaction
     def compact(self, *, verify: bool = False, progress: bool | None = None, engine: str | None = None,
@@ -818,19 +609,9 @@ class Pool(TensorOwnership, PoolResidency, PoolMeshing, AllocatorSegments, PoolO
         changes). Nothing is meshed when every tensor could move.
         Returns a `CompactionReport`.
         """
-        self._relieve()
+        self._context.relieve()
         with self.core.gate:
             self.core.check_open()
             scope = self.core.scope(threads)
-            return compact_core(self.core, self._mover, verify=verify, progress=progress, engine=engine,
+            return compact_core(self.core, self._context.mover, verify=verify, progress=progress, engine=engine,
                                 automatic=False, release=release, scope=scope, callbacks=self.on_compact, mesh=mesh)
-
-    def _relieve(self) -> None:
-        """Run the `on_pressure` hooks, outside the lock (never from inside PyTorch's allocator)."""
-        if in_callback():
-            return
-        for hook in list(self.on_pressure):
-            try:
-                hook()
-            except Exception:  # a hook that fails must not stop the compaction or trim it helps
-                _log.error("defrag: an on_pressure hook raised; ignored\n%s", traceback.format_exc())

@@ -3,7 +3,8 @@
 A part of `defrag.pool.Pool` (a mixin it inherits). The machinery is
 `defrag.mesher` over the `Core` (torch-free); this only takes the pool's lock
 and says which threads' tensors may be copied. What it relies on from the
-`Pool`: `core` (its `gate`, `scope`), `_mover` (its stream), `_relieve()`.
+`Pool`: `core` (its `gate`, `scope`) and, from its `_context`
+(`defrag.pool_context.PoolContext`), `mover` (its stream) and `relieve()`.
 """
 
 from __future__ import annotations
@@ -25,10 +26,10 @@ class PoolMeshing:
         physical pages are freed (cached; released to the device with `release=True`).
         `threads` and `engine` as for `compact`. A driver fault rolls back the group it hit (every byte and
         mapping as before) and is raised. Returns a `defrag.mesher.MeshReport`."""
-        self._relieve()
+        self._context.relieve()
         with self.core.gate:
             self.core.check_open()
-            return mesh_core(self.core, scope=self.core.scope(threads), stream=self._mover.stream(),
+            return mesh_core(self.core, scope=self.core.scope(threads), stream=self._context.mover.stream(),
                              release=release, engine=engine)
 
     def unmesh(self) -> int:
@@ -43,7 +44,7 @@ class PoolMeshing:
         returns the bytes released. A driver fault rolls that mesh back and is logged."""
         if self.core.space.sleeping:
             return 0
-        report = mesh_core(self.core, scope=self.core.scope(None), stream=self._mover.stream(), release=True,
+        report = mesh_core(self.core, scope=self.core.scope(None), stream=self._context.mover.stream(), release=True,
                            raise_errors=False)
         if report.error:
             _log.warning("defrag: trim's meshing stopped after a driver fault (rolled back): %s", report.error)

@@ -9,8 +9,8 @@ history ring buffer) live in `defrag.stats`.
 What it relies on from the `Pool`: `core` (its `gate`, `drain`,
 `stats_locked`, `reset_peaks`, `check_invariants`, `layout`, `history`),
 `id`, `device`, `_segments` (the raw segments, from `AllocatorSegments`'s
-bookkeeping) and `_update_fast()` (the fast path serves only while no
-history is recorded).
+bookkeeping) and, from its `_context` (`defrag.pool_context.PoolContext`),
+`update_fast()` (the fast path serves only while no history is recorded).
 """
 
 from __future__ import annotations
@@ -78,7 +78,7 @@ class PoolObservability:
             self.core.drain()
             self.core.history = (observe.HistoryRecorder(self.core, max_entries=max_entries, stacks=stacks)
                                  if enabled else None)
-            self._update_fast()
+            self._context.update_fast()
 
     def snapshot(self) -> dict:
         """The pool in the format of `torch.cuda.memory._snapshot()` (segments and device_traces)."""

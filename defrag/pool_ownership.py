@@ -8,13 +8,14 @@ block's reuse (`record_stream`), and `adopt`, which moves existing tensors
 into the pool. The threads contract these methods serve is written out in
 `defrag.pool`'s docstring.
 
-What it relies on from the `Pool`: `core` (its `gate`, `block_at`,
-`owns_address`, `user`, `free`, `history`), `device`, `kind`, `id`,
-`_can_swap` and `_swap_mode` (how a storage takes new memory),
-`_enter()` (the start of a mutating call), `_allocate(nbytes)` (the
-ladder), `_storage_for(block, dtype, shape, origin)` (a storage over a new
-block, with its `TensorInfo`) and `_other_owner(ptr)` (the other open pool
-holding an address).
+What it relies on from the `Pool`: `core` (its `gate`, `owns_address`,
+`user`, `free`, `history`), `device`, `kind`, `id`, `_other_owner(ptr)`
+(the other open pool holding an address) and, from its `_context`
+(`defrag.pool_context.PoolContext`), `can_swap` and `swap_mode` (how a
+storage takes new memory), `enter()` (the start of a mutating call),
+`allocate(nbytes)` (the ladder), `storage_for(block, dtype, shape,
+origin)` (a storage over a new block, with its `TensorInfo`) and
+`find(tensor)` (the block under a tensor).
 """
 
 from __future__ import annotations
@@ -32,13 +33,6 @@ class TensorOwnership:
     """The `Pool`'s tensors: lookup, pins, thread hand-offs, streams and `adopt` (see the module docstring)."""
 
     # ------------------------------------------------------------------ lookup
-    def _find(self, tensor: torch.Tensor) -> Block | None:
-        """The live block under `tensor`'s storage, or None if it is not pool memory.
-
-        Pool storages always start at their block's address, so this is one lookup.
-        """
-        return self.core.block_at(tensor.untyped_storage().data_ptr())
-
     def owns_address(self, ptr: int) -> bool:
         """Whether `ptr` lies in this pool's virtual address space."""
         return self.core.owns_address(ptr)
@@ -48,7 +42,7 @@ class TensorOwnership:
             raise TypeError(f"{what} needs a tensor, got {type(tensor).__name__}")
         if tensor.device != self.device:
             raise ValueError(f"{what}: tensor is on {tensor.device}, this pool's tensors are on {self.device}")
-        block = self._find(tensor)
+        block = self._context.find(tensor)
         if block is None:
             if (other := self._other_owner(tensor.untyped_storage().data_ptr())) is not None:
                 raise ValueError(f"{what}: tensor belongs to pool #{other.id}, not pool #{self.id}")
@@ -59,7 +53,7 @@ class TensorOwnership:
         """Whether `tensor`'s storage is a live block of this pool."""
         with self.core.gate:
             self.core.drain()
-            return isinstance(tensor, torch.Tensor) and tensor.device == self.device and self._find(tensor) is not None
+            return isinstance(tensor, torch.Tensor) and tensor.device == self.device and self._context.find(tensor) is not None
 
     # ------------------------------------------------------------------ pin / threads / streams
     def pin(self, tensor: torch.Tensor) -> None:
@@ -69,13 +63,13 @@ class TensorOwnership:
         in this pool raises ValueError and changes nothing.
         """
         with self.core.gate:
-            self._enter()
+            self._context.enter()
             self._require_own(tensor, "pin").pins += 1
 
     def unpin(self, tensor: torch.Tensor) -> None:
         """Undo one `pin`. ValueError if the tensor is not pinned."""
         with self.core.gate:
-            self._enter()
+            self._context.enter()
             block = self._require_own(tensor, "unpin")
             if block.pins == 0:
                 raise ValueError("unpin: tensor is not pinned")
@@ -92,7 +86,7 @@ class TensorOwnership:
         undoes it.
         """
         with self.core.gate:
-            self._enter()
+            self._context.enter()
             block = self._require_own(tensor, "share")
             self.core.user()
             block.owner, block.shared = None, True
@@ -105,7 +99,7 @@ class TensorOwnership:
         previous owner's compactions stop moving it.
         """
         with self.core.gate:
-            self._enter()
+            self._context.enter()
             block = self._require_own(tensor, "claim")
             block.owner, block.shared = self.core.user(), False
 
@@ -114,7 +108,7 @@ class TensorOwnership:
         that stream's work queued before the free has completed (CUDA). A no-op
         on the emulated device, where every operation is synchronous."""
         with self.core.gate:
-            self._enter()
+            self._context.enter()
             block = self._require_own(tensor, "record_stream")
             if self.kind == "cuda":
                 self.core.books.record_stream(block.address, block, int(stream.cuda_stream))
@@ -140,29 +134,29 @@ class TensorOwnership:
         """
         tensors = self._adoptable(obj)
         with self.core.gate:
-            self._enter()
+            self._context.enter()
             storages = {}
             s = t = new = None
             for t in tensors:
                 s = t.untyped_storage()
-                if s.nbytes() == 0 or self._find(t) is not None:
+                if s.nbytes() == 0 or self._context.find(t) is not None:
                     continue
                 if (other := self._other_owner(s.data_ptr())) is not None:
                     raise ValueError(f"adopt: a tensor belongs to pool #{other.id}; it cannot be adopted by pool #{self.id}")
                 if s.data_ptr() in storages:
-                    if not self._can_swap:
+                    if not self._context.can_swap:
                         raise ValueError("adopt: two tensors share a storage; torch < 2.12 can only adopt a storage "
                                          "whose one tensor is known (needs UntypedStorage._swap_data_ptr_)")
                     continue
-                if not self._can_swap and tz.storage_use_count(s) != 2:  # `t` and `s` alone
+                if not self._context.can_swap and tz.storage_use_count(s) != 2:  # `t` and `s` alone
                     raise ValueError(f"adopt: torch {torch.__version__} lacks UntypedStorage._swap_data_ptr_, and other "
                                      "tensors or views share this tensor's storage, so they could not follow it")
                 storages[s.data_ptr()] = (s, t)
             placed, fresh = [], []
             try:
                 for s, t in storages.values():
-                    placed.append((self._allocate(s.nbytes()), s, t))
-                fresh = [self._storage_for(block, t.dtype, tuple(t.shape), "adopt") for block, _, t in placed]
+                    placed.append((self._context.allocate(s.nbytes()), s, t))
+                fresh = [self._context.storage_for(block, t.dtype, tuple(t.shape), "adopt") for block, _, t in placed]
             except BaseException:
                 for block, _, _ in placed:
                     self.core.free(block)
@@ -171,8 +165,8 @@ class TensorOwnership:
             for (block, s, _), new in zip(placed, fresh):
                 new.copy_(s)
             for (block, s, t), new in zip(placed, fresh):
-                if self._can_swap:
-                    tz.swap_data(s, new, self._swap_mode)
+                if self._context.can_swap:
+                    tz.swap_data(s, new, self._context.swap_mode)
                     block.info.storage_ref = tz.weak_storage(s)
                 else:
                     tz.rebind([t], new)  # proven above: `t` is the storage's only tensor

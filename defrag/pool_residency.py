@@ -7,9 +7,10 @@ same addresses). It turns the caller's tensors into blocks and hands them to
 `defrag.residency`, which holds the machinery over the `Core` (torch-free).
 
 What it relies on from the `Pool`: `core` (its `gate`, `space`, `scope`),
-`_mover` (the compaction callbacks, for `offload`'s packing), `_enter()`
-(the start of a mutating call), `_update_fast()` (the fast path serves only
-while the pool is awake), and, from `TensorOwnership`, `_require_own(tensor,
+from its `_context` (`defrag.pool_context.PoolContext`) `mover` (the
+compaction callbacks, for `offload`'s packing), `enter()` (the start of a
+mutating call) and `update_fast()` (the fast path serves only while the
+pool is awake), and, from `TensorOwnership`, `_require_own(tensor,
 what)` and `_adoptable(obj)` (a tensor, module, optimizer or container as a
 list of tensors).
 """
@@ -57,12 +58,12 @@ class PoolResidency:
         asleep. Returns a `ResidencyReport`.
         """
         with self.core.gate:
-            self._enter()
+            self._context.enter()
             blocks = [self._require_own(t, "sleep(discard=...)") for t in self._residency_tensors(discard)]
             try:
                 return residency.sleep(self.core, discard=blocks, progress=progress)
             finally:
-                self._update_fast()
+                self._context.update_fast()
 
     def wake(self, *, progress: bool | None = None) -> "residency.ResidencyReport":
         """Map device pages where the pool slept and copy every kept byte back (see `sleep`).
@@ -78,7 +79,7 @@ class PoolResidency:
             try:
                 return residency.wake(self.core, progress=progress)
             finally:
-                self._update_fast()
+                self._context.update_fast()
 
     def offload(self, tensors, *, pack: bool = True, progress: bool | None = None) -> "residency.ResidencyReport":
         """Back these tensors' pages with host memory at the same addresses; their device pages are freed.
@@ -104,14 +105,14 @@ class PoolResidency:
         Returns a `ResidencyReport`.
         """
         with self.core.gate:
-            self._enter()
+            self._context.enter()
             blocks = []
             for t in self._residency_tensors(tensors):
                 block = self._require_own(t, "offload")
                 if block not in blocks:
                     blocks.append(block)
             keep = lambda block: tz.strong_storage(block.info.storage_ref)  # noqa: E731
-            return residency.offload(self.core, self._mover, blocks, keep=keep, scope=self.core.scope(None),
+            return residency.offload(self.core, self._context.mover, blocks, keep=keep, scope=self.core.scope(None),
                                      pack=pack, progress=progress)
 
     def reload(self, tensors=None, *, progress: bool | None = None) -> "residency.ResidencyReport":
@@ -123,7 +124,7 @@ class PoolResidency:
         Returns a `ResidencyReport`.
         """
         with self.core.gate:
-            self._enter()
+            self._context.enter()
             blocks = None
             if tensors is not None:
                 blocks = [self._require_own(t, "reload") for t in self._residency_tensors(tensors)]

@@ -9,29 +9,18 @@ block); its bytes count as allocated.
 
 What it relies on from the `Pool`: `core` (its `gate`, `release`, `drain`,
 `closed`, `history`), `_segments` (address -> segment block, made by
-`Pool.__init__`; `stats` reports it), `_enter()` (the start of a
-mutating call), `_allocate(nbytes, compact=...)` (the ladder) and
-`_release_if_idle()` (everything back to the driver once nothing lives
+`Pool.__init__`; `stats` reports it) and, from its `_context`
+(`defrag.pool_context.PoolContext`), `enter()` (the start of a mutating
+call), `allocate(nbytes, compact=...)` (the ladder) and
+`release_if_idle()` (everything back to the driver once nothing lives
 after `close`).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 from .capture import capture as capture_block
 from .capture import release_cached as release_captured
-
-
-@dataclass(eq=False)
-class SegmentInfo:
-    """What the torch face keeps on a raw segment handed to PyTorch's allocator (`Pool.alloc_segment`).
-
-    PyTorch sub-allocates tensors inside a segment, so the pool cannot know
-    who uses it: a segment never moves. Its bytes count as allocated.
-    """
-
-    kind: str = "segment"
+from .pool_context import SegmentInfo
 
 
 class AllocatorSegments:
@@ -53,8 +42,8 @@ class AllocatorSegments:
         if nbytes <= 0:
             raise ValueError(f"a segment needs at least one byte, got {nbytes}")
         with self.core.gate:
-            self._enter()
-            block = self._allocate(nbytes, compact=compact, stream=int(stream))
+            self._context.enter()
+            block = self._context.allocate(nbytes, compact=compact, stream=int(stream))
             block.info = SegmentInfo()
             block.owner, block.shared = None, True
             self._segments[block.address] = block
@@ -76,7 +65,7 @@ class AllocatorSegments:
             self.core.release(block)
             self.core.drain()
             if self.core.closed:
-                self._release_if_idle()
+                self._context.release_if_idle()
             return True
 
     def segments(self) -> list[tuple[int, int]]:
