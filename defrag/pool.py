@@ -5,16 +5,19 @@ Placement, release, page accounting and the allocation ladder live in
 blocks into torch storages and back, and rewrites a moved block's storage
 (`_TorchMover`, in `defrag.pool_context`).
 
-`Pool` is cut by concept into parts it inherits, one module each:
-`defrag.pool_ownership` (`TensorOwnership`: `owns`, `pin`, `share`,
-`claim`, `record_stream`, `adopt`), `defrag.pool_residency`
-(`PoolResidency`: `sleep`, `wake`, `offload`, `reload`),
-`defrag.pool_segments` (`AllocatorSegments`: raw segments for PyTorch's
-allocator, `capture`) and `defrag.pool_observability` (`PoolObservability`:
-`stats`, `layout`, `record_history`, `snapshot`, `summary`). What the parts
-share (the core, the device, the mover, the fast path and the operations
-they build on) is the pool's `PoolContext` (`defrag.pool_context`). This
-module keeps the pool's life (creation, fast path, release, `trim`,
+`Pool` is cut by concept into parts, one module each. Composed ones are
+objects built over the pool's `PoolContext` (`defrag.pool_context`: the core,
+the device, the mover, the fast path, and the handful of operations the parts
+share), and each of their public methods is one line here that hands the call
+to its part: `defrag.pool_ownership` (`TensorOwnership`: `owns`, `pin`,
+`share`, `claim`, `record_stream`, `adopt`). Still inherited, reaching the
+context through `self._context`: `defrag.pool_residency` (`PoolResidency`:
+`sleep`, `wake`, `offload`, `reload`), `defrag.pool_meshing` (`PoolMeshing`:
+`mesh`, `unmesh`, `trim`'s meshing step), `defrag.pool_segments`
+(`AllocatorSegments`: raw segments for PyTorch's allocator),
+`defrag.pool_observability` (`PoolObservability`: `stats`, `layout`,
+`record_history`).
+This module keeps the pool's life (creation, fast path, release, `trim`,
 `close`) and compaction (`compact`, `live_tensors`).
 
 Lifetime. Each block is owned by the torch storage over it: a storage made in
@@ -173,7 +176,7 @@ class LiveTensor:
     meshed: bool = False  # a page under it shares its physical page with other pages (a mesh: `Pool.mesh`)
 
 
-class Pool(TensorOwnership, PoolResidency, PoolMeshing, AllocatorSegments, PoolObservability):
+class Pool(PoolResidency, PoolMeshing, AllocatorSegments, PoolObservability):
     """A VMM-backed tensor pool whose live tensors the compactor can move.
 
     `device`: "cuda:N", "emulated", None (first GPU if one works, else the
@@ -233,13 +236,15 @@ class Pool(TensorOwnership, PoolResidency, PoolMeshing, AllocatorSegments, PoolO
         finalizer = weakref.finalize(self, _let_go, self.core)
         finalizer.atexit = False
         # What the parts share; a Python-path storage's death calls this pool's `_on_release`.
-        self._context = PoolContext(self.id, self.core, self.device, swap_mode, on_release=self._on_release,
-                                    finalizer=finalizer)
+        self._context = context = PoolContext(self.id, self.core, self.device, swap_mode,
+                                              on_release=self._on_release, finalizer=finalizer)
         # The books keep this pool alive while a storage of theirs lives, and tell it of every release
         # after close (`_release_after_close`), through a weak reference (no cycle).
         self._close_hook = _weakly(self._release_after_close)  # kept here: the books only borrow it
         self.core.books.set_keeper(self, self._close_hook)
         self._segments: dict[int, Block] = {}  # address -> segment handed to PyTorch's allocator
+        # The parts, each over the context (and the parts it builds on).
+        self._ownership = TensorOwnership(context, open_pools)
         # The allocation fast path (defrag.fastpath) over the core's native books; whenever it
         # declines, the Python path.
         if fastpath.setting() != "off":
@@ -509,7 +514,7 @@ class Pool(TensorOwnership, PoolResidency, PoolMeshing, AllocatorSegments, PoolO
         shape = tz.check_shape(shape)
         with self.core.gate:
             self._context.enter()
-            self._require_own(tensor, "resize_")
+            self._ownership.block_of(tensor, "resize_")
         need = (tensor.storage_offset() + math.prod(shape)) * tensor.element_size()
         if need <= tensor.untyped_storage().nbytes():
             with torch.no_grad():
@@ -521,11 +526,75 @@ class Pool(TensorOwnership, PoolResidency, PoolMeshing, AllocatorSegments, PoolO
             tensor.set_(fresh.untyped_storage(), 0, shape, tz.contiguous_strides(shape))
         return tensor
 
-    # ------------------------------------------------------------------ inspection
-    def _other_owner(self, ptr: int) -> "Pool | None":
-        """The other open pool whose address space holds `ptr`, if any."""
-        return next((p for p in open_pools() if p is not self and p.owns_address(ptr)), None)
+    # ------------------------------------------------------------------ ownership (TensorOwnership)
+    def owns_address(self, ptr: int) -> bool:
+        """Whether `ptr` lies in this pool's virtual address space."""
+        return self._ownership.owns_address(ptr)
 
+    def owns(self, tensor: torch.Tensor) -> bool:
+        """Whether `tensor`'s storage is a live block of this pool."""
+        return self._ownership.owns(tensor)
+
+    def pin(self, tensor: torch.Tensor) -> None:
+        """Keep `tensor`'s storage where it is: compaction never moves a pinned block.
+
+        Pins count: each `pin` needs an `unpin`. Pinning a tensor that is not
+        in this pool raises ValueError and changes nothing.
+        """
+        self._ownership.pin(tensor)
+
+    def unpin(self, tensor: torch.Tensor) -> None:
+        """Undo one `pin`. ValueError if the tensor is not pinned."""
+        self._ownership.unpin(tensor)
+
+    def share(self, tensor: torch.Tensor) -> None:
+        """Declare that several threads use `tensor`: no thread owns its block any more.
+
+        A shared block is never moved by a compaction that other running
+        threads could overlap (the default, or `threads="own"`); it moves only
+        when no other thread that used the pool runs. Use it for tensors
+        handed to other threads that keep using them (weights read by worker
+        threads, a cache filled by one thread and read by another). `claim`
+        undoes it.
+        """
+        self._ownership.share(tensor)
+
+    def claim(self, tensor: torch.Tensor) -> None:
+        """Make the calling thread the only user of `tensor`: its own compactions may move it.
+
+        For hand-offs: a batch made by a loader thread and from now on used only
+        by this one, or a shared tensor no other thread touches any more. The
+        previous owner's compactions stop moving it.
+        """
+        self._ownership.claim(tensor)
+
+    def record_stream(self, tensor: torch.Tensor, stream) -> None:
+        """Declare that `tensor` is used on `stream`: its block is reused only after
+        that stream's work queued before the free has completed (CUDA). A no-op
+        on the emulated device, where every operation is synchronous."""
+        self._ownership.record_stream(tensor, stream)
+
+    def adopt(self, obj):
+        """Move existing data into the pool, keeping the caller's objects.
+
+        - a tensor: its storage is rewritten in place (the same Python object;
+          every view follows) to point at pool memory holding the same bytes;
+        - an `nn.Module`: its parameters (the same Parameter objects), buffers
+          and existing `.grad`s;
+        - an optimizer: its state tensors (on this pool's device; others, such
+          as Adam's CPU `step` next to CUDA parameters, stay where they are);
+        - a list, tuple or dict (a state dict, a KV cache) of any of these,
+          nested as deep as you like.
+
+        All or nothing: every block is placed before any storage is rewritten,
+        so an out-of-memory error leaves every tensor where it was. Storages
+        already in this pool are left alone; storages in another pool, or
+        tensors on another device (for a tensor or module), raise ValueError.
+        Returns `obj`.
+        """
+        return self._ownership.adopt(obj)
+
+    # ------------------------------------------------------------------ inspection
     def live_tensors(self) -> list[LiveTensor]:
         """Every live block, in address order, as a `compact()` called from this thread sees it."""
         with self.core.gate:

@@ -10,9 +10,9 @@ What it relies on from the `Pool`: `core` (its `gate`, `space`, `scope`),
 from its `_context` (`defrag.pool_context.PoolContext`) `mover` (the
 compaction callbacks, for `offload`'s packing), `enter()` (the start of a
 mutating call) and `update_fast()` (the fast path serves only while the
-pool is awake), and, from `TensorOwnership`, `_require_own(tensor,
-what)` and `_adoptable(obj)` (a tensor, module, optimizer or container as a
-list of tensors).
+pool is awake), and, from its `_ownership` (`TensorOwnership`),
+`block_of(tensor, what)` and `tensors_in(obj)` (a tensor, module, optimizer
+or container as a list of tensors).
 """
 
 from __future__ import annotations
@@ -59,7 +59,7 @@ class PoolResidency:
         """
         with self.core.gate:
             self._context.enter()
-            blocks = [self._require_own(t, "sleep(discard=...)") for t in self._residency_tensors(discard)]
+            blocks = [self._ownership.block_of(t, "sleep(discard=...)") for t in self._residency_tensors(discard)]
             try:
                 return residency.sleep(self.core, discard=blocks, progress=progress)
             finally:
@@ -108,7 +108,7 @@ class PoolResidency:
             self._context.enter()
             blocks = []
             for t in self._residency_tensors(tensors):
-                block = self._require_own(t, "offload")
+                block = self._ownership.block_of(t, "offload")
                 if block not in blocks:
                     blocks.append(block)
             keep = lambda block: tz.strong_storage(block.info.storage_ref)  # noqa: E731
@@ -127,10 +127,10 @@ class PoolResidency:
             self._context.enter()
             blocks = None
             if tensors is not None:
-                blocks = [self._require_own(t, "reload") for t in self._residency_tensors(tensors)]
+                blocks = [self._ownership.block_of(t, "reload") for t in self._residency_tensors(tensors)]
             return residency.reload(self.core, blocks, progress=progress)
 
     def _residency_tensors(self, obj) -> list[torch.Tensor]:
         if obj is None or (isinstance(obj, (list, tuple, dict)) and not obj):
             return []
-        return self._adoptable(obj)
+        return self._ownership.tensors_in(obj)
