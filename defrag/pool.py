@@ -10,13 +10,13 @@ objects built over the pool's `PoolContext` (`defrag.pool_context`: the core,
 the device, the mover, the fast path, and the handful of operations the parts
 share), and each of their public methods is one line here that hands the call
 to its part: `defrag.pool_ownership` (`TensorOwnership`: `owns`, `pin`,
-`share`, `claim`, `record_stream`, `adopt`). Still inherited, reaching the
-context through `self._context`: `defrag.pool_residency` (`PoolResidency`:
-`sleep`, `wake`, `offload`, `reload`), `defrag.pool_meshing` (`PoolMeshing`:
-`mesh`, `unmesh`, `trim`'s meshing step), `defrag.pool_segments`
-(`AllocatorSegments`: raw segments for PyTorch's allocator),
-`defrag.pool_observability` (`PoolObservability`: `stats`, `layout`,
-`record_history`).
+`share`, `claim`, `record_stream`, `adopt`), `defrag.pool_residency`
+(`PoolResidency`: `sleep`, `wake`, `offload`, `reload`). Still inherited,
+reaching the context through `self._context`: `defrag.pool_meshing`
+(`PoolMeshing`: `mesh`, `unmesh`, `trim`'s meshing step),
+`defrag.pool_segments` (`AllocatorSegments`: raw segments for PyTorch's
+allocator), `defrag.pool_observability` (`PoolObservability`: `stats`,
+`layout`, `record_history`).
 This module keeps the pool's life (creation, fast path, release, `trim`,
 `close`) and compaction (`compact`, `live_tensors`).
 
@@ -176,7 +176,7 @@ class LiveTensor:
     meshed: bool = False  # a page under it shares its physical page with other pages (a mesh: `Pool.mesh`)
 
 
-class Pool(PoolResidency, PoolMeshing, AllocatorSegments, PoolObservability):
+class Pool(PoolMeshing, AllocatorSegments, PoolObservability):
     """A VMM-backed tensor pool whose live tensors the compactor can move.
 
     `device`: "cuda:N", "emulated", None (first GPU if one works, else the
@@ -245,6 +245,7 @@ class Pool(PoolResidency, PoolMeshing, AllocatorSegments, PoolObservability):
         self._segments: dict[int, Block] = {}  # address -> segment handed to PyTorch's allocator
         # The parts, each over the context (and the parts it builds on).
         self._ownership = TensorOwnership(context, open_pools)
+        self._residency = PoolResidency(context, self._ownership)
         # The allocation fast path (defrag.fastpath) over the core's native books; whenever it
         # declines, the Python path.
         if fastpath.setting() != "off":
@@ -593,6 +594,86 @@ class Pool(PoolResidency, PoolMeshing, AllocatorSegments, PoolObservability):
         Returns `obj`.
         """
         return self._ownership.adopt(obj)
+
+    # ------------------------------------------------------------------ residency (PoolResidency)
+    @property
+    def asleep(self) -> bool:
+        """Whether the pool sleeps (between `sleep()` and `wake()`)."""
+        return self._residency.asleep
+
+    def sleep(self, *, discard=(), progress: bool | None = None) -> "residency.ResidencyReport":
+        """Release every device page and keep every address: tensors keep their pointers, not their memory.
+
+        Copies the bytes of every live tensor to one pinned host buffer,
+        unmaps and releases every device page (cached ones too), and keeps
+        the reservations, the tensors, their views and their `data_ptr()`s.
+        `wake()` maps device pages at the same addresses and copies the bytes
+        back, so views, raw pointers and captured CUDA graphs stay valid.
+
+        `discard`: tensors (or modules, lists, dicts of them, as for `adopt`)
+        whose bytes need not survive, such as a KV cache: they are not
+        copied and read zeros after `wake()`. `progress`: a progress bar
+        (None: only above 256 MiB).
+
+        While asleep, pool calls that need device memory (`empty`, `adopt`,
+        `compact`, `pin`, `offload`, `trim`, ...) raise `PoolAsleepError`;
+        `stats()`, `summary()`, `layout()`, `snapshot()`, `live_tensors()`,
+        `wake()` and `close()` work. The pool cannot see kernels: touching a
+        sleeping tensor reads unmapped memory (a CUDA illegal-address error on
+        a GPU; zeros and a `StaleAccessError` at the next pool call on the
+        emulated device). Offloaded tensors stay host-backed and usable.
+        A driver fault before the last page is unmapped restores everything
+        (same pages, same bytes) and raises. `ResidencyError` when already
+        asleep. Returns a `ResidencyReport`.
+        """
+        return self._residency.sleep(discard=discard, progress=progress)
+
+    def wake(self, *, progress: bool | None = None) -> "residency.ResidencyReport":
+        """Map device pages where the pool slept and copy every kept byte back (see `sleep`).
+
+        `ResidencyError` when the pool is awake. When the device cannot
+        supply the pages (or any driver call fails) the pool stays asleep
+        with every byte kept, and the error says so: call it again later.
+        `StaleAccessError` (the pool still asleep, nothing changed) when a
+        tensor of the pool was touched while it slept (emulated device): the
+        access read zeros or lost its write, and is reported once, here.
+        """
+        return self._residency.wake(progress=progress)
+
+    def offload(self, tensors, *, pack: bool = True, progress: bool | None = None) -> "residency.ResidencyReport":
+        """Back these tensors' pages with host memory at the same addresses; their device pages are freed.
+
+        The tensors stay readable and writable where they are, over the bus:
+        slower, but from the offload until after the reload no pointer
+        changes (views, `data_ptr()`s and captured graphs stay valid). Pages
+        are the unit: tensors that share a page with tensors that stay are
+        first packed into pages of their own (a compaction move: views
+        follow, but a raw pointer taken before `offload` is stale; with
+        `pack=False` that is a `ResidencyError` instead, nothing moved), so
+        that no other tensor goes to host memory with them; the space left in
+        those pages is held unused. Offloaded tensors never move; `reload(tensors)` brings their
+        pages back (with every tensor on them). The pool keeps each offloaded
+        tensor's storage alive until it is reloaded (or the pool closes), so
+        dropping one frees its memory at the next `reload()`.
+
+        `tensors`: a tensor, module, optimizer, or list/tuple/dict of them (as
+        for `adopt`). Errors, with nothing offloaded: `ValueError` for a
+        pinned tensor, or one that is not in this pool; `NotSupportedError`
+        where the driver has no host-located pages (CUDA before 12.2, or a
+        device without host NUMA VMM support); `PoolAsleepError` while asleep.
+        Returns a `ResidencyReport`.
+        """
+        return self._residency.offload(tensors, pack=pack, progress=progress)
+
+    def reload(self, tensors=None, *, progress: bool | None = None) -> "residency.ResidencyReport":
+        """Bring offloaded tensors' pages back to device memory (None: every offloaded page).
+
+        Every tensor on those pages comes back; tensors that are not
+        offloaded are left alone. Needs a free device page per page (the
+        pool's capacity); `ResidencyError` otherwise, with nothing changed.
+        Returns a `ResidencyReport`.
+        """
+        return self._residency.reload(tensors, progress=progress)
 
     # ------------------------------------------------------------------ inspection
     def live_tensors(self) -> list[LiveTensor]:
