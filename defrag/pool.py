@@ -11,12 +11,12 @@ the device, the mover, the fast path, and the handful of operations the parts
 share), and each of their public methods is one line here that hands the call
 to its part: `defrag.pool_ownership` (`TensorOwnership`: `owns`, `pin`,
 `share`, `claim`, `record_stream`, `adopt`), `defrag.pool_residency`
-(`PoolResidency`: `sleep`, `wake`, `offload`, `reload`). Still inherited,
-reaching the context through `self._context`: `defrag.pool_meshing`
-(`PoolMeshing`: `mesh`, `unmesh`, `trim`'s meshing step),
-`defrag.pool_segments` (`AllocatorSegments`: raw segments for PyTorch's
-allocator), `defrag.pool_observability` (`PoolObservability`: `stats`,
-`layout`, `record_history`).
+(`PoolResidency`: `sleep`, `wake`, `offload`, `reload`), `defrag.pool_meshing`
+(`PoolMeshing`: `mesh`, `unmesh`, `trim`'s meshing step). Still inherited,
+reaching the context through `self._context`: `defrag.pool_segments`
+(`AllocatorSegments`: raw segments for PyTorch's allocator),
+`defrag.pool_observability` (`PoolObservability`: `stats`, `layout`,
+`record_history`).
 This module keeps the pool's life (creation, fast path, release, `trim`,
 `close`) and compaction (`compact`, `live_tensors`).
 
@@ -71,6 +71,7 @@ from .compactor import CompactionReport, compact_core
 from .core import Block, Core
 from .driver import Driver, open_driver
 from .errors import PoolAsleepError, PoolClosedError, StaleAccessError
+from .mesher import MeshReport
 from .oom import OutOfMemoryError, refused_inside_allocator
 from .pool_context import PoolContext, TensorInfo
 from .pool_meshing import PoolMeshing
@@ -176,7 +177,7 @@ class LiveTensor:
     meshed: bool = False  # a page under it shares its physical page with other pages (a mesh: `Pool.mesh`)
 
 
-class Pool(PoolMeshing, AllocatorSegments, PoolObservability):
+class Pool(AllocatorSegments, PoolObservability):
     """A VMM-backed tensor pool whose live tensors the compactor can move.
 
     `device`: "cuda:N", "emulated", None (first GPU if one works, else the
@@ -246,6 +247,7 @@ class Pool(PoolMeshing, AllocatorSegments, PoolObservability):
         # The parts, each over the context (and the parts it builds on).
         self._ownership = TensorOwnership(context, open_pools)
         self._residency = PoolResidency(context, self._ownership)
+        self._meshing = PoolMeshing(context)
         # The allocation fast path (defrag.fastpath) over the core's native books; whenever it
         # declines, the Python path.
         if fastpath.setting() != "off":
@@ -675,6 +677,21 @@ class Pool(PoolMeshing, AllocatorSegments, PoolObservability):
         """
         return self._residency.reload(tensors, progress=progress)
 
+    # ------------------------------------------------------------------ meshing (PoolMeshing)
+    def mesh(self, *, release: bool = False, threads: str | None = None, engine: str | None = None) -> MeshReport:
+        """Share physical pages between pages whose live bytes are disjoint at page offsets, moving no
+        tensor (every address stays; pinned tensors and PyTorch-owned blocks too): each group's live
+        bytes are copied into one physical page mapped at every page of the group, and the others'
+        physical pages are freed (cached; released to the device with `release=True`).
+        `threads` and `engine` as for `compact`. A driver fault rolls back the group it hit (every byte and
+        mapping as before) and is raised. Returns a `defrag.mesher.MeshReport`."""
+        return self._meshing.mesh(release=release, threads=threads, engine=engine)
+
+    def unmesh(self) -> int:
+        """Give every meshed page a physical page of its own again (bytes intact); returns how many.
+        ValueError (nothing changed for the rest) when the pool has too few free physical pages."""
+        return self._meshing.unmesh()
+
     # ------------------------------------------------------------------ inspection
     def live_tensors(self) -> list[LiveTensor]:
         """Every live block, in address order, as a `compact()` called from this thread sees it."""
@@ -707,7 +724,7 @@ class Pool(PoolMeshing, AllocatorSegments, PoolObservability):
         self._context.relieve()
         with self.core.gate:
             self.core.check_open()
-            return (self._mesh_to_release() if mesh else 0) + self.core.trim()
+            return (self._meshing.mesh_to_release() if mesh else 0) + self.core.trim()
 
     def close(self) -> None:
         """Close the pool: no new allocations; memory goes back to the driver.
