@@ -12,11 +12,12 @@ share), and each of their public methods is one line here that hands the call
 to its part: `defrag.pool_ownership` (`TensorOwnership`: `owns`, `pin`,
 `share`, `claim`, `record_stream`, `adopt`), `defrag.pool_residency`
 (`PoolResidency`: `sleep`, `wake`, `offload`, `reload`), `defrag.pool_meshing`
-(`PoolMeshing`: `mesh`, `unmesh`, `trim`'s meshing step). Still inherited,
-reaching the context through `self._context`: `defrag.pool_segments`
-(`AllocatorSegments`: raw segments for PyTorch's allocator),
+(`PoolMeshing`: `mesh`, `unmesh`, `trim`'s meshing step),
+`defrag.pool_segments` (`AllocatorSegments`: raw segments for PyTorch's
+allocator). Still inherited, reaching the context through `self._context`:
 `defrag.pool_observability` (`PoolObservability`: `stats`, `layout`,
-`record_history`).
+`record_history`). `capture` and `release_cached` hand the pool itself to
+`defrag.capture`.
 This module keeps the pool's life (creation, fast path, release, `trim`,
 `close`) and compaction (`compact`, `live_tensors`).
 
@@ -67,6 +68,8 @@ from . import cpu_allocator, fastpath, residency
 from . import stats as observe
 from . import tensors as tz
 from . import threads
+from .capture import capture as capture_block
+from .capture import release_cached as release_captured
 from .compactor import CompactionReport, compact_core
 from .core import Block, Core
 from .driver import Driver, open_driver
@@ -177,7 +180,7 @@ class LiveTensor:
     meshed: bool = False  # a page under it shares its physical page with other pages (a mesh: `Pool.mesh`)
 
 
-class Pool(AllocatorSegments, PoolObservability):
+class Pool(PoolObservability):
     """A VMM-backed tensor pool whose live tensors the compactor can move.
 
     `device`: "cuda:N", "emulated", None (first GPU if one works, else the
@@ -243,11 +246,11 @@ class Pool(AllocatorSegments, PoolObservability):
         # after close (`_release_after_close`), through a weak reference (no cycle).
         self._close_hook = _weakly(self._release_after_close)  # kept here: the books only borrow it
         self.core.books.set_keeper(self, self._close_hook)
-        self._segments: dict[int, Block] = {}  # address -> segment handed to PyTorch's allocator
         # The parts, each over the context (and the parts it builds on).
         self._ownership = TensorOwnership(context, open_pools)
         self._residency = PoolResidency(context, self._ownership)
         self._meshing = PoolMeshing(context)
+        self._allocator_segments = AllocatorSegments(context)
         # The allocation fast path (defrag.fastpath) over the core's native books; whenever it
         # declines, the Python path.
         if fastpath.setting() != "off":
@@ -691,6 +694,42 @@ class Pool(AllocatorSegments, PoolObservability):
         """Give every meshed page a physical page of its own again (bytes intact); returns how many.
         ValueError (nothing changed for the rest) when the pool has too few free physical pages."""
         return self._meshing.unmesh()
+
+    # ------------------------------------------------------------------ raw segments for PyTorch's allocator (AllocatorSegments), capture
+    def alloc_segment(self, nbytes: int, stream: int = 0, *, compact: bool = True) -> int:
+        """Raw device memory for PyTorch's allocator: `nbytes` in pool pages; returns its address.
+
+        Climbs the same ladder as `empty` (empty mapped pages, stitching, then
+        compacting this pool's movable tensors) and raises OutOfMemoryError
+        when nothing helps. Makes no torch allocation: a compaction here only
+        copies with the driver or the numba kernel and swaps storages. The
+        segment belongs to no thread and never moves; `free_segment` gives it
+        back. `stream`: the CUDA stream PyTorch allocates it for. `compact`:
+        False stops the ladder before compacting (see `defrag.capture`).
+        """
+        return self._allocator_segments.alloc_segment(nbytes, stream, compact=compact)
+
+    def free_segment(self, address: int) -> bool:
+        """Give back a segment from `alloc_segment`; False (and nothing changes) if `address` is not one.
+
+        Works after `close()` too (PyTorch may free its cached segments late).
+        On CUDA the range is reused at once on the segment's stream; another stream waits for it on the
+        device first (the books' fence).
+        """
+        return self._allocator_segments.free_segment(address)
+
+    def segments(self) -> list[tuple[int, int]]:
+        """(address, bytes) of every segment handed to PyTorch's allocator and not given back."""
+        return self._allocator_segments.segments()
+
+    def capture(self, *, allocator=None):
+        """`with pool.capture():` routes this thread's PyTorch CUDA allocations to pool pages (see `defrag.capture`)."""
+        return capture_block(self, allocator=allocator)
+
+    def release_cached(self) -> int:
+        """Hand back to the pool the segments PyTorch caches for `capture()` blocks and no longer uses, through
+        every allocator the pool was captured with (`defrag.capture.release_cached`); their bytes."""
+        return release_captured(self)
 
     # ------------------------------------------------------------------ inspection
     def live_tensors(self) -> list[LiveTensor]:

@@ -8,8 +8,8 @@ history ring buffer) live in `defrag.stats`.
 
 What it relies on from the `Pool`: `core` (its `gate`, `drain`,
 `stats_locked`, `reset_peaks`, `check_invariants`, `layout`, `history`),
-`id`, `device`, `_segments` (the raw segments, from `AllocatorSegments`'s
-bookkeeping) and, from its `_context` (`defrag.pool_context.PoolContext`),
+`id`, `device`, `_allocator_segments` (the pool's `AllocatorSegments`:
+`totals()`) and, from its `_context` (`defrag.pool_context.PoolContext`),
 `update_fast()` (the fast path serves only while no history is recorded).
 """
 
@@ -36,8 +36,7 @@ class PoolObservability:
         with self.core.gate:
             self.core.drain()
             stats = self.core.stats_locked()
-            stats["segments"] = len(self._segments)
-            stats["segment_bytes"] = sum(b.size for b in self._segments.values())
+            stats.update(self._allocator_segments.totals())
             return stats
 
     def reset_peak_stats(self) -> None:
