@@ -5,21 +5,21 @@ Placement, release, page accounting and the allocation ladder live in
 blocks into torch storages and back, and rewrites a moved block's storage
 (`_TorchMover`, in `defrag.pool_context`).
 
-`Pool` is cut by concept into parts, one module each. Composed ones are
-objects built over the pool's `PoolContext` (`defrag.pool_context`: the core,
-the device, the mover, the fast path, and the handful of operations the parts
-share), and each of their public methods is one line here that hands the call
-to its part: `defrag.pool_ownership` (`TensorOwnership`: `owns`, `pin`,
-`share`, `claim`, `record_stream`, `adopt`), `defrag.pool_residency`
-(`PoolResidency`: `sleep`, `wake`, `offload`, `reload`), `defrag.pool_meshing`
-(`PoolMeshing`: `mesh`, `unmesh`, `trim`'s meshing step),
-`defrag.pool_segments` (`AllocatorSegments`: raw segments for PyTorch's
-allocator). Still inherited, reaching the context through `self._context`:
-`defrag.pool_observability` (`PoolObservability`: `stats`, `layout`,
-`record_history`). `capture` and `release_cached` hand the pool itself to
-`defrag.capture`.
+`Pool` is composed of parts, one object each, all built over the pool's one
+`PoolContext` (`defrag.pool_context`: the core, the device, the mover, the
+fast path, and the handful of operations the parts share); each public method
+of a part's concept is one line here that hands the call to its part:
+`defrag.pool_ownership` (`TensorOwnership`: `owns`, `pin`, `share`,
+`claim`, `record_stream`, `adopt`), `defrag.pool_residency`
+(`PoolResidency`: `sleep`, `wake`, `offload`, `reload`),
+`defrag.pool_meshing` (`PoolMeshing`: `mesh`, `unmesh`, `trim`'s meshing
+step), `defrag.pool_segments` (`AllocatorSegments`: raw segments for
+PyTorch's allocator) and `defrag.pool_observability` (`PoolObservability`:
+`stats`, `layout`, `record_history`). `capture` and `release_cached` hand the
+pool itself to `defrag.capture`, `snapshot` and `summary` to `defrag.stats`.
 This module keeps the pool's life (creation, fast path, release, `trim`,
 `close`) and compaction (`compact`, `live_tensors`).
+
 
 Lifetime. Each block is owned by the torch storage over it: a storage made in
 C++ over the block's record in the pool's native books (`defrag.native`),
@@ -180,7 +180,7 @@ class LiveTensor:
     meshed: bool = False  # a page under it shares its physical page with other pages (a mesh: `Pool.mesh`)
 
 
-class Pool(PoolObservability):
+class Pool:
     """A VMM-backed tensor pool whose live tensors the compactor can move.
 
     `device`: "cuda:N", "emulated", None (first GPU if one works, else the
@@ -251,6 +251,7 @@ class Pool(PoolObservability):
         self._residency = PoolResidency(context, self._ownership)
         self._meshing = PoolMeshing(context)
         self._allocator_segments = AllocatorSegments(context)
+        self._observability = PoolObservability(context, self._allocator_segments)
         # The allocation fast path (defrag.fastpath) over the core's native books; whenever it
         # declines, the Python path.
         if fastpath.setting() != "off":
@@ -730,6 +731,58 @@ class Pool(PoolObservability):
         """Hand back to the pool the segments PyTorch caches for `capture()` blocks and no longer uses, through
         every allocator the pool was captured with (`defrag.capture.release_cached`); their bytes."""
         return release_captured(self)
+
+    # ------------------------------------------------------------------ observability (PoolObservability), snapshots
+    def stats(self) -> dict:
+        """Counters and gauges; PyTorch's key grammar where PyTorch has the key.
+
+        `allocated_bytes.all.*`: bytes in live blocks (rounded to 512);
+        `reserved_bytes.all.*`: mapped physical bytes; `active_bytes.all.*`:
+        allocated plus blocks released but waiting on stream events;
+        `pages.{mapped,cached,total,empty}`; `stranded_bytes`: free bytes inside
+        pages that hold live data (what compaction can recover);
+        `largest_free_bytes`: the largest request that succeeds now without
+        compaction; `fragmentation`: stranded / reserved.
+        """
+        return self._observability.stats()
+
+    def reset_peak_stats(self) -> None:
+        """Reset every `*.peak` statistic to its current value (like `torch.cuda.reset_peak_memory_stats`)."""
+        self._observability.reset_peak_stats()
+
+    def check_invariants(self) -> None:
+        """Raise AssertionError if any of DESIGN.md's pool invariants is broken (a test aid); see `Core`."""
+        self._observability.check_invariants()
+
+    def layout(self) -> dict:
+        """A plain-dict picture of the pool (for `defrag.viz` and snapshots).
+
+        `regions`: base, npages and a per-page state ("unmapped", "empty" for a
+        mapped page holding no block, "live"); `blocks`: every block with its
+        address, size (rounded), nbytes, region index, pinned, dtype, shape and
+        state ("live", "retired" or "pending-free"); plus page_size, capacity
+        and cached pages.
+        """
+        return self._observability.layout()
+
+    def record_history(self, enabled: bool = True, *, max_entries: int = 100_000, stacks: bool = True) -> None:
+        """Start (or stop) recording alloc/free/map/unmap/compaction events for `snapshot()`.
+
+        `stacks`: record the Python frames that led to each allocation and OOM
+        (the caller's frames, not defrag's), as `torch.cuda.memory.
+        _record_memory_history(stacks="python")` does; they show in the
+        trace entries and in the snapshot's blocks. Costs a few microseconds
+        per allocation while recording.
+        """
+        self._observability.record_history(enabled, max_entries=max_entries, stacks=stacks)
+
+    def snapshot(self) -> dict:
+        """The pool in the format of `torch.cuda.memory._snapshot()` (segments and device_traces)."""
+        return observe.snapshot(self)
+
+    def summary(self) -> str:
+        """A human-readable table in the spirit of `torch.cuda.memory_summary()`."""
+        return observe.summary(self.stats(), self)
 
     # ------------------------------------------------------------------ inspection
     def live_tensors(self) -> list[LiveTensor]:

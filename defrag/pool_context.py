@@ -1,10 +1,11 @@
 """`PoolContext`: what the parts of a `defrag.pool.Pool` share, and the face's data on its blocks.
 
-`Pool`'s parts, `TensorOwnership` (`defrag.pool_ownership`), `PoolResidency`
+`Pool` is composed of parts, one object each, every one built over the same
+`PoolContext`: `TensorOwnership` (`defrag.pool_ownership`), `PoolResidency`
 (`defrag.pool_residency`), `PoolMeshing` (`defrag.pool_meshing`),
 `AllocatorSegments` (`defrag.pool_segments`) and `PoolObservability`
-(`defrag.pool_observability`), reach what they share through the pool's
-`PoolContext` (`Pool._context`). The context holds:
+(`defrag.pool_observability`). A part reaches the pool only through its
+context (and the parts it is given), never through `Pool`. The context holds:
 
 - what the pool is: `id`, `core` (the torch-free `defrag.core.Core`),
   `device`, `kind`, and how a storage takes new memory (`swap_mode`,
