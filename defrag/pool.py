@@ -103,6 +103,12 @@ def _weakly(method):
     return call
 
 
+def _context_list(name: str, doc: str) -> property:
+    """A `Pool` property over the list `name` of its `PoolContext` (read it, append to it, or replace it)."""
+    return property(lambda pool: getattr(pool._context, name),
+                    lambda pool, value: setattr(pool._context, name, value), doc=doc)
+
+
 def _let_go(core: Core) -> None:
     """The end of a pool's memory (its finalizer: closed and idle, or collected): its native code serves
     nothing more and keeps no reference to it, and every handle, mapping and reservation goes back."""
@@ -311,33 +317,14 @@ class Pool:
         return (f"<defrag.Pool #{self.id} {self.kind} capacity={format_bytes(self.capacity)} "
                 f"page={format_bytes(self.page_size)} {state}>")
 
-    @property
-    def on_compact(self) -> list:
-        """Callbacks `f(report)` after every compaction (a list: append to it)."""
-        return self._context.on_compact
-
-    @on_compact.setter
-    def on_compact(self, callbacks: list) -> None:
-        self._context.on_compact = callbacks
-
-    @property
-    def on_oom(self) -> list:
-        """Callbacks `f(error)` with the `OutOfMemoryError` just before an allocation raises it."""
-        return self._context.on_oom
-
-    @on_oom.setter
-    def on_oom(self, callbacks: list) -> None:
-        self._context.on_oom = callbacks
-
-    @property
-    def on_pressure(self) -> list:
-        """Callables run (outside the lock) before an explicit compaction or trim, to hand back memory cached
-        elsewhere (`pool.capture()` adds PyTorch's cached segments)."""
-        return self._context.on_pressure
-
-    @on_pressure.setter
-    def on_pressure(self, callbacks: list) -> None:
-        self._context.on_pressure = callbacks
+    # The hook lists live on the context (its `allocate` and `relieve` run them); these read, append
+    # to or replace them there.
+    on_compact = _context_list("on_compact", "Callbacks `f(report)` after every compaction (a list: append to it).")
+    on_oom = _context_list("on_oom", "Callbacks `f(error)` with the `OutOfMemoryError` just before an allocation "
+                                     "raises it.")
+    on_pressure = _context_list("on_pressure", "Callables run (outside the lock) before an explicit compaction or "
+                                               "trim, to hand back memory cached elsewhere (`pool.capture()` adds "
+                                               "PyTorch's cached segments).")
 
     # ------------------------------------------------------------------ the fast path
     def _attach_fast(self) -> None:
