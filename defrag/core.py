@@ -40,6 +40,11 @@ its record; the books make a `Block` for a block native code placed only when
 Python first asks (`blocks`, the face's `make_face`). The core keeps no list of
 blocks of its own.
 
+Moves. A compaction (`defrag.compactor`) changes blocks' records only through
+`Core.waves`, a `WaveBooks`: a wave's destinations taken before its copy
+(`begin_moves`), then its commit (`move_to`, or `record_moves`, `swap_in` and
+`forget`).
+
 Lifetime. A block's release (`release(block)` from Python, or a storage's
 deleter in any thread) goes to the books: applied at once (its range kept for
 the next request of its size), or queued while a thread is inside the gate and
