@@ -20,7 +20,6 @@ pool itself to `defrag.capture`, `snapshot` and `summary` to `defrag.stats`.
 This module keeps the pool's life (creation, fast path, release, `trim`,
 `close`) and compaction (`compact`, `live_tensors`).
 
-
 Lifetime. Each block is owned by the torch storage over it: a storage made in
 C++ over the block's record in the pool's native books (`defrag.native`),
 whose deleter releases the record there in whatever thread torch frees it (at

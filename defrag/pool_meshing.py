@@ -1,11 +1,11 @@
 """`PoolMeshing`: pages that cannot move share physical pages, the torch-facing half.
 
-A part of `defrag.pool.Pool`, built over the pool's `defrag.pool_context.PoolContext`. The
-machinery is `defrag.mesher` over the `Core` (torch-free); this only takes
-the pool's lock and says which threads' tensors may be copied. The contracts
-of `mesh` and `unmesh` are the docstrings of `Pool`'s methods of the same
-names. What it uses of the context: `core` (its `gate`, `scope`,
-`check_open`), `mover` (its stream) and `relieve()`.
+A part of `defrag.pool.Pool`, built over the pool's
+`defrag.pool_context.PoolContext`. The machinery is `defrag.mesher` over the
+`Core` (torch-free); this only takes the pool's lock and says which threads'
+tensors may be copied. The contracts of `mesh` and `unmesh` are the docstrings
+of `Pool`'s methods of the same names. What it uses of the context: `core`
+(its `gate`, `scope`, `check_open`), `mover` (its stream) and `relieve()`.
 """
 
 from __future__ import annotations

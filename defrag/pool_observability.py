@@ -1,12 +1,12 @@
 """`PoolObservability`: what the pool shows of itself: counters, layout, history.
 
-A part of `defrag.pool.Pool`, built over the pool's `defrag.pool_context.PoolContext`:
-`stats`, `reset_peak_stats`, `check_invariants`, `layout` and
-`record_history`. It reads the core's books and counters and changes no block
-or page; the formats (PyTorch's snapshot, the summary table, the history ring
-buffer) live in `defrag.stats`, which `Pool.snapshot` and `Pool.summary` call
-with the pool itself. The contracts are the docstrings of `Pool`'s methods of
-the same names.
+A part of `defrag.pool.Pool`, built over the pool's
+`defrag.pool_context.PoolContext`: `stats`, `reset_peak_stats`,
+`check_invariants`, `layout` and `record_history`. It reads the core's books
+and counters and changes no block or page; the formats (PyTorch's snapshot,
+the summary table, the history ring buffer) live in `defrag.stats`, which
+`Pool.snapshot` and `Pool.summary` call with the pool itself. The contracts
+are the docstrings of `Pool`'s methods of the same names.
 
 What it uses of the context: `core` (its `gate`, `drain`, `stats_locked`,
 `reset_peaks`, `check_invariants`, `layout`, `history`), `id`, `device` and

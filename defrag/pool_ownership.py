@@ -1,21 +1,22 @@
 """`TensorOwnership`: which tensors are the pool's, and who may use them.
 
-A part of `defrag.pool.Pool`, built over the pool's `defrag.pool_context.PoolContext`. It holds
-the lookup from a tensor to its block (`owns`, `owns_address`, `block_of`),
-the per-block rules a compaction obeys (`pin`/`unpin`), the thread hand-offs
-(`share`, `claim`), the CUDA streams that delay a block's reuse
-(`record_stream`), and `adopt`, which moves existing tensors into the pool
-(`tensors_in`: what `adopt` takes, as a list of tensors). The threads contract
-these methods serve is written out in `defrag.pool`'s docstring, their
-contracts on `Pool`'s methods of the same names.
+A part of `defrag.pool.Pool`, built over the pool's
+`defrag.pool_context.PoolContext`. It holds the lookup from a tensor to its
+block (`owns`, `owns_address`, `block_of`), the per-block rules a compaction
+obeys (`pin`/`unpin`), the thread hand-offs (`share`, `claim`), the CUDA
+streams that delay a block's reuse (`record_stream`), and `adopt`, which
+moves existing tensors into the pool (`tensors_in`: what `adopt` takes, as a
+list of tensors). The threads contract these methods serve is written out in
+`defrag.pool`'s docstring, their contracts on `Pool`'s methods of the same
+names.
 
-What it uses of the context: `core` (its `gate`, `block_at`, `owns_address`,
-`user`, `free`, `history`), `id`, `device`, `kind`, `can_swap` and
-`swap_mode` (how a storage takes new memory), `enter()` (the start of a
-mutating call), `allocate(nbytes)` (the ladder), `storage_for(block, dtype,
-shape, origin)` (a storage over a new block, with its `TensorInfo`) and
-`find(tensor)`; and, given apart, `open_pools` (every open pool, to name the
-one a foreign tensor belongs to).
+What it uses of the context: `core` (its `gate`, `owns_address`, `user`,
+`free`, `history`, `books.record_stream`), `id`, `device`, `kind`,
+`can_swap` and `swap_mode` (how a storage takes new memory), `enter()` (the
+start of a mutating call), `allocate(nbytes)` (the ladder),
+`storage_for(block, dtype, shape, origin)` (a storage over a new block, with
+its `TensorInfo`) and `find(tensor)`; and, given apart, `open_pools` (every
+open pool, to name the one a foreign tensor belongs to).
 """
 
 from __future__ import annotations

@@ -1,12 +1,12 @@
 """`PoolResidency`: where the pool's bytes live: device pages, host memory, or (asleep) nowhere mapped.
 
-A part of `defrag.pool.Pool`, built over the pool's `defrag.pool_context.PoolContext`: the
-torch-facing half of `sleep`/`wake` (every device page released, every
-address kept) and `offload`/`reload` (chosen tensors' pages backed by host
-memory at the same addresses). It turns the caller's tensors into blocks and
-hands them to `defrag.residency`, which holds the machinery over the `Core`
-(torch-free). The contracts are the docstrings of `Pool`'s methods of the
-same names.
+A part of `defrag.pool.Pool`, built over the pool's
+`defrag.pool_context.PoolContext`: the torch-facing half of `sleep`/`wake`
+(every device page released, every address kept) and `offload`/`reload`
+(chosen tensors' pages backed by host memory at the same addresses). It turns
+the caller's tensors into blocks and hands them to `defrag.residency`, which
+holds the machinery over the `Core` (torch-free). The contracts are the
+docstrings of `Pool`'s methods of the same names.
 
 What it uses of the context: `core` (its `gate`, `space`, `scope`), `mover`
 (the compaction callbacks, for `offload`'s packing), `enter()` (the start of

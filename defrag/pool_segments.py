@@ -1,12 +1,12 @@
 """`AllocatorSegments`: the pool's raw segments, handed to PyTorch's own allocator.
 
-A part of `defrag.pool.Pool`, built over the pool's `defrag.pool_context.PoolContext`:
-`alloc_segment`, `free_segment` and `segments`, which `defrag.capture`'s
-`TorchAllocator` calls (through `Pool`) to let PyTorch sub-allocate inside
-pool pages. It keeps the segments handed out (`SegmentInfo` on their blocks)
-and their totals for `stats` (`totals`). A segment belongs to no thread and
-never moves; its bytes count as allocated. The contracts are the docstrings
-of `Pool`'s methods of the same names.
+A part of `defrag.pool.Pool`, built over the pool's
+`defrag.pool_context.PoolContext`: `alloc_segment`, `free_segment` and
+`segments`, which `defrag.capture`'s `TorchAllocator` calls (through `Pool`)
+to let PyTorch sub-allocate inside pool pages. It keeps the segments handed
+out (`SegmentInfo` on their blocks) and their totals for `stats` (`totals`). A
+segment belongs to no thread and never moves; its bytes count as allocated.
+The contracts are the docstrings of `Pool`'s methods of the same names.
 
 What it uses of the context: `core` (its `gate`, `release`, `drain`,
 `closed`, `history`), `enter()` (the start of a mutating call),
