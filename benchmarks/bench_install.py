@@ -240,7 +240,7 @@ def _alloc(modes: _Modes, pattern: str, spec: dict) -> dict:
 
     seq = _alloc_sizes(spec["calls"])
     empty, u8 = torch.empty, torch.uint8
-    fast = modes.pool._fast
+    fast = modes.pool.core.fast
 
     if pattern == "python, round trip":
         def one_pass():
@@ -301,7 +301,7 @@ def _child_main() -> int:
     fastpath.wait()
     out = {"threads": torch.get_num_threads(), "fast_path": fastpath.status(), "train": [], "alloc": []}
     with defrag.Pool(device="emulated", capacity=spec["capacity"], auto_compact=False) as pool:
-        if pool._fast is None:
+        if pool.core.fast is None:
             print(json.dumps({"skip": f"the pool has no native fast path (fast path: {fastpath.status()}); "
                                       "defrag.install needs it"}))
             return 0

@@ -66,6 +66,18 @@ graph uses. Other pools are untouched.
 Concurrency: the caller holds the core's gate for the whole compaction, so
 no pool call of another thread runs meanwhile; threads waiting at the gate
 run none of their own code, which is why their blocks may move.
+
+What it asks of the core, and nothing else: its figures (`page_size`, `kind`,
+`capacity`, `capacity_pages`, `allocated_bytes`, `round`) and the rescue's
+settings (`auto_compact`, `auto_mesh`, `min_compact_interval`,
+`last_auto_compact`); safe points (`settle`, `drain`, `flush_reuse`); reads
+of the layout (`regions`, `blocks`, `free_ranges`, `unmanaged_ranges`,
+`stranded`, `scope`); `place` (a rescue's retry) and `record_compaction`;
+and three interfaces: `Core.waves` (`defrag.core.WaveBooks`, the only
+operations that change blocks' records: `begin_moves`, `record_moves`,
+`swap_in`, `move_to`, `forget`), `Core.backing` (pages: `map`, `make_room`,
+`unmap_empty` and its reads) and `Core.driver` (`synchronize`,
+`is_capturing`).
 """
 
 from __future__ import annotations
@@ -180,7 +192,7 @@ class Mover(Protocol):
     - `move_in_place(olds, addresses, holds)` (only when `lets_go()`): every
       owner of `olds` checked as `check` would, then, only if all pass, each
       given the memory at the same index of `addresses` (the copy is done)
-      while its block keeps its identity (`Core.move_to` re-addresses it):
+      while its block keeps its identity (`WaveBooks.move_to` re-addresses it):
       -1, or the index of the first owner that failed (nothing changed); None
       when the face cannot for this wave (nothing changed: the wave then goes
       through destination blocks, `destinations` and `commit_all`);
@@ -581,7 +593,7 @@ def _fix_meshed(core: Core, region, blocks: list, offsets: np.ndarray, sizes: np
         if meshed[first:last + 1].any():
             movable[i] = False
             held.pop(blocks[i].address, None)
-    extra = core.books.unmanaged_in(region.index, 0, region.npages)
+    extra = core.unmanaged_ranges(region)
     if not extra:
         return offsets, sizes, movable
     blocks.extend([None] * len(extra))
@@ -629,7 +641,7 @@ def _run_wave(core: Core, mover: Mover, region, plan: ArrayPlan, a: int, b: int,
         # the face lets go of them at the commit.
         with PhaseTimer(phases, "prepare"):
             lets_go = mover.lets_go()
-            core.begin_moves(region, olds, dsts, txn, vacate=lets_go)
+            core.waves.begin_moves(region, olds, dsts, txn, vacate=lets_go)
         # 3. copy (queued: the compaction synchronizes once, after its last wave); verify.
         if not overlap:
             with PhaseTimer(phases, "copy"):
@@ -651,7 +663,7 @@ def _run_wave(core: Core, mover: Mover, region, plan: ArrayPlan, a: int, b: int,
     # 5. commit: cannot fail (the face only exchanges fields).
     with PhaseTimer(phases, "swap"):
         if in_place:
-            core.move_to(olds, dsts)
+            core.waves.move_to(olds, dsts)
         else:
             _commit_destinations(core, mover if one_by_one else None, dests)
         report.moved_tensors += len(olds)
@@ -661,7 +673,7 @@ def _run_wave(core: Core, mover: Mover, region, plan: ArrayPlan, a: int, b: int,
     with PhaseTimer(phases, "release"):
         dests.clear()
         if lets_go and not in_place:
-            core.forget(olds)  # vacated before the copy; their queued releases find nothing to do
+            core.waves.forget(olds)  # vacated before the copy; their queued releases find nothing to do
         core.drain()
         core.flush_reuse()  # later waves' destinations lie in what this one vacated
 
@@ -672,7 +684,7 @@ def _prepare_commit(core: Core, mover: Mover, region, olds, dsts, grips, dests: 
     made, every owner checked (by the face's batch, which then commits them all, or move by move).
     Fills `dests`. Returns (-1 when the commit may go ahead, else the index of a changed owner;
     whether the owners are still to be committed one by one)."""
-    carved = core.record_moves(region, olds, dsts, txn)
+    carved = core.waves.record_moves(region, olds, dsts, txn)
     txn.on_rollback(dests.clear)  # if the wave is abandoned the face's destinations go, and their blocks
     dests.extend(zip(olds, carved, grips, mover.destinations(carved)))
     failed = mover.commit_all(dests)
@@ -688,13 +700,11 @@ def _prepare_commit(core: Core, mover: Mover, region, olds, dsts, grips, dests: 
 def _commit_destinations(core: Core, mover: Mover | None, dests: list) -> None:
     """The commit of `_prepare_commit`'s wave: each destination block takes its old block's place,
     and `mover` (None when its batch already did) commits each owner."""
-    history, commit = core.history, (mover.commit if mover is not None else None)
+    swap_in, commit = core.waves.swap_in, (mover.commit if mover is not None else None)
     for old, new, grip, dest in dests:
-        core.swap_in(old, new)
+        swap_in(old, new)
         if commit is not None:
             commit(old, new, grip, dest)
-        if history is not None:
-            history.block_moved(old.address, new.address, new.nbytes)
 
 
 def _pages_under(offsets: np.ndarray, sizes: np.ndarray, page_size: int) -> np.ndarray:

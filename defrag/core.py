@@ -40,6 +40,11 @@ its record; the books make a `Block` for a block native code placed only when
 Python first asks (`blocks`, the face's `make_face`). The core keeps no list of
 blocks of its own.
 
+Moves. A compaction (`defrag.compactor`) changes blocks' records only through
+`Core.waves`, a `WaveBooks`: a wave's destinations taken before its copy
+(`begin_moves`), then its commit (`move_to`, or `record_moves`, `swap_in` and
+`forget`).
+
 Lifetime. A block's release (`release(block)` from Python, or a storage's
 deleter in any thread) goes to the books: applied at once (its range kept for
 the next request of its size), or queued while a thread is inside the gate and
@@ -182,6 +187,7 @@ class Core:
         self.backing = Backing(driver, self.books, page_size, capacity_pages, self.peaks)
         self.space = self.backing.space
         self._heaps = self.backing.heaps  # per region: its native Heap (`defrag/native/heap.h`)
+        self.waves = WaveBooks(self.books, self.backing)  # a compaction wave's books (`defrag.compactor`)
         self.users = threads.Users(self.gate, label)  # the threads that used the core: each block's owner
         # A face whose native code places blocks (`pool.empty`'s fast path, PyTorch's allocator entries)
         # sets these: `make_face(address, size, nbytes, region, origin, owner, weak_storage, dtype, shape)`
@@ -218,6 +224,13 @@ class Core:
     def free_ranges(self, region: Region) -> list[tuple[int, int]]:
         """(address, size) of every free range of `region`, ranges kept for reuse included."""
         return self.heap(region).free_ranges()
+
+    def unmanaged_ranges(self, region: Region) -> list[tuple[int, int]]:
+        """(address, size) of the bytes of `region`'s meshed pages that its heap does not manage (a twin's
+        page minus its pieces; on a primary, its twins' pieces): neither free nor covered by a block of
+        `region`, so a planner that takes unoccupied bytes as free must take them as occupied. Empty
+        when nothing is meshed."""
+        return self.books.unmanaged_in(region.index, 0, region.npages)
 
     def blocks(self, region: Region | None = None) -> list[Block]:
         """Every block (live, retired, pending) of `region` (None: of every region), unordered: the
@@ -332,87 +345,6 @@ class Core:
         if self.books.pending:
             self.driver.synchronize()
             self.books.synchronized()
-
-    # ------------------------------------------------------------------ page accounting
-    def _account(self, block: Block, delta: int) -> None:
-        """Count `block` on (+1) or off (-1) its pages, keeping the empty-page count."""
-        self.books.account(block.region.index, block.address, block.size, delta)
-
-    def _account_many(self, region: Region, addresses: list[int], sizes: list[int], delta) -> None:
-        """`_account` for many blocks of one region at once (a compaction wave's), in one native call.
-        `delta`: +1 or -1 for every block, or a list of them (one per block)."""
-        deltas = [delta] * len(addresses) if isinstance(delta, int) else delta
-        self.books.account_many(region.index, addresses, sizes, deltas)
-
-    def begin_moves(self, region: Region, olds: list[Block], addresses: list[int], txn: Transaction, *,
-                    vacate: bool) -> None:
-        """The heap and page books of a compaction wave before its commit, in one batch, undone by
-        `txn`: the range at each of `addresses` is taken for the block of `olds` at the same index
-        (same size). With `vacate`, the old ranges also go back to the heap and off their pages now;
-        the old blocks stay recorded (their owners still use them). No block is recorded at the new
-        ranges: the commit either re-addresses the old blocks (`move_to`) or records destination
-        blocks (`record_moves`).
-
-        Vacating early is for a wave whose face lets go of the old ranges at the commit: the
-        wave's copy still reads them, but nothing can allocate them before the gate is released,
-        and on the emulated device all of this runs before the copy leaves the host's caches cold.
-        """
-        heap = self._heaps[region.index]
-        sizes = [old.size for old in olds]
-        frees = [old.address for old in olds] if vacate else []
-        heap.exchange_lists(frees, addresses, sizes)
-        txn.on_rollback(heap.exchange_lists, addresses, frees, sizes[:len(frees)])
-        if vacate:
-            self._account_many(region, addresses + frees, sizes + sizes, [+1] * len(sizes) + [-1] * len(sizes))
-            txn.on_rollback(self._account_many, region, addresses + frees, sizes + sizes,
-                            [-1] * len(sizes) + [+1] * len(sizes))
-        else:
-            self._account_many(region, addresses, sizes, +1)
-            txn.on_rollback(self._account_many, region, addresses, sizes, -1)
-
-    def record_moves(self, region: Region, olds: list[Block], addresses: list[int], txn: Transaction) -> list[Block]:
-        """Destination blocks over the ranges `begin_moves` took, one per block of `olds` (same size and
-        owner; retired and not counted until the commit swaps them in: `swap_in`), recorded in the books
-        without touching the heap or the pages again; `txn`'s undo forgets them."""
-        blocks = []
-        txn.on_rollback(self.forget, blocks)
-        add, index = self.books.add, region.index
-        for address, old in zip(addresses, olds):
-            block = Block(address, old.size, old.nbytes, region, 0, True, False, False, old.owner)
-            add(block, index, address, old.size, old.nbytes, False, True, 0, True)
-            blocks.append(block)
-        return blocks
-
-    def swap_in(self, old: Block, new: Block) -> None:
-        """The commit of one move through a destination (`record_moves`): `new` takes `old`'s place
-        (its pins, owner, sharing and info; live and counted), `old` is retired and not counted. Cannot
-        fail."""
-        self.books.exchange_state(old.address, old, new.address, new)
-        new.retired, new.counted = False, True
-        old.counted = False
-        new.pins, new.owner, new.shared, new.info = old.pins, old.owner, old.shared, old.info
-        old.retired = True
-
-    def move_to(self, blocks: list[Block], addresses: list[int]) -> None:
-        """The commit of a wave whose owners took their new ranges in place: each block of `blocks`
-        is now recorded at the address at the same index (taken by `begin_moves` with `vacate`),
-        the same Block object with all its fields. Cannot fail once the books' check passed (it
-        raises before any change)."""
-        self.books.move([block.address for block in blocks], blocks, addresses)
-        history = self.history
-        for block, address in zip(blocks, addresses):
-            if history is not None:
-                history.block_moved(block.address, address, block.nbytes)
-            block.address = address
-
-    def forget(self, blocks: list[Block]) -> None:
-        """Drop the records of blocks whose ranges `begin_moves` already settled with the heap and the
-        pages (the gate is held): the old blocks it vacated, once their wave committed, or, as
-        `record_moves`'s undo step, destination blocks never swapped in. A release still to come for
-        one of them (its user's old storage dying) then finds nothing to do."""
-        self.books.forget([block.address for block in blocks], blocks)
-        for block in blocks:
-            block.keepalive = None
 
     def carve(self, region: Region, address: int, size: int, nbytes: int, *, counted: bool = True) -> Block:
         """Record a block over a range the heap has just allocated (counted on its pages and, if
@@ -639,3 +571,110 @@ class Core:
         """After close, with blocks still live: unmap what holds none and release cached pages."""
         self.flush_reuse()
         self.backing.trim()
+
+
+class WaveBooks:
+    """A compaction wave's books (`Core.waves`): the one interface through which `defrag.compactor`
+    changes blocks' records.
+
+    A wave moves blocks of one region, with the core's gate held throughout.
+    Its books change in two steps:
+
+    1. `begin_moves`, before the copy: every destination range taken in the
+       heap and counted on its pages in one batch (with `vacate`, every old
+       range given back at once), undone by the wave's `Transaction`;
+    2. the commit, one of two ways:
+       - `move_to`, when the face moved every owner in place: each old block
+         re-addressed to its destination (the same `Block`, all its fields);
+       - `record_moves` (destination blocks, retired and not counted; undone
+         by the transaction), then `swap_in` for each move (the destination
+         takes its old block's place) and `forget` for the old blocks whose
+         ranges `begin_moves` vacated.
+
+    `move_to` and `swap_in` record each move in the history while one is
+    recorded. Nothing here copies a byte, maps a page or calls the face: the
+    compactor does that between these steps.
+    """
+
+    def __init__(self, books, backing: Backing):
+        self._books = books
+        self._backing = backing  # its heaps (one per region) and its history recorder
+
+    def begin_moves(self, region: Region, olds: list[Block], addresses: list[int], txn: Transaction, *,
+                    vacate: bool) -> None:
+        """The heap and page books of a compaction wave before its commit, in one batch, undone by
+        `txn`: the range at each of `addresses` is taken for the block of `olds` at the same index
+        (same size). With `vacate`, the old ranges also go back to the heap and off their pages now;
+        the old blocks stay recorded (their owners still use them). No block is recorded at the new
+        ranges: the commit either re-addresses the old blocks (`move_to`) or records destination
+        blocks (`record_moves`).
+
+        Vacating early is for a wave whose face lets go of the old ranges at the commit: the
+        wave's copy still reads them, but nothing can allocate them before the gate is released,
+        and on the emulated device all of this runs before the copy leaves the host's caches cold.
+        """
+        heap = self._backing.heaps[region.index]
+        sizes = [old.size for old in olds]
+        frees = [old.address for old in olds] if vacate else []
+        heap.exchange_lists(frees, addresses, sizes)
+        txn.on_rollback(heap.exchange_lists, addresses, frees, sizes[:len(frees)])
+        if vacate:
+            self._account(region, addresses + frees, sizes + sizes, [+1] * len(sizes) + [-1] * len(sizes))
+            txn.on_rollback(self._account, region, addresses + frees, sizes + sizes,
+                            [-1] * len(sizes) + [+1] * len(sizes))
+        else:
+            self._account(region, addresses, sizes, +1)
+            txn.on_rollback(self._account, region, addresses, sizes, -1)
+
+    def _account(self, region: Region, addresses: list[int], sizes: list[int], delta) -> None:
+        """Count blocks of one region on (+1) or off (-1) their pages, keeping the empty-page count, in
+        one native call. `delta`: +1 or -1 for every block, or a list of them (one per block)."""
+        deltas = [delta] * len(addresses) if isinstance(delta, int) else delta
+        self._books.account_many(region.index, addresses, sizes, deltas)
+
+    def record_moves(self, region: Region, olds: list[Block], addresses: list[int], txn: Transaction) -> list[Block]:
+        """Destination blocks over the ranges `begin_moves` took, one per block of `olds` (same size and
+        owner; retired and not counted until the commit swaps them in: `swap_in`), recorded in the books
+        without touching the heap or the pages again; `txn`'s undo forgets them."""
+        blocks = []
+        txn.on_rollback(self.forget, blocks)
+        add, index = self._books.add, region.index
+        for address, old in zip(addresses, olds):
+            block = Block(address, old.size, old.nbytes, region, 0, True, False, False, old.owner)
+            add(block, index, address, old.size, old.nbytes, False, True, 0, True)
+            blocks.append(block)
+        return blocks
+
+    def swap_in(self, old: Block, new: Block) -> None:
+        """The commit of one move through a destination (`record_moves`): `new` takes `old`'s place
+        (its pins, owner, sharing and info; live and counted), `old` is retired and not counted; the
+        history records the move. Cannot fail."""
+        self._books.exchange_state(old.address, old, new.address, new)
+        new.retired, new.counted = False, True
+        old.counted = False
+        new.pins, new.owner, new.shared, new.info = old.pins, old.owner, old.shared, old.info
+        old.retired = True
+        history = self._backing.history
+        if history is not None:
+            history.block_moved(old.address, new.address, new.nbytes)
+
+    def move_to(self, blocks: list[Block], addresses: list[int]) -> None:
+        """The commit of a wave whose owners took their new ranges in place: each block of `blocks`
+        is now recorded at the address at the same index (taken by `begin_moves` with `vacate`),
+        the same Block object with all its fields. Cannot fail once the books' check passed (it
+        raises before any change)."""
+        self._books.move([block.address for block in blocks], blocks, addresses)
+        history = self._backing.history
+        for block, address in zip(blocks, addresses):
+            if history is not None:
+                history.block_moved(block.address, address, block.nbytes)
+            block.address = address
+
+    def forget(self, blocks: list[Block]) -> None:
+        """Drop the records of blocks whose ranges `begin_moves` already settled with the heap and the
+        pages: the old blocks it vacated, once their wave committed, or, as `record_moves`'s undo step,
+        destination blocks never swapped in. A release still to come for one of them (its user's old
+        storage dying) then finds nothing to do."""
+        self._books.forget([block.address for block in blocks], blocks)
+        for block in blocks:
+            block.keepalive = None

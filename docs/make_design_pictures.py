@@ -88,8 +88,8 @@ def draw(path: pathlib.Path = OUT) -> pathlib.Path:
     # ---- faces
     _band(ax, 94, 138, "faces")
     _box(ax, 40, 114, 330, 112, "pool.py  Pool",
-         "torch storages over blocks: empty, adopt,\npin, claim/share, compact, stats, snapshot;\n"
-         "_TorchMover; alloc_segment / free_segment\n+ tensors.py, storage_ext.py (torch glue)",
+         "torch storages over blocks; parts over one\nPoolContext (ownership, residency, meshing,\n"
+         "segments, observability); _TorchMover\n+ tensors.py, storage_ext.py (torch glue)",
          TORCH)
     _box(ax, 390, 114, 260, 112, "capture.py  TorchAllocator",
          "PyTorch's pluggable allocator\nover the same pages (segments\nfrom Pool.alloc_segment);\npool.capture(), install()",
@@ -106,8 +106,8 @@ def draw(path: pathlib.Path = OUT) -> pathlib.Path:
          "threads.py: Gate,\nUsers.scope, Scope.blocker; readout.py: stats, layout",
          CORE)
     _box(ax, 510, 266, 450, 96, "compactor.py  compact_core / rescue",
-         "plan, prepare, copy, verify, commit, release, per wave\nin a Transaction; owners rewritten by the face's "
-         "Mover\n(move_in_place); mesher.py, residency.py beside it",
+         "plan, prepare, copy, verify, commit, release, per wave\nin a Transaction; records through Core.waves, "
+         "owners\nthrough the face's Mover; mesher.py, residency.py beside it",
          CORE)
 
     # ---- pure parts, address space, kernels

@@ -267,7 +267,7 @@ class Boom(RuntimeError):
 def test_an_exception_mid_compaction_rolls_back(make_pool, monkeypatch, where):
     """A failure anywhere before the commit (the copy, its verification, making the temporaries'
     storages, the in-place rebase) leaves every tensor where and as it was, and the books as before."""
-    from defrag.pool import _TorchMover
+    from defrag.pool_context import _TorchMover
 
     pool = make_pool("1MiB", auto_compact=False)
     survivors = fragment(pool)
@@ -297,13 +297,13 @@ def test_an_exception_mid_compaction_rolls_back(make_pool, monkeypatch, where):
         expected = Boom
     else:
         monkeypatch.setattr(_TorchMover, "_rebases", lambda self: False)  # through temporaries
-        real = pool._mover.destinations
+        real = pool._context.mover.destinations
 
         def failing_storages(blocks):
             made = real(blocks[:4])  # some destinations exist (and die with the wave) when the next fails
             assert len(made) == 4
             raise Boom("storage creation failed")
-        monkeypatch.setattr(pool._mover, "destinations", failing_storages)
+        monkeypatch.setattr(pool._context.mover, "destinations", failing_storages)
         expected = Boom
     with pytest.raises(expected):
         pool.compact(verify=True)
@@ -323,7 +323,7 @@ def test_a_storage_changed_during_the_copy_stops_the_wave(make_pool, monkeypatch
     temporaries in one C++ call, or move by move): an owner whose memory changed meanwhile makes the
     wave roll back, every tensor where and as it was."""
     from defrag import fastpath
-    from defrag.pool import _TorchMover
+    from defrag.pool_context import _TorchMover
 
     if commit.endswith("swap_storages") and getattr(fastpath.module, "swap_storages", None) is None:
         pytest.skip("no batched storage swap here (needs the fast path built against torch >= 2.13)")
@@ -539,7 +539,7 @@ def test_a_compaction_leaves_the_collector_as_it_found_it(make_pool):
 def test_rebased_owners_release_their_new_blocks_and_nothing_else(make_pool):
     """A wave committed by rebasing (no temporaries): nothing is queued for the old ranges, and each
     moved tensor's death frees exactly its new block."""
-    from defrag.pool import _TorchMover
+    from defrag.pool_context import _TorchMover
 
     pool = make_pool("1MiB", auto_compact=False)
     survivors = fragment(pool)

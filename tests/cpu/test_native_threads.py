@@ -28,7 +28,7 @@ if not pin_foreign:  # the control run: blocks of C++ threads seen like any othe
         block.pins = 0
         return block
     pool.core.make_face = unpinned
-fast = pool._fast
+fast = pool.core.fast
 installed = sys.argv[3:] == ["install"]  # the C++ threads' at::empty reach the pool as PyTorch's CPU allocator
 if installed:
     defrag.install(pool)

@@ -288,7 +288,7 @@ INSTALL = """
     import json, torch, defrag
     from defrag import fastpath
     pool = defrag.Pool(device="cuda:0", capacity="1GiB")
-    fast = pool._fast is not None
+    fast = pool.core.fast is not None
     allocator = defrag.install(pool)  # a pool must not have initialized torch's allocator
     assert defrag.install(pool) is allocator
     x = torch.randn(1024, 1024, device="cuda")
