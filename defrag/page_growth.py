@@ -115,3 +115,14 @@ class GrowthPolicy:
         excess = mapped + need - stitched - budget  # pages beyond the budget once the request is mapped
         give_back = max(0, min(donors - stitched, self.batch_pages, excess)) if stitched else 0
         return Supply(cached_used, created, stitched, give_back)
+
+
+class StitchFirst(GrowthPolicy):
+    """The growth rule before the budget, for comparisons (tests, `defrag bench --only page_calls`): empty
+    mapped pages elsewhere back a request whenever cached pages fall short, and new pages only once no
+    empty page is left, so mapped pages grow only when they must. Gives nothing back beyond a request."""
+
+    def supply(self, need: int, *, cached: int, donors: int, **_) -> Supply:
+        cached_used = min(need, cached)
+        stitched = min(need - cached_used, donors)
+        return Supply(cached_used, need - cached_used - stitched, stitched, 0)

@@ -8,7 +8,7 @@ from cuda.bindings.driver import CUresult
 
 from defrag.dry import DryPool
 from defrag.errors import CudaError
-from defrag.page_growth import SLACK, GrowthPolicy, Supply
+from defrag.page_growth import SLACK, GrowthPolicy, StitchFirst, Supply
 from defrag.traces import random_serving
 
 MiB, GiB = 1 << 20, 1 << 30
@@ -76,16 +76,6 @@ def test_bad_settings_are_refused():
 
 
 # ---------------------------------------------------------------- placement under it
-class StitchFirst(GrowthPolicy):
-    """The growth rule before the budget: empty mapped pages elsewhere back a request whenever cached
-    pages fall short, and new pages only once none is left."""
-
-    def supply(self, need, *, cached, donors, **_):
-        cached = min(need, cached)
-        stitched = min(need - cached, donors)
-        return Supply(cached, need - cached - stitched, stitched, 0)
-
-
 def _replay(trace, capacity, policy=None, on_step=None):
     pool = DryPool(capacity, P, auto_compact=False)
     if policy is not None:
