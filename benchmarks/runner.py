@@ -104,7 +104,7 @@ REGISTRY: dict[str, Benchmark] = {b.name: b for b in [
               "bench_install:plot_install"),
     Benchmark("workloads", "bench_workloads:bench_workloads",
               "trace replays with compaction on/off (and PyTorch's allocator on a GPU): peak live, peak reserved, "
-              "OOMs (goal: peak reserved <= 1.02x peak live + one page)",
+              "OOMs (goal: peak reserved <= 1.02x peak live + one page at the smallest capacity that completes)",
               "bench_workloads:plot_workloads"),
     Benchmark("page_calls", "bench_page_calls:bench_page_calls",
               "driver calls per dry replay (the serving trace at 80 GiB, the shared snapshots): maps, unmaps, "
