@@ -21,13 +21,13 @@ places blocks at 512-byte granularity:
   in one piece;
 - a block of a page or more goes, best fit, into mapped free space at any
   512-byte boundary when some holds it (typically the free tail of a partly
-  used page joined to empty pages); else it starts in the free tail of the
-  last mapped page before an unmapped run when that needs fewer new pages,
-  or on a page boundary, in a run of virtual pages that hold no live data.
-  New pages are *stitched*: backed by cached physical pages, then by empty
-  mapped pages unmapped elsewhere, and only then by new ones. Such a request
+  used page joined to empty pages); else in the window of free space and
+  unmapped pages that needs the fewest pages mapped (`_cheapest_window`).
+  Those pages are backed as `defrag.page_growth` says: cached physical
+  pages, then new ones while mapped pages stay within 1.10 x what is live,
+  then empty mapped pages unmapped elsewhere (*stitching*). Such a request
   fails only when the free physical pages cannot cover it (a new region is
-  reserved when no run of free virtual pages is long enough).
+  reserved when no window fits).
 - freed ranges are kept carved per size and reused by the next request of
   that size without touching the heap (`free`, `flush_reuse`).
 

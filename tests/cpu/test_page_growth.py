@@ -247,3 +247,24 @@ def test_a_driver_fault_in_a_multi_page_map_leaves_the_pool_as_it_was(call, nth)
     pool.check_invariants()
     pool.close()
     assert pool.driver.api.state() == {"handles": 0, "mappings": 0, "reservations": 0, "used_bytes": 0}
+
+
+def test_large_blocks_pack_end_to_end_and_smaller_ones_start_on_a_page():
+    """Where a free tail saves no page: a block of `PACK_PAGES` or more starts in it (blocks end to end, as
+    in expandable segments), a smaller one on the next page boundary (the tail stays for sub-page
+    blocks); where the tail saves a page, every size starts in it."""
+    from defrag.core import PACK_PAGES
+
+    assert PACK_PAGES == 4
+    pool = DryPool(64 * P, P, auto_compact=False)
+    assert pool.alloc("a", 3 * P - MiB // 2)  # pages 0-2, 0.5 MiB free at the end of page 2
+    a = pool._blocks["a"].address
+    assert pool.alloc("b", 3 * MiB)  # 2 pages either way: on the page boundary after a
+    b = pool._blocks["b"].address
+    assert b == a + 3 * P
+    assert pool.alloc("c", 5 * P)  # 5 pages either way, from b's 1 MiB tail or from the next page: the tail
+    assert pool._blocks["c"].address == b + 3 * MiB
+    assert pool.alloc("d", 2 * P - MiB // 2)  # 2 pages from c's 1 MiB tail or from the next page: the page
+    assert pool._blocks["d"].address == a + 10 * P
+    pool.check_invariants()
+    assert pool.stats()["pages.mapped"] == 12  # a on pages 0-2, b 3-4, c 4-9, d 10-11
