@@ -21,13 +21,13 @@ places blocks at 512-byte granularity:
   in one piece;
 - a block of a page or more goes, best fit, into mapped free space at any
   512-byte boundary when some holds it (typically the free tail of a partly
-  used page joined to empty pages); else it starts in the free tail of the
-  last mapped page before an unmapped run when that needs fewer new pages,
-  or on a page boundary, in a run of virtual pages that hold no live data.
-  New pages are *stitched*: backed by cached physical pages, then by empty
-  mapped pages unmapped elsewhere, and only then by new ones. Such a request
+  used page joined to empty pages); else in the window of free space and
+  unmapped pages that needs the fewest pages mapped (`_cheapest_window`).
+  Those pages are backed as `defrag.page_growth` says: cached physical
+  pages, then new ones while mapped pages stay within 1.10 x what is live,
+  then empty mapped pages unmapped elsewhere (*stitching*). Such a request
   fails only when the free physical pages cannot cover it (a new region is
-  reserved when no run of free virtual pages is long enough).
+  reserved when no window fits).
 - freed ranges are kept carved per size and reused by the next request of
   that size without touching the heap (`free`, `flush_reuse`).
 
@@ -72,6 +72,7 @@ from .backing import Backing, NoSpace
 from .driver import Driver
 from .errors import CudaOutOfMemoryError, PoolAsleepError, PoolClosedError, StaleAccessError
 from .heap import ALIGNMENT
+from .page_growth import GrowthPolicy
 from .readout import OutOfRoom
 from .threads import Scope
 from .units import format_bytes
@@ -97,57 +98,84 @@ class Block:
     offloaded: bool = False  # on host-located pages (defrag.residency): never moved until reloaded
 
 
-def _page_runs(mask: np.ndarray) -> list[tuple[int, int]]:
-    """(start, length) of each run of True in a boolean array."""
-    if not mask.any():
-        return []
-    padded = np.concatenate(([False], mask, [False])).astype(np.int8)
-    edges = np.flatnonzero(np.diff(padded))
-    starts, ends = edges[0::2], edges[1::2]
-    return list(zip(starts.tolist(), (ends - starts).tolist()))
+
+# Blocks of at least this many pages are packed end to end (a window starting in a free tail wins over
+# an equally cheap page-aligned one); smaller ones start on a page boundary unless a tail saves a page.
+# Measured on dry replays (smallest capacity, MiB): a 2.7B model's forward pass (a public
+# cs336_2.7b_forward snapshot) 32,686 page-aligned -> 32,326 packed, under the 32,356 PyTorch's
+# expandable segments need; the shared ctx128 training step 52,422 -> 52,310 (no compaction: -114). Packing
+# every size instead strands tails that only sub-page blocks could use: two snapshots' smallest
+# capacities without compaction grew by 2-3 pages; from 4 pages up, one (select_n, +2 pages) does.
+PACK_PAGES = 4
 
 
-def _tail_window(regions, heaps, page_size: int, size: int, k: int, *, spill: bool = False):
-    """Where a block of `size` (`k` pages on its own) needs fewer new pages by starting in free space
-    (`spill`: no more than `k`, for a block smaller than a page that needs one new page anyway).
-
-    Candidates: the free range ending at the last mapped page before an
-    unmapped run (the free tail of a partly used page, with any empty
-    pages before it), continued into that run, when that needs fewer
-    new pages than `k`; if the run is shorter than that (a gap between
-    mapped pages), on into the free head of the mapped page after it,
-    which maps only the gap. Returns (region, start address, every page the
-    block would touch) for the candidate needing the fewest unmapped
-    pages, or None when none needs fewer than `k`.
-    """
-    P = page_size
+def _spill_window(regions, heaps, page_size: int, size: int):
+    """Where a block of `size` (under a page) that needs one new page anyway can start in the free tail
+    of the last mapped page before an unmapped one and spill into it: (region, start address, the two
+    pages), the largest such tail, or None. The same one page is mapped, and the free space after the
+    block stays in one piece."""
     best = None
     for region, heap in zip(regions, heaps):
         mapped = region.handles != 0
         for q in np.flatnonzero(mapped[:-1] & ~mapped[1:]).tolist():
-            end = region.address(q + 1)
-            run = heap.free_range_ending_at(end)
-            if run is None:
+            run = heap.free_range_ending_at(region.address(q + 1))
+            if run is None or run[1] >= size or run[1] + page_size < size:
                 continue
-            m = -(-(size - run[1]) // P)
-            if not (0 < m <= k if spill else 0 < m < k) or q + 1 + m > region.npages:
-                continue
-            if mapped[q + 1:q + 1 + m].any():
-                # The unmapped run is shorter (a gap that stitching left): the block may still
-                # fit by ending in the free head of the mapped page after it.
-                gap = int(np.argmax(mapped[q + 1:]))
-                head = heap.free_range_starting_at(region.address(q + 1 + gap))
-                if head is None or run[1] + gap * P + head[1] < size:
-                    continue
-                m = gap
-                last = (run[0] + size - 1 - region.base) // P
-            else:
-                last = q + m
-            key = (m, -run[1])
-            if best is None or key < best[0]:
-                first = (run[0] - region.base) // P
-                best = (key, region, run[0], list(range(first, last + 1)))
+            if best is None or run[1] > best[0]:
+                first = (run[0] - region.base) // page_size
+                best = (run[1], region, run[0], list(range(first, q + 2)))
     return None if best is None else best[1:]
+
+
+def _cheapest_window(region, free_ranges, page_size: int, size: int):
+    """Where in `region` a block of `size` bytes needs the fewest pages mapped: (key, address) with key =
+    (unmapped pages, starts off a page boundary, address), or None when no window fits.
+
+    A block may lie on free bytes of mapped pages (`free_ranges`, the
+    heap's) and on unmapped pages, wherever they touch: the free tail of a
+    partly used page continued into the unmapped run after it, an unmapped
+    gap that stitching left between two free ranges, a run of untouched
+    pages. Over such a run, the count of unmapped pages under a sliding
+    window changes only where a piece starts or ends, so the windows that
+    start where a piece starts or end where one ends are the only
+    candidates. Among equally cheap ones the lowest address wins, so a
+    block of `PACK_PAGES` or more starts in the free tail before it and
+    blocks lie end to end, as in expandable segments; a smaller block
+    starts on a page boundary when that costs no extra page, leaving the
+    tail to sub-page blocks (see `PACK_PAGES`).
+    """
+    P = page_size
+    unmapped = region.handles == 0
+    pieces = []
+    if free_ranges:
+        fr = np.asarray(free_ranges, dtype=np.int64).reshape(-1, 2)
+        pieces.append(np.stack([fr[:, 0], fr[:, 0] + fr[:, 1]], axis=1))
+    edges = np.flatnonzero(np.diff(np.concatenate(([False], unmapped, [False])).astype(np.int8)))
+    if edges.size:
+        pieces.append(np.stack([region.base + edges[0::2] * P, region.base + edges[1::2] * P], axis=1))
+    if not pieces:
+        return None
+    pieces = np.concatenate(pieces)
+    pieces = pieces[np.argsort(pieces[:, 0], kind="stable")]
+    starts, ends = pieces[:, 0], pieces[:, 1]
+    # Runs of touching pieces (pieces never overlap: the heap's free ranges lie on mapped pages).
+    new_run = np.ones(len(pieces), dtype=bool)
+    new_run[1:] = starts[1:] != ends[:-1]
+    run_id = np.cumsum(new_run) - 1
+    run_start = starts[new_run][run_id]
+    run_end = ends[np.flatnonzero(np.append(new_run[1:], True))][run_id]
+    cand = np.concatenate([starts, ends - size])
+    lo, hi = np.concatenate([run_start, run_start]), np.concatenate([run_end, run_end])
+    ok = (cand >= lo) & (cand + size <= hi)
+    if not ok.any():
+        return None
+    cand = cand[ok]
+    first = (cand - region.base) // P
+    before = np.concatenate(([0], np.cumsum(unmapped)))
+    need = before[(cand + size - 1 - region.base) // P + 1] - before[first]
+    off_page = ((cand - region.base) % P != 0) if size < PACK_PAGES * P else np.zeros(len(cand), dtype=bool)
+    best = np.lexsort((cand, off_page, need))[0]
+    return (int(need[best]), bool(off_page[best]), int(cand[best])), int(cand[best])
 
 
 class Core:
@@ -163,7 +191,7 @@ class Core:
 
     def __init__(self, driver: Driver, *, capacity_pages: int, page_size: int, auto_compact: bool = True,
                  min_compact_interval: float = 0.0, virtual_factor: int = 2, label: str = "pool",
-                 auto_mesh: bool = True):
+                 auto_mesh: bool = True, growth: GrowthPolicy | None = None):
         self.driver = driver
         self.kind = driver.kind
         self.page_size = page_size
@@ -185,6 +213,7 @@ class Core:
         self.gate = threads.Gate(self.books)  # the lock (the books'); knows which threads wait at it
         # The pages under the regions: every map, unmap, stitch and re-backing (`defrag.backing`).
         self.backing = Backing(driver, self.books, page_size, capacity_pages, self.peaks)
+        self.growth = GrowthPolicy() if growth is None else growth  # when placement grows, when it stitches
         self.space = self.backing.space
         self._heaps = self.backing.heaps  # per region: its native Heap (`defrag/native/heap.h`)
         self.waves = WaveBooks(self.books, self.backing)  # a compaction wave's books (`defrag.compactor`)
@@ -432,10 +461,8 @@ class Core:
                 return self.carve(region, address, size, nbytes)
         if self.space.store.available < 1:
             raise NoSpace("no free space in mapped pages and no physical page left")
-        tail = _tail_window(self.space.regions, self._heaps, self.page_size, size, 1, spill=True)
+        tail = _spill_window(self.space.regions, self._heaps, self.page_size, size)
         if tail is not None:
-            # Start in the free tail of the last mapped page and spill into one new page:
-            # the same one page mapped, and the free space after the block stays in one piece.
             region, address, window = tail
             pages = [p for p in window if not region.handles[p]]
         else:
@@ -452,10 +479,9 @@ class Core:
         First mapped free space at any 512-byte boundary, best fit (the free
         tail of a partly used page joined to empty pages after it holds the
         block with no mapping, and the block does not strand its own last
-        page's tail). Else a page-aligned run of pages no block touches
-        (shortest first, then fewest unmapped), unless starting in the free
-        tail of the last mapped page before an unmapped run needs fewer new
-        pages (`_tail_window`).
+        page's tail). Else the window that needs the fewest pages mapped
+        (`_cheapest_window`): free space and unmapped pages side by side, so
+        the free space next to an unmapped run is used in place.
         """
         for region, heap in zip(self.space.regions, self._heaps):
             address = heap.allocate(size)
@@ -465,33 +491,44 @@ class Core:
         free_pages = self.backing.free_physical()
         if k > free_pages:
             raise NoSpace(f"needs {k} free pages, {free_pages} can be had")
-        tail = _tail_window(self.space.regions, self._heaps, self.page_size, size, k)
-        if tail is not None:
-            region, address, window = tail
+        best = None
+        for region, heap in zip(self.space.regions, self._heaps):
+            found = _cheapest_window(region, heap.free_ranges(), self.page_size, size)
+            if found is not None and (best is None or found[0] < best[0]):
+                best = (*found, region)
+        if best is None:
+            region = self.add_region(max(k, self.capacity_pages))
+            address, window = region.base, list(range(k))
         else:
-            best = None  # (run length, unmapped pages in window, region, start)
-            for region in self.space.regions:
-                available = self.backing.untouched(region)
-                for start, length in _page_runs(available):
-                    if length < k:
-                        continue
-                    unmapped = int((region.handles[start:start + k] == 0).sum())
-                    key = (length, unmapped)
-                    if best is None or key < best[:2]:
-                        best = (length, unmapped, region, start)
-            if best is None:
-                region, start = self.add_region(max(k, self.capacity_pages)), 0
-            else:
-                region, start = best[2], best[3]
-            address, window = region.address(start), list(range(start, start + k))
+            _, address, region = best
+            window = list(range(*self.backing.pages_of(address, size)))
         to_map = [p for p in window if not region.handles[p]]
-        # Stitching: physical pages of empty mapped pages elsewhere come before new
-        # ones; compaction leaves its emptied pages mapped for exactly this.
-        self.backing.stitch(region, window, len(to_map), k)
+        if to_map:
+            self._supply(region, window, len(to_map), size)
         with Transaction() as txn:
             self.backing.map_for_placement(region, to_map, txn)
             address = self._heaps[region.index].allocate_at(address, size)
         return self.carve(region, address, size, nbytes)
+
+    def _supply(self, region: Region, window: list[int], need: int, size: int) -> None:
+        """Before mapping `need` pages of `window` for a block of `size` bytes: unmap the donors the growth
+        policy (`defrag.page_growth`) asks for, so that the store's cached and new handles back the rest.
+        Within the budget nothing is unmapped; beyond it, empty mapped pages elsewhere (stitching)."""
+        store, c = self.space.store, self.books.counters()  # the block counters are the books'
+        args = dict(mapped=self.space.mapped, live_bytes=c["allocated_bytes"] + c["pending_bytes"],
+                    request_bytes=size, page_size=self.page_size, cached=len(store.cached),
+                    creatable=store.creatable, capacity=self.capacity_pages)
+        supply = self.growth.supply(need, donors=self.books.empty, **args)  # an upper bound: cheap
+        if not supply.stitched:
+            return
+        backing = self.backing
+        supply = self.growth.supply(need, donors=backing.count_empty(region, window), **args)
+        # Which pages go is the same whatever is known of the device (a dry and a real pool place alike);
+        # whether they wait for it is not: a face's native fast path places blocks the backing never
+        # hears of, so there every batch waits.
+        donors = backing.donors(region, window, supply.stitched + supply.give_back)
+        backing.unmap_empty(donors, idle_known=True)  # every placement, native or not, clears `idle`
+        backing.age_empty()
 
     # ------------------------------------------------------------------ the ladder
     def allocate(self, nbytes: int, rescue=None, describe=None, stream: int = 0) -> Block:
@@ -631,6 +668,7 @@ class WaveBooks:
         one native call. `delta`: +1 or -1 for every block, or a list of them (one per block)."""
         deltas = [delta] * len(addresses) if isinstance(delta, int) else delta
         self._books.account_many(region.index, addresses, sizes, deltas)
+
 
     def record_moves(self, region: Region, olds: list[Block], addresses: list[int], txn: Transaction) -> list[Block]:
         """Destination blocks over the ranges `begin_moves` took, one per block of `olds` (same size and

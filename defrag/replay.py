@@ -119,6 +119,9 @@ class ReplayResult:
     # Reserved bytes over the trace (when asked for): (event indices, bytes), each point the most
     # reserved from that event to the next point's. Not in `as_dict`: it is for pictures.
     series: tuple | None = field(default=None, repr=False)
+    # Where a search for the smallest capacity should start (dry pools: `DryPool.peak_held_bytes`);
+    # not in `as_dict`: it is the search's, not a figure of the replay.
+    search_hint: int | None = field(default=None, repr=False)
 
     @property
     def completed(self) -> bool:
@@ -144,6 +147,7 @@ class ReplayResult:
         finally:
             self.series = series
         out.pop("series", None)
+        out.pop("search_hint", None)
         out["completed"] = self.completed
         out["reserved_over_live"] = self.reserved_over_live
         out["meets_goal_1_02"] = self.meets_goal()
@@ -339,7 +343,8 @@ def _replay_dry(trace, capacity, page, compaction, name, progress, stop_at_first
                         compactions=st["num_compactions"], compactions_automatic=st["num_compactions.automatic"],
                         moved_bytes=st["compaction.moved_bytes"], moved_tensors=st["compaction.moved_tensors"],
                         seconds=time.perf_counter() - t0, error=error,
-                        series=_window_max(run.reserved, run.i + 1) if series else None)
+                        series=_window_max(run.reserved, run.i + 1) if series else None,
+                        search_hint=model.peak_held_bytes)
 
 
 def _window_max(values, used: int) -> tuple[list, list]:
@@ -1000,9 +1005,18 @@ def _allocator_job(key, allocator: str, capacity: int, peak_live: int, *, dry: b
                    page_size=page, progress=progress, mesh=allocator == "defrag-mesh", series=series)
     r.min_capacity = yield from _search_job(
         key, allocator, page, peak_live, known_good=r.capacity if r.completed else None,
-        known_bad=None if r.completed else r.capacity, hint=r.peak_reserved_bytes if r.completed else None,
+        known_bad=None if r.completed else r.capacity, hint=_hint(r),
         max_steps=MIN_CAPACITY_MAX_STEPS, budget_s=budget_s, split=split, gallop=allocator in POOLS)
     return [r]
+
+
+def _hint(r: ReplayResult) -> int | None:
+    """Where the search for `r`'s smallest capacity starts: for a completed dry pool replay, the most
+    bytes of pages that held blocks (its peak reserved includes the empty pages the growth policy
+    keeps mapped: up to 1.10 x what is live); else the peak reserved."""
+    if not r.completed:
+        return None
+    return r.search_hint if r.search_hint is not None else r.peak_reserved_bytes
 
 
 def _pools_without_phases_job(key, capacity: int, peak_live: int, *, page_size, series: bool, budget_s):
@@ -1034,7 +1048,7 @@ def _pools_without_phases_job(key, capacity: int, peak_live: int, *, page_size, 
         good = mc.bytes if good is None else min(good, mc.bytes)
     r.min_capacity = yield from _search_job(
         key, "defrag", page, peak_live, known_good=good, known_bad=None if r.completed else r.capacity,
-        hint=r.peak_reserved_bytes if r.completed else None, max_steps=MIN_CAPACITY_MAX_STEPS,
+        hint=_hint(r), max_steps=MIN_CAPACITY_MAX_STEPS,
         budget_s=budget_s, split=2, gallop=True)
     return [r, plain]
 

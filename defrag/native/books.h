@@ -122,6 +122,10 @@ struct RegionBooks {
   std::unique_ptr<int32_t[]> mesh;
   std::unique_ptr<int8_t[]> role;
   int64_t twins = 0;  // twin pages in this region: 0 skips the free redirect
+  // Pages the device is done with (the backing's `idle`: empty at the last synchronize it made, or
+  // mapped since, with no block counted on them after). Every placement clears its pages here, native
+  // ones included, so a stitch from idle pages needs no synchronize (invariant 5). Python sets it.
+  std::unique_ptr<bool[]> idle;
 };
 
 // Virtual pages of one region that map one physical page. Invariant: every byte offset of the page is
@@ -169,6 +173,7 @@ class Books : public std::enable_shared_from_this<Books> {
     r.mesh.reset(new int32_t[npages]);
     std::fill(r.mesh.get(), r.mesh.get() + npages, -1);
     r.role.reset(new int8_t[npages]());
+    r.idle.reset(new bool[npages]());
     regions_.push_back(std::move(r));
     return static_cast<int>(regions_.size()) - 1;
   }
@@ -176,6 +181,7 @@ class Books : public std::enable_shared_from_this<Books> {
   int64_t* counts(int region) { return at(region).counts.get(); }
   int32_t* mesh_ids(int region) { return at(region).mesh.get(); }
   int8_t* roles(int region) { return at(region).role.get(); }
+  bool* idle(int region) { return at(region).idle.get(); }
   int64_t npages(int region) { return at(region).npages; }
   int64_t page_size() const { return page_size_; }
 
@@ -1009,6 +1015,7 @@ class Books : public std::enable_shared_from_this<Books> {
     const int64_t end = (address + size - 1 - r.base) / page_size_ + 1;
     int64_t* c = r.counts.get();
     const int32_t* mesh = r.mesh.get();
+    if (delta > 0) std::fill(r.idle.get() + first, r.idle.get() + end, false);  // the device may use them now
     // Blocks lie on mapped pages only: a page is empty exactly when its count is 0; a mesh (one physical
     // page) is empty when the sum of its members' counts is.
     for (int64_t p = first; p < end; ++p) {
@@ -1208,6 +1215,7 @@ void bind_books_mesh(BooksClass& cls) {
     return py::array_t<T>({self->npages(region)}, {static_cast<py::ssize_t>(sizeof(T))}, data, base);
   };
   cls.def("mesh_ids", [view](std::shared_ptr<Books> self, int region) { return view(self, self->mesh_ids(region), region); })
+      .def("idle", [view](std::shared_ptr<Books> self, int region) { return view(self, self->idle(region), region); })
       .def("roles", [view](std::shared_ptr<Books> self, int region) { return view(self, self->roles(region), region); })
       .def("free", &Books::free, py::arg("region"), py::arg("address"))
       .def("mesh", &Books::mesh, py::arg("region"), py::arg("primary"), py::arg("twins"))
