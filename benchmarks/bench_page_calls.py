@@ -34,9 +34,11 @@ from __future__ import annotations
 import os
 import time
 
+from defrag import settings
+
 GiB = 1 << 30
 PAGE = 2 << 20
-SNAPSHOTS = os.environ.get("DEFRAG_SNAPSHOTS", "/work/shared/snapshots")
+SNAPSHOTS = settings.snapshots() or "/work/shared/snapshots"
 CALLS = ("cuMemCreate", "cuMemMap", "cuMemUnmap", "cuMemSetAccess", "cuCtxSynchronize")
 GOAL_MAP_UNMAP = 113_337  # a tenth of main's 1,133,379 (issue 32)
 GOAL_SYNCS = 228
