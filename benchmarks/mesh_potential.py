@@ -63,7 +63,7 @@ from defrag.traces import ALLOC, FREE, GENERATORS
 from defrag.traces.snapshot import load_snapshot_devices
 
 PAGE = 2 << 20
-GRAIN = 512  # the pool's alignment (defrag.heap.ALIGNMENT)
+GRAIN = 512  # the pool's alignment (defrag.units.ALIGNMENT)
 UNITS = PAGE // GRAIN  # bits per page bitmap
 WORDS = UNITS // 64
 FULL = (1 << UNITS) - 1

@@ -169,7 +169,7 @@ class Mover(Protocol):
     - `hold(block)`: a strong reference that keeps the owner alive and
       unchanged through the compaction, or None when it cannot move now
       (`can_rewrite(block)` is not "" included: the compaction asks `hold`
-      alone for every block `threads.Scope.blocker` lets move);
+      alone for every block `movability.Scope.blocker` lets move);
     - `hold_all(blocks)`: `[hold(b) for b in blocks]`, in one call (a
       region's blocks before each plan, or a wave's);
     - `holdable(blocks)`: for a face whose holds only keep owners alive

@@ -71,10 +71,10 @@ from . import native, readout, threads
 from .backing import Backing, NoSpace
 from .driver import Driver
 from .errors import CudaOutOfMemoryError, PoolAsleepError, PoolClosedError, StaleAccessError
-from .heap import ALIGNMENT
+from .units import ALIGNMENT
 from .page_growth import GrowthPolicy
 from .readout import OutOfRoom
-from .threads import Scope
+from .movability import Scope, Users
 from .units import format_bytes
 from .vmm import Region, Transaction
 
@@ -217,7 +217,7 @@ class Core:
         self.space = self.backing.space
         self._heaps = self.backing.heaps  # per region: its native Heap (`defrag/native/heap.h`)
         self.waves = WaveBooks(self.books, self.backing)  # a compaction wave's books (`defrag.compactor`)
-        self.users = threads.Users(self.gate, label)  # the threads that used the core: each block's owner
+        self.users = Users(self.gate, label)  # the threads that used the core: each block's owner
         # A face whose native code places blocks (`pool.empty`'s fast path, PyTorch's allocator entries)
         # sets these: `make_face(address, size, nbytes, region, origin, owner, weak_storage, dtype, shape)`
         # makes the Block of such a block when Python first asks for it, and `fast` is the native
@@ -333,7 +333,7 @@ class Core:
         return self.users.current()
 
     def scope(self, mode=None) -> Scope:
-        """What a compaction called from this thread may move now (the gate is held): `threads.Users.scope`."""
+        """What a compaction called from this thread may move now (the gate is held): `movability.Users.scope`."""
         return self.users.scope(mode)
 
     # ------------------------------------------------------------------ releases

@@ -26,7 +26,7 @@ graph stays valid across these calls (they only have to wait for the bytes).
   are first packed into pages of their own (`compactor.move_blocks`), so no
   other block rides along, and the free space left in those pages is filled
   with *filler* blocks so that nothing new is placed in host memory.
-  Offloaded blocks never move (`threads.Scope.blocker`), and the face's hold on each
+  Offloaded blocks never move (`movability.Scope.blocker`), and the face's hold on each
   keeps it alive until it is reloaded, so a host page never becomes an
   empty page the core could hand out. Reload swaps device pages back under
   whole pages (every block on them comes back) and drops the holds.

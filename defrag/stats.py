@@ -38,7 +38,7 @@ import time
 import weakref
 
 from .units import format_bytes
-from .vmm import page_runs
+from .page_runs import page_runs
 
 # Actions of PyTorch's TraceEntry that the pool produces.
 ACTIONS = ("alloc", "free_requested", "free_completed", "segment_map", "segment_unmap", "oom", "snapshot")

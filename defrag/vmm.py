@@ -43,6 +43,7 @@ import numpy as np
 
 from .driver import Driver
 from .errors import CudaError
+from .page_runs import page_runs
 
 # What backs a virtual page (Region.backing); see the module docstring.
 DEVICE, HOST, ASLEEP = 0, 1, 2
@@ -187,17 +188,6 @@ class Region:
 
     def mapped_pages(self) -> list[int]:
         return np.flatnonzero(self.handles).tolist()
-
-
-def page_runs(pages) -> list[tuple[int, int]]:
-    """Page indices (any order) -> sorted (first, count) runs of consecutive pages."""
-    runs: list[tuple[int, int]] = []
-    for p in sorted(pages):
-        if runs and runs[-1][0] + runs[-1][1] == p:
-            runs[-1] = (runs[-1][0], runs[-1][1] + 1)
-        else:
-            runs.append((p, 1))
-    return runs
 
 
 class AddressSpace:

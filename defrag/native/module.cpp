@@ -76,7 +76,7 @@ using defrag_native::Record;
 
 namespace {
 
-constexpr int64_t kAlignment = 512;  // defrag.heap.ALIGNMENT
+constexpr int64_t kAlignment = 512;  // defrag.units.ALIGNMENT
 constexpr int kDtypes = 64;
 // Events the books log for the pool's history before an allocator entry's placement waits for Python
 // to take them (see place_for_allocator): 1 MiB of log at most between two of Python's reads.

@@ -22,7 +22,7 @@ import pytest
 import torch
 
 import defrag
-from defrag.heap import ALIGNMENT
+from defrag.units import ALIGNMENT
 
 from .conftest import MODE, REHEARSAL, sync
 
