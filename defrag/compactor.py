@@ -166,15 +166,16 @@ class Mover(Protocol):
     - `stream()`: the CUDA stream copies run on (0: the default stream);
     - `can_rewrite(block)`: "" when the face can rewrite the block's owner,
       else why not (the block is then unmovable);
-    - `hold(block)`: a strong reference that keeps the owner alive and
-      unchanged through the compaction, or None when it cannot move now
-      (`can_rewrite(block)` is not "" included: the compaction asks `hold`
-      alone for every block `movability.Scope.blocker` lets move);
-    - `hold_all(blocks)`: `[hold(b) for b in blocks]`, in one call (a
+    - `grip(block)`: a strong reference that keeps the owner alive and
+      unchanged through the compaction (the block's *grip*), or None when it
+      cannot move now (`can_rewrite(block)` is not "" included: the
+      compaction asks `grip` alone for every block `movability.Scope.blocker`
+      lets move);
+    - `grip_all(blocks)`: `[grip(b) for b in blocks]`, in one call (a
       region's blocks before each plan, or a wave's);
-    - `holdable(blocks)`: for a face whose holds only keep owners alive
-      (`lets_go()`), whether `hold` would give each block a hold, without
-      taking it (cheap: the compaction plans with it and holds only the
+    - `grippable(blocks)`: for a face whose grips only keep owners alive
+      (`lets_go()`), whether `grip` would give each block a grip, without
+      taking it (cheap: the compaction plans with it and grips only the
       blocks it moves);
     - `destinations(blocks)`: for each freshly carved destination of a wave,
       in order, whatever the commit will need (in one call: one C++ call for
@@ -185,11 +186,11 @@ class Mover(Protocol):
     - `commit(old, new, held, dest)`: the owner now uses `new`'s memory; the
       face releases `old` later (when nothing can use it any more). Must not
       fail.
-    - `lets_go()`: whether, once the compaction drops the holds and the
+    - `lets_go()`: whether, once the compaction drops the grips and the
       destinations of a committed wave, nothing can use the old ranges any
       more (the compaction then frees them at once, in one batch, instead of
       waiting for their releases one by one);
-    - `move_in_place(olds, addresses, holds)` (only when `lets_go()`): every
+    - `move_in_place(olds, addresses, grips)` (only when `lets_go()`): every
       owner of `olds` checked as `check` would, then, only if all pass, each
       given the memory at the same index of `addresses` (the copy is done)
       while its block keeps its identity (`WaveBooks.move_to` re-addresses it):
@@ -207,14 +208,14 @@ class Mover(Protocol):
 
     def stream(self) -> int: ...
     def can_rewrite(self, block) -> str: ...
-    def hold(self, block): ...
-    def hold_all(self, blocks) -> list: ...
-    def holdable(self, blocks) -> list: ...
+    def grip(self, block): ...
+    def grip_all(self, blocks) -> list: ...
+    def grippable(self, blocks) -> list: ...
     def destinations(self, blocks) -> list: ...
     def check(self, old, held, dest) -> bool: ...
     def commit(self, old, new, held, dest) -> None: ...
     def lets_go(self) -> bool: ...
-    def move_in_place(self, olds, addresses, holds) -> int | None: ...
+    def move_in_place(self, olds, addresses, grips) -> int | None: ...
     def commit_all(self, dests) -> int | None: ...
 
 
@@ -483,7 +484,7 @@ def _convey(core: Core, mover: Mover, scope: Scope, engine: str, verify: bool, r
                 return
             P = core.page_size
             if not any(b.size >= P for b in core.blocks(region)):
-                continue  # nothing to convey: skip holding every block of the region
+                continue  # nothing to convey: skip gripping every block of the region
             layout = _collect(core, mover, region, scope, large_only=True)
             try:
                 if not layout.held:
@@ -501,7 +502,7 @@ def _convey(core: Core, mover: Mover, scope: Scope, engine: str, verify: bool, r
             return
 
 
-def _hole_plan(core: Core, region, layout: "_Layout", size: int) -> ArrayPlan | None:
+def _hole_plan(core: Core, region, layout: "_Collected", size: int) -> ArrayPlan | None:
     """`defrag.planner.plan_hole_arrays` over this region's free ranges; for `size` of a page or more,
     `plan_window_arrays` (its window's unmapped pages are backed by cached or creatable pages and
     by the empty mapped pages of the other regions and of this one)."""
@@ -533,24 +534,24 @@ def _map_hole(core: Core, region, hole: tuple[int, int]) -> None:
 
 
 @dataclass
-class _Layout:
-    """One region's blocks as the planner takes them (arrays, in `blocks` order), and the face's holds."""
+class _Collected:
+    """One region's blocks as the planner takes them (arrays, in `blocks` order), and the face's grips."""
 
     blocks: list
     offsets: np.ndarray
     sizes: np.ndarray
     movable: np.ndarray
-    held: dict  # block address -> the face's hold (movable blocks only; None until the wave when `lazy`)
-    lazy: bool = False  # holds taken per wave, for the blocks it moves (`Mover.holdable`)
+    held: dict  # block address -> the face's grip (movable blocks only; None until the wave when `lazy`)
+    lazy: bool = False  # grips taken per wave, for the blocks it moves (`Mover.grippable`)
 
 
-def _collect(core: Core, mover: Mover, region, scope: Scope, *, large_only: bool = False) -> _Layout:
-    """The region's blocks for the planner, and the face's hold on each movable one.
+def _collect(core: Core, mover: Mover, region, scope: Scope, *, large_only: bool = False) -> _Collected:
+    """The region's blocks for the planner, and the face's grip on each movable one.
 
-    A block the face cannot hold now is passed to the planner as unmovable;
+    A block the face cannot grip now is passed to the planner as unmovable;
     with `large_only`, so is every block shorter than a page (not held).
-    Where the face's holds only keep owners alive (`Mover.lets_go()`), its
-    cheap verdict (`Mover.holdable`) decides instead and each wave holds the
+    Where the face's grips only keep owners alive (`Mover.lets_go()`), its
+    cheap verdict (`Mover.grippable`) decides instead and each wave grips the
     blocks it moves (`lazy`): most blocks of a region are never moved.
     """
     base, small, blocker = region.base, core.page_size if large_only else 0, scope.blocker
@@ -559,13 +560,13 @@ def _collect(core: Core, mover: Mover, region, scope: Scope, *, large_only: bool
     candidates = [i for i, block in enumerate(blocks) if block.size >= small and not blocker(block)]
     lazy = mover.lets_go()
     picked = [blocks[i] for i in candidates]
-    grips = [None if ok else False for ok in mover.holdable(picked)] if lazy else mover.hold_all(picked)
+    grips = [None if ok else False for ok in mover.grippable(picked)] if lazy else mover.grip_all(picked)
     held, ok = {}, []
     for i, grip in zip(candidates, grips):
         if grip is not None and grip is not False:
             held[blocks[i].address] = grip
             ok.append(i)
-        elif lazy and grip is None:  # holdable: held by the wave that moves it
+        elif lazy and grip is None:  # grippable: held by the wave that moves it
             held[blocks[i].address] = None
             ok.append(i)
     movable = np.zeros(len(blocks), dtype=bool)
@@ -574,7 +575,7 @@ def _collect(core: Core, mover: Mover, region, scope: Scope, *, large_only: bool
     sizes = np.fromiter((block.size for block in blocks), dtype=np.int64, count=len(blocks))
     if core.backing.meshes():
         offsets, sizes, movable = _fix_meshed(core, region, blocks, offsets, sizes, movable, held)
-    return _Layout(blocks, offsets, sizes, movable, held, lazy)
+    return _Collected(blocks, offsets, sizes, movable, held, lazy)
 
 
 def _fix_meshed(core: Core, region, blocks: list, offsets: np.ndarray, sizes: np.ndarray, movable: np.ndarray,
@@ -602,7 +603,7 @@ def _fix_meshed(core: Core, region, blocks: list, offsets: np.ndarray, sizes: np
             np.concatenate((movable, np.zeros(len(extra), dtype=bool))))
 
 
-def _run_wave(core: Core, mover: Mover, region, plan: ArrayPlan, a: int, b: int, layout: _Layout, engine, verify,
+def _run_wave(core: Core, mover: Mover, region, plan: ArrayPlan, a: int, b: int, layout: _Collected, engine, verify,
               report) -> None:
     """Moves [a, b) of `plan` (one wave): prepare, copy, (verify), commit, release. All-or-nothing before the commit."""
     phases = report.phases
@@ -613,11 +614,11 @@ def _run_wave(core: Core, mover: Mover, region, plan: ArrayPlan, a: int, b: int,
     dsts = [region.base + d for d in plan.dst[a:b].tolist()]
     grips = list(map(held.pop, [old.address for old in olds]))
     if layout.lazy:  # the owners, held from here to the commit
-        grips = mover.hold_all(olds)
+        grips = mover.grip_all(olds)
         if None in grips:
             raise CompactionError(f"block at {olds[grips.index(None)].address:#x} changed during compaction "
                                   f"(its owner died); nothing was moved")
-    dests = []  # where the owners do not move in place: (old Block, new Block, hold, the face's destination)
+    dests = []  # where the owners do not move in place: (old Block, new Block, grip, the face's destination)
     with Transaction() as txn:
         # 1. prepare: map the destination pages. The copy needs no more: on a GPU it is queued on the
         # stream now and runs while the host does the rest; elsewhere it runs after it, on caches the
@@ -901,7 +902,7 @@ def move_blocks(core: Core, mover: Mover, moves, *, engine: str | None = None, v
         if block.region is not region:
             raise ValueError("move_blocks: every block must lie in one region")
         why = scope.blocker(block, mover.can_rewrite)
-        grip = mover.hold(block) if not why else None
+        grip = mover.grip(block) if not why else None
         if grip is None:
             raise CompactionError(f"block at {block.address:#x} ({format_bytes(block.nbytes)}) cannot move: "
                                   f"{why or 'its owner cannot be held now'}; nothing was moved")
@@ -917,7 +918,7 @@ def move_blocks(core: Core, mover: Mover, moves, *, engine: str | None = None, v
     plan = ArrayPlan(index=order, src=src[order], dst=dst[order], size=size[order],
                      wave=np.ones(len(blocks), dtype=np.int64), page_size=core.page_size,
                      pages_before=0, pages_after=0, moved_bytes=int(size.sum()))
-    layout = _Layout(blocks, src, size, np.ones(len(blocks), dtype=bool), held)
+    layout = _Collected(blocks, src, size, np.ones(len(blocks), dtype=bool), held)
     done = False
     try:
         _run_wave(core, mover, region, plan, 0, len(blocks), layout, engine, verify, report)

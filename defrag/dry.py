@@ -32,13 +32,13 @@ class _KeyMover:
     def can_rewrite(self, block: Block) -> str:
         return ""
 
-    def hold(self, block: Block):
-        return (block.info,)  # the key, boxed: any key (0, None) is a valid hold
+    def grip(self, block: Block):
+        return (block.info,)  # the key, boxed: any key (0, None) is a valid grip
 
-    def hold_all(self, blocks: list) -> list:
+    def grip_all(self, blocks: list) -> list:
         return [(block.info,) for block in blocks]
 
-    def holdable(self, blocks: list) -> list:
+    def grippable(self, blocks: list) -> list:
         return [True] * len(blocks)
 
     def destinations(self, blocks: list) -> list:

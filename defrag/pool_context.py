@@ -272,15 +272,15 @@ class _TorchMover:
         known = [t for t in (r() for r in block.info.tensors) if t is not None]
         return known if tz.rebind_proof(storage, known) else None
 
-    def hold(self, block: Block):
-        return self.hold_all([block])[0]
+    def grip(self, block: Block):
+        return self.grip_all([block])[0]
 
-    def holdable(self, blocks: list) -> list:
-        # `hold_all`'s verdict without the storages: whether each has an owner to hold.
+    def grippable(self, blocks: list) -> list:
+        # `grip_all`'s verdict without the storages: whether each has an owner to grip.
         return [_owner_ref(block.info) is not None for block in blocks]
 
-    def hold_all(self, blocks: list) -> list:
-        # `can_rewrite`'s verdict included: a segment or a dead storage has no hold.
+    def grip_all(self, blocks: list) -> list:
+        # `can_rewrite`'s verdict included: a segment or a dead storage has no grip.
         lock = torch.UntypedStorage._new_with_weak_ptr  # `tz.strong_storage`, inlined
         swap = self.context.can_swap
         grips = []
