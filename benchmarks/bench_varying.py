@@ -55,7 +55,7 @@ def _child_main() -> int:
     from torch import nn
 
     import defrag
-    from defrag import capture, cpu_allocator
+    from defrag import allocator_install, cpu_allocator
 
     device = spec["device"]
     tdev = "cpu" if device == "emulated" else device
@@ -97,7 +97,7 @@ def _child_main() -> int:
         if tdev == "cpu":
             c = cpu_allocator.counters()
             return {"allocs": c["blocks"], "asked": c["asked"]}
-        c = capture.installed(pool.device.index or 0).counters()
+        c = allocator_install.installed(pool.device.index or 0).counters()
         return {"allocs": c["allocs"], "asked": c["asked"]}
 
     for _ in range(spec["warmup_steps"]):

@@ -24,7 +24,8 @@ def _checkout_folders() -> None:
 
 _checkout_folders()
 
-from .capture import TorchAllocator, install, uninstall  # noqa: E402 (after the subpackages' search path)
+from .allocator_install import install, uninstall  # noqa: E402 (after the subpackages' search path)
+from .capture import TorchAllocator  # noqa: E402
 from .compactor import CompactionReport
 from .errors import (CompactionError, ConcurrencyError, CudaError, CudaOutOfMemoryError, NativeBuildError,
                      NotSupportedError, PoolAsleepError, PoolClosedError, ResidencyError, SettingError,

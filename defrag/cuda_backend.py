@@ -157,7 +157,7 @@ def load():
 
 def install(pool, device: int) -> None:
     """Make the backend PyTorch's CUDA allocator, serving `device` from `pool` (already registered with the
-    native entry points, `defrag.capture.register_native`): the pool's `snapshot()` answers PyTorch's
+    native entry points, `defrag.allocator_install.register_native`): the pool's `snapshot()` answers PyTorch's
     snapshots. RuntimeError (PyTorch's) after PyTorch's first CUDA allocation; NativeBuildError if the
     backend cannot be had (nothing changed then)."""
     module = load()

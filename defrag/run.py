@@ -283,15 +283,15 @@ def _run_program(args: RunArgs) -> int:
 def _allocator_counters(pool) -> dict:
     """What the installed allocator counted: the CPU allocator's counters, or the CUDA entry's for the
     pool's device (or the ctypes fallback's)."""
-    from . import capture, cpu_allocator
+    from . import allocator_install, cpu_allocator
 
     counters = cpu_allocator.counters()
     if counters.get("installed"):
         return counters
-    route = capture.installed(getattr(pool.driver, "ordinal", None))
+    route = allocator_install.installed(getattr(pool.driver, "ordinal", None))
     if route is None:
         return {}
-    if hasattr(route, "counters"):  # the native route (capture.CudaInstall)
+    if hasattr(route, "counters"):  # the native route (allocator_install.CudaInstall)
         return route.counters()
     return {name: getattr(route, name) for name in ("allocs", "frees", "failures", "errors", "foreign_frees")}
 

@@ -15,7 +15,7 @@
 // this is a forked child.
 //
 // Devices: `device` is a CUDA device index; a pool serves it once `defrag.install(pool)` (through
-// `defrag.capture.register_native`) registered it, for the life of the process.
+// `defrag.allocator_install.register_native`) registered it, for the life of the process.
 #pragma once
 
 #include <stddef.h>

@@ -23,7 +23,7 @@ import pytest
 import torch
 
 import defrag
-from defrag import capture as cap
+from defrag import allocator_install, capture as cap
 from defrag.driver import Driver
 
 from .conftest import KiB, MiB, check_pattern, fill_pattern
@@ -490,7 +490,7 @@ def test_capture_refuses_the_emulated_device(make_pool):
         with pytest.raises(RuntimeError, match="emulated device"):
             with pool.capture():
                 pass
-    assert cap.installed() is None
+    assert allocator_install.installed() is None
     assert cap.release_cached(pool) == 0  # nothing was ever routed
     assert defrag.TorchAllocator.for_pool(pool).release_cached() == 0  # no CUDA: nothing cached
     assert defrag.TorchAllocator.for_pool(pool).mempools() == {"open": 0, "busy": 0, "retired": 0}
@@ -546,7 +546,7 @@ def test_release_cached_finds_every_allocator_the_pool_was_captured_with(make_po
     import contextlib
 
     pool = make_pool()
-    monkeypatch.setattr(cap, "_require_cuda", lambda pool, what: None)
+    monkeypatch.setattr(cap, "require_cuda", lambda pool, what: None)
     monkeypatch.setattr(cap.TorchAllocator, "_take_mempool", lambda self: object())
     monkeypatch.setattr(cap.TorchAllocator, "_give_mempool", lambda self, mempool: None)
     monkeypatch.setattr(cap.torch.cuda, "use_mem_pool", lambda mempool, device=None: contextlib.nullcontext(),

@@ -166,3 +166,10 @@ def test_the_core_layers_import_no_torch_at_all():
                    "defrag.vmm", "defrag.planner", "defrag.errors", "defrag.threads", "defrag.movability", "defrag.stats",
                    "defrag.dry", "defrag.units"):
         assert not _imports_torch(module), module
+
+
+def test_capture_sees_pools_only_through_their_public_face_and_installs_nothing():
+    # `Pool.capture()` uses defrag.capture, and defrag.allocator_install builds on it: neither way round again.
+    targets = {t for t, _, _ in _imports("defrag.capture")}
+    assert not {"defrag.pool", "defrag.allocator_install"} & targets, targets
+    assert "defrag.capture" in {t for t, _, _ in _imports("defrag.allocator_install")}

@@ -1,7 +1,7 @@
 """The pool's side of the C ABI that PyTorch's CUDA allocator backend uses (native/pool_abi.h), over an
 emulated pool.
 
-The pool is registered for device 0 through `defrag.capture.register_native`, as `install_cuda` does
+The pool is registered for device 0 through `defrag.allocator_install.register_native`, as `install_cuda` does
 before it hands PyTorch the backend; the ABI's functions are then called through ctypes
 (`defrag.cuda_backend.pool_abi()`), as the backend calls them through dlsym: C functions that never
 throw, called with the GIL released. Each answer is checked against the pool's own `stats()` and
@@ -25,7 +25,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 PRELUDE = r"""
 import ctypes, threading, torch, defrag
-from defrag import capture as cap, cuda_backend as cb
+from defrag import allocator_install as cap, cuda_backend as cb
 MiB = 1 << 20
 OK, OOM, ERROR, NO_POOL, BUSY = range(5)
 pool = defrag.Pool("emulated", capacity="64MiB", auto_compact=False)

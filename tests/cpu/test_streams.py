@@ -139,7 +139,7 @@ def test_the_cuda_entry_points_keep_the_stream_rules_natively():
     no trip to Python is needed for any of it."""
     script = r"""
 import defrag
-from defrag import capture as cap, fastpath
+from defrag import allocator_install as cap, fastpath
 pool = defrag.Pool("emulated", capacity="64MiB", auto_compact=False)
 pool.core.books.set_streams("fake")
 route = cap.register_native(pool, device=0)

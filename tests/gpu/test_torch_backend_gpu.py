@@ -33,9 +33,9 @@ cuda_only = pytest.mark.needs_cuda("PyTorch's CUDA allocator replaced by defrag'
 # Every program starts with this: the pool `defrag run` made, and the route PyTorch reaches it by.
 HEAD = """
 import json, sys, torch, defrag
-from defrag import capture
+from defrag import allocator_install
 pool = defrag.open_pools()[0]
-route = capture.installed(0)
+route = allocator_install.installed(0)
 out = {"route": getattr(route, "route", None), "note": getattr(route, "backend_note", None)}
 def done():
     print(json.dumps(out, default=str), flush=True)
@@ -299,7 +299,7 @@ def test_the_pool_abi_rehearsed_with_gpu_pages():
     device = "cuda:0" if MODE == "cuda" else "emulated"
     proc = fresh_process(f"""
         import ctypes, json, torch, defrag
-        from defrag import capture, cuda_backend as cb
+        from defrag import allocator_install, cuda_backend as cb
         from defrag.driver import Driver
         MiB = 1 << 20
         if {device!r} == "emulated":
@@ -307,7 +307,7 @@ def test_the_pool_abi_rehearsed_with_gpu_pages():
                                page_size=2 * MiB, auto_compact=False)
         else:
             pool = defrag.Pool(device="cuda:0", capacity="512MiB", auto_compact=False)
-        capture.register_native(pool, device=0)
+        allocator_install.register_native(pool, device=0)
         lib = cb.pool_abi()
         def abi():
             s = cb.PoolStats(); s.struct_size = ctypes.sizeof(s)
