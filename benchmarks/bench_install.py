@@ -70,7 +70,7 @@ import json
 import statistics
 import sys
 
-from .runner import Skip, child_command
+from .runner import Skip, run_child
 
 MiB = 1 << 20
 TRAIN_GOAL_X = 1.1
@@ -240,7 +240,7 @@ def _alloc(modes: _Modes, pattern: str, spec: dict) -> dict:
 
     seq = _alloc_sizes(spec["calls"])
     empty, u8 = torch.empty, torch.uint8
-    fast = modes.pool._fast
+    fast = modes.pool.core.fast
 
     if pattern == "python, round trip":
         def one_pass():
@@ -301,7 +301,7 @@ def _child_main() -> int:
     fastpath.wait()
     out = {"threads": torch.get_num_threads(), "fast_path": fastpath.status(), "train": [], "alloc": []}
     with defrag.Pool(device="emulated", capacity=spec["capacity"], auto_compact=False) as pool:
-        if pool._fast is None:
+        if pool.core.fast is None:
             print(json.dumps({"skip": f"the pool has no native fast path (fast path: {fastpath.status()}); "
                                       "defrag.install needs it"}))
             return 0
@@ -437,15 +437,8 @@ def _bench_separate(device: str, smoke: bool) -> list[dict]:
 
 
 def _run_child(spec: dict, entry: str = "_child_main") -> dict:
-    import subprocess
-
     module = __spec__.name if __spec__ is not None else __name__
-    argv, env = child_command(f"import importlib, sys\nsys.exit(importlib.import_module({module!r}).{entry}())\n")
-    proc = subprocess.run(argv, input=json.dumps(spec), capture_output=True, text=True, env=env, timeout=900)
-    if proc.returncode != 0:
-        raise RuntimeError(f"the install benchmark's child process failed (rc {proc.returncode}): "
-                           f"{proc.stderr[-3000:]}")
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return run_child(module, entry, spec, "the install benchmark's child process")
 
 
 # --------------------------------------------------------------------------- rows

@@ -165,7 +165,9 @@ def bench_move_bandwidth(device, sizes, smoke: bool = False) -> list[dict]:
 def bench_batched_vs_per_tensor(device, n_moves: int = 10_000, move_bytes: int = 4096, smoke: bool = False) -> list[dict]:
     """n_moves scattered moves of move_bytes: ONE batched_move launch vs one copy call per move.
 
-    The per-tensor baseline is what a compactor without batching would do:
+    On a GPU the batched side is the compactor's launcher (`kernels.launch`);
+    under the simulator, `batched_move`. The per-tensor baseline is what a
+    compactor without batching would do:
     torch ``dst.copy_(src)`` per tensor on a GPU (n launches and n Python
     calls). Destinations are a random permutation of slots in a separate
     region, so no two moves are adjacent. Rows also report ``host_ms``: wall
@@ -188,21 +190,30 @@ def bench_batched_vs_per_tensor(device, n_moves: int = 10_000, move_bytes: int =
     total = region  # payload bytes per repetition
     rows = []
     if backend == "cuda":
-        torch, stream = _cuda_setup(device)
+        from defrag import copying
+        from defrag.driver import open_driver
+
+        torch, _ = _cuda_setup(device)
         name = torch.cuda.get_device_name()
         buf = torch.randint(0, 256, (2 * region,), dtype=torch.uint8, device=device)
-        arena = dk.device_arena(buf.data_ptr(), buf.numel())
         pairs = [(buf[d : d + n], buf[s : s + n]) for s, d, n in moves.tolist()]
+        # The compactor's own launch path: one cuLaunchKernel of the cached cubin, a staged table.
+        launcher = copying.launcher_for(open_driver(device))
+        if not launcher.wait():
+            return [{"bench": "batched_vs_per_tensor", "backend": "cuda", "skipped": launcher.error}]
+        base, span, stream = buf.data_ptr(), buf.numel(), torch.cuda.current_stream().cuda_stream
+        cols = (moves[:, 0].copy(), moves[:, 1].copy(), moves[:, 2].copy())
 
         def batched():
-            dk.batched_move(arena, moves, stream=stream)
+            launcher.move(base, span, *cols, stream=stream)
 
         def per_tensor():
             for dst, src in pairs:
                 dst.copy_(src)
 
         iters = 2 if smoke else 10
-        for method, fn, launches in (("batched_move", batched, 1), ("torch.copy_ per tensor", per_tensor, n_moves)):
+        for method, fn, launches in (("move kernel launch (MoveLauncher)", batched, 1),
+                                     ("torch.copy_ per tensor", per_tensor, n_moves)):
             ms = _cuda_time_ms(torch, fn, iters, 2)
             torch.cuda.synchronize()
             t0 = time.perf_counter()

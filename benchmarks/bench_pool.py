@@ -229,7 +229,7 @@ del slots
 t2 = time.perf_counter()
 out = {"seconds": t2 - t0, "first_call_seconds": t1 - t0, "setup_seconds": setup}
 if pool is not None:
-    out["fast_path"] = pool._fast is not None
+    out["fast_path"] = pool.core.fast is not None
     pool.close()
 print(json.dumps(out))
 """
@@ -335,7 +335,7 @@ def _cpp_thread_row(device: str, seq, live: int, capacity: int, repeat: int, com
     sizes = [n for _, n in seq]
     native, baseline = [], []
     with defrag.Pool(device=device, capacity=capacity, auto_compact=False) as pool:
-        fast = pool._fast
+        fast = pool.core.fast
         fast.churn(sizes, len(sizes), live=live, native=True)  # warm: the pages the sequence needs are mapped
         fast.churn(sizes, len(sizes), live=live, native=False)
         trips = fast.native_misses

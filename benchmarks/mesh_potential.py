@@ -55,6 +55,7 @@ import time
 
 import numpy as np
 
+from defrag import settings
 from defrag.dry import DryPool
 from defrag.mesh_planner import plan_meshes
 from defrag.replay import snapshot_capacity
@@ -62,7 +63,7 @@ from defrag.traces import ALLOC, FREE, GENERATORS
 from defrag.traces.snapshot import load_snapshot_devices
 
 PAGE = 2 << 20
-GRAIN = 512  # the pool's alignment (defrag.heap.ALIGNMENT)
+GRAIN = 512  # the pool's alignment (defrag.units.ALIGNMENT)
 UNITS = PAGE // GRAIN  # bits per page bitmap
 WORDS = UNITS // 64
 FULL = (1 << UNITS) - 1
@@ -71,7 +72,7 @@ SPLIT_PROBES = 64  # random: Mesh's t (probes per page per round)
 ROUNDS = 6  # random: SplitMesher rounds (each can merge existing meshes again)
 EXACT_MAX = 5000  # greedy*: unbounded probing only on sets this small
 SAMPLES = 24  # evenly spaced sample points per trace, besides the peak of reserved
-SNAPSHOTS = os.environ.get("DEFRAG_SNAPSHOTS", "/work/shared/snapshots")
+SNAPSHOTS = settings.snapshots() or "/work/shared/snapshots"
 SEED = 0
 
 

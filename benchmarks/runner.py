@@ -63,8 +63,19 @@ REGISTRY: dict[str, Benchmark] = {b.name: b for b in [
               "(torch copy_ on a GPU, memmove on the emulated device)",
               "bench_compaction:plot_copy_bandwidth"),
     Benchmark("batched_launch", "runner:bench_batched_launch",
-              "many small moves: one batched_move launch vs one copy call per tensor (GPU goal: >= 10x)",
+              "many small moves: one launch of the move kernel (the compactor's launcher on a GPU) vs one copy "
+              "call per tensor (GPU goal: >= 10x)",
               "runner:plot_batched_launch"),
+    Benchmark("engine_crossover", "bench_engines:bench_engine_crossover",
+              "one move of N bytes: the move kernel (the compactor's launcher) vs the copy engine, and the "
+              "smallest size from which the copy engine is as fast (what copying.COPY_ENGINE_MIN_BYTES should be)"),
+    Benchmark("mixed_wave", "bench_engines:bench_mixed_wave",
+              "a wave of 3,000 moves of log-uniform 64 KiB - 4 MiB through engine='auto' vs one contiguous copy of "
+              "the same bytes (GPU goal: >= 0.8x)"),
+    Benchmark("compaction_gpu", "bench_engines:bench_compaction_gpu",
+              "8,710 tensors of log-uniform 64 KiB - 4 MiB, half dropped, pool.compact() (about 2 GB moved; GPU "
+              "goal: < 20 ms), the same as a fresh process's first compaction (GPU goal: < 50 ms), and the "
+              "automatic trigger serving a request; vs one copy of the moved bytes"),
     Benchmark("stitching", "bench_stitching:bench_stitching",
               "pages mapped per ms: one cuMemSetAccess per range vs per page; unmap; a stitched pool request",
               "bench_stitching:plot_stitching"),
@@ -76,11 +87,11 @@ REGISTRY: dict[str, Benchmark] = {b.name: b for b in [
               "(GPU) of the same moves, same run (goals: emulated >= 0.7x memmove; GPU copy >= 0.9x copy_)",
               "bench_compaction:plot_compaction"),
     Benchmark("compaction_overhead", "bench_compaction:bench_compaction_overhead",
-              "3000 tensors of random sizes 8-256 KiB, 70% dropped, pool.compact(): (compaction wall - memmove of "
-              "the same moves) per moved tensor (issue 24's baseline; emulated goal: <= 5 us)"),
+              "3000 filled tensors of random sizes 8-256 KiB: dropping 70% and pool.compact(), beyond one memmove "
+              "of the moved bytes, per tensor dropped or moved (emulated goal: <= 5 us)"),
     Benchmark("compaction_random", "bench_compaction:bench_compaction_random",
-              "pool.compact() vs memmove of the same moves on 512 tensors of random sizes 64 KiB - 1 MiB, 70% "
-              "dropped (issue 24's baseline; emulated goal: >= 0.7x memmove)"),
+              "pool.compact() vs one memmove of the moved bytes on 512 tensors of random sizes 64 KiB - 1 MiB, 70% "
+              "dropped (emulated goal: >= 0.7x)"),
     Benchmark("rescue", "bench_rescue:bench_rescue",
               "automatic trigger on random adversarial traces: OOMs that compaction could make room for "
               "(live + request <= capacity - pinned pages), and how many it rescued"),
@@ -102,10 +113,20 @@ REGISTRY: dict[str, Benchmark] = {b.name: b for b in [
               "child process, same run: a torch.nn training step (MLP, transformer layer, conv net; goal: install "
               "<= 1.1x plain) and ns per torch.empty / at::empty + drop over 48 sizes (16 B - 16 MiB)",
               "bench_install:plot_install"),
+    Benchmark("install_varying", "bench_varying:bench_install_varying",
+              "a transformer trained on a different sequence length every step (GPU: GPT-2 small's shapes, 16k "
+              "tokens a step) under defrag.install vs the caching allocator and expandable segments, each in a "
+              "child process: step time (goal: <= 1.02x), peak reserved (goal: <= expandable's), trips to the "
+              "pool's Python code after warm-up (goal: <= 1 per 1000 allocations), and a budget where the caching "
+              "allocator OOMs (goal: install completes); on the emulated device a CPU rehearsal"),
     Benchmark("workloads", "bench_workloads:bench_workloads",
               "trace replays with compaction on/off (and PyTorch's allocator on a GPU): peak live, peak reserved, "
-              "OOMs (goal: peak reserved <= 1.02x peak live + one page)",
+              "OOMs (goal: peak reserved <= 1.02x peak live + one page at the smallest capacity that completes)",
               "bench_workloads:plot_workloads"),
+    Benchmark("page_calls", "bench_page_calls:bench_page_calls",
+              "driver calls per dry replay (the serving trace at 80 GiB, the shared snapshots): maps, unmaps, "
+              "SetAccess, synchronizes under the growth policy vs stitching first, same run (goals, serving "
+              "trace: maps + unmaps <= 113,337, synchronizes <= 228, peak reserved <= 1.10x peak live)"),
 ]}
 
 
@@ -126,6 +147,19 @@ def child_command(code: str) -> tuple[list[str], dict]:
             break
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
     return [sys.executable, "-c", prelude + code], env
+
+
+def run_child(module: str, entry: str, spec: dict, what: str, timeout: float = 900) -> dict:
+    """Run `module.entry()` in a child (`child_command`) with `spec` as JSON on its stdin, and return the
+    JSON of its last stdout line. RuntimeError naming `what` (with the end of its stderr) if it fails."""
+    import json
+    import subprocess
+
+    argv, env = child_command(f"import importlib, sys\nsys.exit(importlib.import_module({module!r}).{entry}())\n")
+    proc = subprocess.run(argv, input=json.dumps(spec), capture_output=True, text=True, env=env, timeout=timeout)
+    if proc.returncode != 0:
+        raise RuntimeError(f"{what} failed (rc {proc.returncode}): {proc.stderr[-3000:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
 def _resolve(spec: str):
@@ -371,8 +405,9 @@ def gbps(nbytes: int, seconds: float) -> float | None:
 def bench_batched_launch(device: str, smoke: bool) -> list[dict]:
     """bench_kernels.bench_batched_vs_per_tensor, with a baseline column and the speedup.
 
-    GPU: 10,000 scattered moves of 4 KiB (100 in smoke mode): ONE batched_move
-    launch vs torch ``copy_`` per tensor, by CUDA events. Emulated: both sides
+    GPU: 10,000 scattered moves of 4 KiB (100 in smoke mode): ONE launch of the
+    move kernel through the compactor's launcher (`kernels.launch`) vs torch
+    ``copy_`` per tensor, by CUDA events. Emulated: both sides
     run under numba's simulator (64 x 512 B, 8 in smoke mode); the ratio then
     says how much per-launch overhead the simulator has, nothing about a GPU.
     """

@@ -4,7 +4,9 @@ Every change to what backs a virtual page goes through a `Backing`:
 
 - the ladder maps new pages for a placement (`map_for_placement`) and
   *stitches* a large request from the physical pages of empty mapped pages
-  elsewhere (`stitch`);
+  elsewhere (`donors`, then `unmap_empty`: how many is `defrag.page_growth`'s
+  call), waiting for the device only when a donor may still be in use
+  (`idle`);
 - a compaction opens destination pages (`map`, `make_room`) and gives back
   what it emptied (`unmap_empty`);
 - `trim` and `close` release what holds nothing (`trim`), and packing for
@@ -36,8 +38,9 @@ import numpy as np
 from . import native
 from .driver import Driver
 from .errors import CudaError, CudaOutOfMemoryError
-from .heap import ALIGNMENT
-from .vmm import ASLEEP, ASLEEP_HANDLE, DEVICE, HOST, AddressSpace, Region, Transaction, page_runs
+from .units import ALIGNMENT
+from .page_runs import page_runs
+from .vmm import ASLEEP, ASLEEP_HANDLE, DEVICE, HOST, AddressSpace, Region, Transaction
 
 PRIMARY, TWIN = 1, 2  # a page's role in a mesh (`Backing.roles`; native/books.h MeshRole)
 
@@ -66,6 +69,16 @@ class Backing:
         self.live_count: list[np.ndarray] = []  # per region: blocks per page (a view of the books' memory)
         self.mesh_ids: list[np.ndarray] = []  # per region: each page's mesh id, -1 for none (a view, like live_count)
         self.roles: list[np.ndarray] = []  # per region: 0 unmeshed, PRIMARY or TWIN (a view)
+        # Per region: pages the device is done with: empty at the last synchronize this backing made, or
+        # mapped since, and no block placed on them after (the books clear a page at every placement,
+        # native ones included: a view of their memory). Unmapping only such pages needs no synchronize
+        # (invariant 5 asks that the device be done with them, and it is).
+        self.idle: list[np.ndarray] = []
+        # Per region: how many stitches in a row each page has been empty at (0: holds a block, or
+        # emptied since the last). Donors are taken oldest first: the same order whatever is known of
+        # the device, and the older an empty page, the likelier a synchronize has passed since it held a
+        # block (so `idle`), which lets stitching skip most synchronizes.
+        self.empty_age: list[np.ndarray] = []
         self.peaks = peaks
         self.history = None
 
@@ -80,7 +93,14 @@ class Backing:
         self.live_count.append(self.books.counts(index))
         self.mesh_ids.append(self.books.mesh_ids(index))
         self.roles.append(self.books.roles(index))
+        self.idle.append(self.books.idle(index))
+        self.empty_age.append(np.zeros(npages, dtype=np.int64))
         return region
+
+    def _all_done(self) -> None:
+        """The device has just finished everything queued (a synchronize): every page no block touches is idle."""
+        for region, idle in zip(self.space.regions, self.idle):
+            np.copyto(idle, self.untouched(region) & (region.handles != 0))
 
     def pages_of(self, block_or_addr, size=None) -> tuple[int, int]:
         """[first, end) page indices, in its region, of a block or of (address, size)."""
@@ -118,6 +138,11 @@ class Backing:
     def empty_mapped(self, keep: Region | None = None, keep_pages=()) -> list[tuple[Region, int]]:
         """Mapped pages that hold no block, except `keep_pages` of region `keep`
         (a request's or a wave's own destination pages, when looking for donors)."""
+        return [(region, int(p)) for region, mask in self._empty_masks(keep, keep_pages)
+                for p in np.flatnonzero(mask)]
+
+    def _empty_masks(self, keep: Region | None, keep_pages) -> list[tuple[Region, np.ndarray]]:
+        """`empty_mapped` as one bool array per region."""
         out = []
         dead = [(m[1], m[2]) for m in self.books.meshes() if m[4] == 0]  # `unmap_empty` dissolves them first
         for region in self.space.regions:
@@ -127,8 +152,12 @@ class Backing:
                     mask[primary] = True
             if region is keep:
                 mask[np.fromiter(keep_pages, dtype=np.int64)] = False
-            out.extend((region, int(p)) for p in np.flatnonzero(mask))
+            out.append((region, mask))
         return out
+
+    def count_empty(self, keep: Region | None = None, keep_pages=()) -> int:
+        """`len(empty_mapped(keep, keep_pages))`, without listing them."""
+        return sum(int(mask.sum()) for _, mask in self._empty_masks(keep, keep_pages))
 
     def first_unmapped_page(self) -> tuple[Region, int]:
         """The first unmapped virtual page, reserving a region of the capacity's size when none is left."""
@@ -158,6 +187,8 @@ class Backing:
         """Count freshly mapped `pages` as empty pages of the heap (free space), with their peak and
         history; with `txn`, undone there."""
         self.books.add_empty(len(pages))  # no block on a page that was unmapped
+        # A handle is cached or created only once the device is done with it (unmapped after a synchronize).
+        self.idle[region.index][pages] = True
         # Peaks are tracked where mapping happens, compaction transients included.
         reserved = self.space.mapped * self.page_size
         if reserved > self.peaks["reserved_bytes"]:
@@ -174,31 +205,40 @@ class Backing:
         if self.history is not None:
             self.history.pages_mapped(region, pages)
 
-    def _unmap_recorded(self, region: Region, pages: list[int]) -> None:
-        """Unmap pages that no block touches (they were counted empty), recording it."""
+    def _unmap_recorded(self, region: Region, pages: list[int], sync: bool = True) -> None:
+        """Unmap pages that no block touches (they were counted empty), recording it; `sync=False`: the
+        caller knows the device is done with them."""
         mapped = self.space.mapped
         try:
-            self.space.unmap(region, pages)
+            self.space.unmap(region, pages, sync=sync)
         finally:
             self.books.add_empty(self.space.mapped - mapped)
             if self.history is not None:
                 self.history.pages_unmapped(region, pages)
 
-    def unmap_empty(self, pages: list[tuple[Region, int]]) -> None:
+    def unmap_empty(self, pages: list[tuple[Region, int]], *, idle_known: bool = False) -> None:
         """Unmap mapped pages that hold no block; their physical pages become cached in the store.
-        A failed unmap leaves the pages it did not reach mapped, with their free space back in the heap."""
+        A failed unmap leaves the pages it did not reach mapped, with their free space back in the heap.
+
+        One synchronize first (invariant 5), after which every empty page is idle; none when
+        `idle_known` and every page is idle (the caller vouches that the pages' `idle` is up to date:
+        the books clear it at every placement, and only a synchronize made elsewhere goes unseen)."""
         self.books.flush_kept()  # an empty page's free space may sit in a range kept for reuse
         self.unmap_dormant()  # an empty mesh's primary becomes a plain empty page
         by_region: dict[int, list[int]] = collections.defaultdict(list)
         for region, page in pages:
             by_region[region.index].append(page)
+        sync = not (idle_known and all(self.idle[i][plist].all() for i, plist in by_region.items()))
+        if sync and by_region:
+            self.driver.synchronize()
+            self._all_done()
         for index, plist in by_region.items():
             region = self.space.regions[index]
             heap = self.heaps[index]
             for first, count in page_runs(plist):  # consecutive empty pages are one free range
                 heap.remove_free(region.address(first), count * self.page_size)
             try:
-                self._unmap_recorded(region, plist)
+                self._unmap_recorded(region, plist, sync=False)
             finally:
                 for page in plist:
                     if region.handles[page]:
@@ -225,14 +265,37 @@ class Backing:
             return
         raise NoSpace(f"the device has no free memory for {len(pages)} more page(s) ({error.name})") from error
 
-    def stitch(self, region: Region, window: list[int], new_pages: int, block_pages: int) -> None:
-        """Before mapping `new_pages` pages of `window` in `region` for a block of `block_pages` pages:
-        when the store's cached pages cannot back them and empty pages exist beyond the window's
-        own, unmap empty mapped pages outside the window to supply the rest, so that mapped pages
-        (reserved bytes) grow only when no empty page is left."""
-        shortfall = new_pages - len(self.space.store.cached)
-        if shortfall > 0 and self.books.empty > block_pages - new_pages:
-            self.unmap_empty(self.empty_mapped(region, window)[:shortfall])
+    def age_empty(self) -> None:
+        """A stitch is done: every page empty now is one stitch older, every other page 0."""
+        for region, mask in self._empty_masks(None, ()):
+            age = self.empty_age[region.index]
+            age += 1
+            age *= mask
+
+    def donors(self, keep: Region, keep_pages, count: int) -> list[tuple[Region, int]]:
+        """The first `count` of `empty_mapped(keep, keep_pages)` in donor order: the pages empty at the
+        most stitches in a row first (`empty_age`), then those of the shortest runs of empty pages,
+        then by address. A long run of empty pages holds a later large block in place, with no driver
+        call; a lone empty page serves only what fits beside its neighbours' blocks. On the serving
+        trace (`traces.random_serving`) this order needs a synchronize at one stitch in four, where
+        shortest runs alone needed one at every other, for about as many pages mapped."""
+        regions, pages, lengths, ages = [], [], [], []
+        for region, mask in self._empty_masks(keep, keep_pages):
+            edges = np.flatnonzero(np.diff(np.concatenate(([False], mask, [False])).astype(np.int8)))
+            if not edges.size:
+                continue
+            starts, stops = edges[0::2], edges[1::2]
+            page = np.flatnonzero(mask)
+            regions.append(np.full(len(page), region.index))
+            pages.append(page)
+            lengths.append(np.repeat(stops - starts, stops - starts))
+            ages.append(self.empty_age[region.index][page])
+        if not pages:
+            return []
+        regions, pages, lengths, ages = map(np.concatenate, (regions, pages, lengths, ages))
+        order = np.lexsort((pages, regions, lengths, -ages))[:count]
+        space = self.space.regions
+        return [(space[r], int(p)) for r, p in zip(regions[order].tolist(), pages[order].tolist())]
 
     def make_room(self, region: Region, keep_pages, needed: int) -> None:
         """Before mapping `needed` pages of `region` (`keep_pages`, destinations included): unmap as

@@ -1,4 +1,4 @@
-"""PyTorch's CUDA allocations in a pool: `capture` (segments via `TorchAllocator`) and `install` (native entry points).
+"""PyTorch's CUDA allocations in a pool's segments: `TorchAllocator` (ctypes trampolines) and `capture`.
 
 PyTorch's pluggable-allocator interface is two C functions,
 ``void* alloc(ssize_t size, int device, cudaStream_t stream)`` and
@@ -9,26 +9,17 @@ PyTorch's pluggable-allocator interface is two C functions,
 pool's tensors, through the same ladder (empty pages, stitching, then
 compacting the pool's movable tensors) before a request fails.
 
-Two ways to route PyTorch to a pool:
+`capture(pool)` (`with pool.capture():`): the calling thread's CUDA
+allocations go to a `torch.cuda.MemPool` whose allocator is the
+`TorchAllocator`. PyTorch's caching allocator stays in charge and asks us
+only for *segments* (2 MiB for requests up to 1 MiB, 20 MiB for 1-10 MiB,
+larger ones rounded up to 2 MiB) and sub-allocates tensors inside them; a
+NULL return becomes PyTorch's own `torch.OutOfMemoryError`.
 
-- `capture(pool)` (`with pool.capture():`): the calling thread's CUDA
-  allocations go to a `torch.cuda.MemPool` whose allocator is the
-  `TorchAllocator`. PyTorch's caching allocator stays in charge and asks us
-  only for *segments* (2 MiB for requests up to 1 MiB, 20 MiB for 1-10 MiB,
-  larger ones rounded up to 2 MiB) and sub-allocates tensors inside them; a
-  NULL return becomes PyTorch's own `torch.OutOfMemoryError`.
-- `install(pool)` (a CUDA pool; an emulated pool becomes PyTorch's CPU allocator
-  instead, `defrag.cpu_allocator`): `torch.cuda.memory.change_current_allocator`, process-wide,
-  before PyTorch's first CUDA allocation: every CUDA tensor is one pool block.
-  Natively (`install_cuda`, `CudaInstall`): PyTorch's `CUDAPluggableAllocator`
-  over the entry points `defrag_cuda_alloc` / `defrag_cuda_free` of defrag's
-  own native module (`native/cuda_allocator.cpp`, found by the loaded
-  module's path, `native_library()`), over the pool's native books, sharing
-  the CPU allocator's ladder (`native/pool_allocator.h`): no Python on the
-  hot path, and a request the pool cannot serve raises torch.OutOfMemoryError
-  with the pool's explained OOM. A pool without the native fast path falls
-  back to the ctypes `TorchAllocator`, where PyTorch does not check for NULL:
-  a failed allocation there is a crash later, not an exception.
+Making a pool PyTorch's allocator for the whole process (`defrag.install`)
+is `defrag.allocator_install`'s: native entry points over the pool's books,
+with this module's `TorchAllocator` as the fallback for a pool without the
+native fast path.
 
 The rules the trampolines keep (PyTorch holds raw function pointers and calls
 them from any thread, autograd's included, while holding the caching
@@ -64,9 +55,7 @@ block uses it and it holds no live tensor. Call `release_cached()` (or
 
 This module imports no `defrag.pool`: it sees a pool only through its public
 methods (`alloc_segment`, `free_segment`, `segments`, `driver`, `kind`,
-`device`, `closed`, `id`), so `Pool.capture()` can use it; `install`'s
-native route also takes the pool's native FastPath (`pool.core.front.cpp`),
-as `defrag.cpu_allocator` does.
+`device`, `closed`, `id`), so `Pool.capture()` can use it.
 """
 
 from __future__ import annotations
@@ -84,8 +73,7 @@ import torch
 from .errors import PoolClosedError
 from .oom import OutOfMemoryError
 
-__all__ = ["TorchAllocator", "CudaInstall", "capture", "install", "install_cuda", "register_native", "native_library",
-           "uninstall", "release_cached", "in_callback", "installed", "ALLOC_FN", "FREE_FN"]
+__all__ = ["TorchAllocator", "capture", "release_cached", "in_callback", "require_cuda", "ALLOC_FN", "FREE_FN"]
 
 _log = logging.getLogger("defrag")
 
@@ -98,7 +86,9 @@ FREE_FN = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_ssize_t, ctypes.c_int
 _KEEP: list = []
 _registry = threading.Lock()
 _by_pool: dict[int, "TorchAllocator"] = {}  # pool.id -> the allocator capture/install use
-_installed: "TorchAllocator | None" = None
+# pool.id -> every allocator PyTorch was routed through for that pool (for_pool's and any passed to
+# capture): `release_cached(pool)` hands back what each caches.
+_routed: dict[int, list["TorchAllocator"]] = {}
 _is_finalizing = sys.is_finalizing  # bound now: `sys` may be half torn down when late frees arrive
 
 # Callbacks in flight: per thread (in_callback) and process-wide (the paused garbage collector).
@@ -128,16 +118,6 @@ def _callback_ends() -> None:
         if _gc_state["depth"] == 0 and _gc_state["was_enabled"]:
             gc.enable()
     _local.depth -= 1
-
-
-class _Handle:
-    """What `torch.cuda.memory.change_current_allocator` takes: an object whose `allocator()` is the C++ one."""
-
-    def __init__(self, native):
-        self.native = native
-
-    def allocator(self):
-        return self.native
 
 
 class TorchAllocator:
@@ -193,6 +173,7 @@ class TorchAllocator:
             allocator = _by_pool.get(pool.id)
             if allocator is None and create:
                 allocator = _by_pool[pool.id] = cls(pool)
+                _remember(allocator)
             return allocator
 
     # ------------------------------------------------------------------ the C face
@@ -391,7 +372,16 @@ def _holds_no_tensor(mempool) -> bool:
     return all(block.get("state") == "inactive" for seg in segments for block in seg.get("blocks", ()))
 
 
-def _require_cuda(pool, what: str) -> None:
+def _remember(allocator: TorchAllocator) -> None:
+    """Note that PyTorch may route `allocator.pool`'s allocations through `allocator` (`_registry` held)."""
+    routed = _routed.setdefault(allocator.pool.id, [])
+    if all(a is not allocator for a in routed):
+        routed.append(allocator)
+
+
+def require_cuda(pool, what: str) -> None:
+    """Raise unless `pool` is an open pool on a GPU that torch can use: RuntimeError (the emulated device,
+    torch without CUDA) or PoolClosedError, with `what` (the caller's name) first in the message."""
     if pool.kind != "cuda":
         raise RuntimeError(
             f"{what} routes PyTorch's CUDA allocations; this pool is on the {pool.kind} device, whose tensors are "
@@ -428,11 +418,14 @@ def capture(pool, *, allocator: TorchAllocator | None = None):
     (RuntimeError: PyTorch would route to the outer one). RuntimeError on
     the emulated device or without CUDA.
     """
-    _require_cuda(pool, "pool.capture()")
+    require_cuda(pool, "pool.capture()")
     if allocator is None:
         allocator = TorchAllocator.for_pool(pool)
     elif allocator.pool is not pool:
         raise ValueError(f"capture: the allocator serves pool #{allocator.pool.id}, not pool #{pool.id}")
+    else:
+        with _registry:
+            _remember(allocator)
     routing = getattr(_local, "routing", None)
     if routing is not None:
         if routing is allocator:
@@ -453,227 +446,9 @@ def capture(pool, *, allocator: TorchAllocator | None = None):
 
 
 def release_cached(pool) -> int:
-    """`TorchAllocator.release_cached()` for `pool`'s allocator; 0 when PyTorch was never routed to it."""
-    allocator = TorchAllocator.for_pool(pool, create=False)
-    return 0 if allocator is None else allocator.release_cached()
-
-
-def install(pool):
-    """Make `pool` PyTorch's allocator for the whole process, by the pool's device.
-
-    Emulated device: PyTorch's CPU allocator (`defrag.cpu_allocator.install`:
-    native, every CPU tensor made afterwards lives in the pool, a real
-    torch.OutOfMemoryError, undone by `defrag.uninstall()`); returns the pool.
-    CUDA: `install_cuda` below; returns its `CudaInstall` (native) or
-    `TorchAllocator` (the ctypes fallback).
-    """
-    if pool.kind == "emulated":
-        from . import cpu_allocator
-
-        return cpu_allocator.install(pool)
-    return install_cuda(pool)
-
-
-def uninstall() -> bool:
-    """Undo `install` of an emulated pool (PyTorch's previous CPU allocator again); False when none was
-    installed. RuntimeError while a pool is PyTorch's CUDA allocator (that cannot be undone)."""
-    from . import cpu_allocator
-
-    if cpu_allocator.uninstall():
-        return True
-    if installed() is not None:
-        raise RuntimeError("defrag.uninstall: a pool is PyTorch's CUDA allocator, which cannot be undone")
-    return False
-
-
-class CudaInstall:
-    """A pool serving one CUDA device through defrag's native entry points (`install_cuda`'s native route).
-
-    The entry points `defrag_cuda_alloc` / `defrag_cuda_free` live in
-    defrag's native module (`native/cuda_allocator.cpp`) and place blocks in
-    the pool's books with no Python and no GIL, exactly as the fast path
-    does; the GIL only when pages must be mapped (the pool's ladder). A
-    request the pool cannot serve raises torch.OutOfMemoryError with the
-    pool's explained OOM. `pool`, `device` (the CUDA device index it serves);
-    `counters()` reads the entry's counters. Made by `register_native`, for
-    the life of the process (it cannot be undone).
-    """
-
-    def __init__(self, pool, device: int):
-        self.pool, self.device = pool, int(device)
-
-    def counters(self) -> dict:
-        """The entry's counters for this device: allocs and frees (blocks handed out and given back),
-        failures (errors thrown to PyTorch), ooms (of them, OutOfMemoryErrors), declined (requests the
-        pool could not serve now: closed, asleep...), asked (trips to the pool's
-        Python code), other_stream_allocs (allocations for a stream other than the default one),
-        foreign_frees (process-wide: frees of pointers no installed pool handed out), last_error
-        (process-wide), installed, forked_child."""
-        from . import fastpath
-
-        return dict(fastpath.module.cuda_allocator_counters(self.device))
-
-    def __repr__(self) -> str:
-        c = self.counters()
-        return (f"<defrag.capture.CudaInstall pool #{self.pool.id} cuda:{self.device} allocs={c['allocs']} "
-                f"frees={c['frees']} failures={c['failures']} foreign_frees={c['foreign_frees']}>")
-
-
-_routes: dict[int, CudaInstall] = {}  # device index -> the native route serving it (for the life of the process)
-_native_current = False  # whether PyTorch's CUDA allocator is the native entry points (change_current_allocator)
-
-
-def native_library() -> str:
-    """The path of defrag's native module, the library that exports `defrag_cuda_alloc` / `defrag_cuda_free`.
-
-    dlopen of an already-loaded library's path returns that library, so
-    PyTorch's `CUDAPluggableAllocator` finds the very entry points whose
-    books this process's pools use. NativeBuildError if the module cannot be had.
-    """
-    from . import native
-
-    return native.load_module().__file__
-
-
-def _fast_path(pool):
-    """The pool's native FastPath (`defrag.fastpath.FastPath.cpp`), or None (DEFRAG_FASTPATH=0, "rebind" mode)."""
-    front = getattr(getattr(pool, "core", None), "front", None)
-    return getattr(front, "cpp", None)
-
-
-def register_native(pool, device: int | None = None) -> CudaInstall:
-    """Make defrag's native CUDA entry points serve `device` from `pool`, for the life of the process.
-
-    The registration `install_cuda` makes before it hands the entry points to
-    PyTorch (`change_current_allocator`, which this does not call: on the
-    emulated device, tests call the entry points through the native module's
-    `cuda_allocator_call` / `cuda_allocator_free` hooks). `device`: the
-    pool's own CUDA index by default; any index for an emulated pool (a
-    rehearsal). One pool per device (the same pool again returns its route;
-    another raises RuntimeError); NotSupportedError for a pool without the
-    native fast path; PoolClosedError for a closed pool. The pool is then
-    kept alive by the route (the lease its blocks need), closed or not.
-    """
-    from .errors import NotSupportedError
-
-    if device is None:
-        if pool.kind != "cuda":
-            raise ValueError(f"register_native: pool #{pool.id} is on the {pool.kind} device; name the CUDA "
-                             "device index it should serve")
-        device = pool.device.index or 0
-    device = int(device)
-    if pool.kind == "cuda" and device != (pool.device.index or 0):
-        raise ValueError(f"register_native: pool #{pool.id} is on {pool.device}; it cannot serve cuda:{device}")
+    """`TorchAllocator.release_cached()` of every allocator `pool` was captured or installed with (the
+    pool's own, `TorchAllocator.for_pool`, and any passed to `capture(pool, allocator=...)`): the bytes
+    they gave back, 0 when PyTorch was never routed to the pool."""
     with _registry:
-        route = _routes.get(device)
-        if route is not None:
-            if route.pool is pool:
-                return route
-            raise RuntimeError(f"defrag.install: pool #{route.pool.id} already serves cuda:{device} (one pool per "
-                               f"device, for the life of the process)")
-        if pool.closed:
-            raise PoolClosedError(f"defrag.install: pool #{pool.id} is closed")
-        fast = _fast_path(pool)
-        if fast is None:
-            raise NotSupportedError(f"defrag.install: pool #{pool.id} has no native fast path (DEFRAG_FASTPATH=0 "
-                                    f"or the 'rebind' storage mode), which the native CUDA allocator is built on")
-        from . import fastpath
-
-        fastpath.module.register_cuda_pool(fast, device)
-        route = _routes[device] = CudaInstall(pool, device)
-    return route
-
-
-def install_cuda(pool) -> "CudaInstall | TorchAllocator":
-    """Make `pool` PyTorch's CUDA allocator for its device, for the whole process; returns the route.
-
-    Native route (the pool has the native fast path): PyTorch's
-    `CUDAPluggableAllocator` over defrag's own library (`native_library()`,
-    entry points `defrag_cuda_alloc` / `defrag_cuda_free`); every CUDA tensor
-    is one pool block, placed with no Python and no GIL unless pages must be
-    mapped, pinned (PyTorch holds its raw pointer: it never moves). A request
-    the pool cannot serve raises torch.OutOfMemoryError with the pool's
-    explained OOM, and the program can go on. One pool per device: pools on
-    other GPUs may be installed later (the same pool again returns its
-    `CudaInstall`; a second pool for one device raises RuntimeError), and an
-    allocation on a device with no pool raises RuntimeError. Returns the
-    `CudaInstall`.
-
-    Fallback (no native fast path: DEFRAG_FASTPATH=0, "rebind" mode): the
-    ctypes `TorchAllocator` (one Python call per allocation, ~90 us), one
-    pool per process; PyTorch does not check its NULL return on this path,
-    so a request the pool cannot serve crashes later instead of raising
-    (leave headroom, watch its `failures` and the "defrag" log). Returns the
-    `TorchAllocator`.
-
-    Both: the first install must run before PyTorch's first CUDA allocation
-    (RuntimeError otherwise: PyTorch cannot swap an initialized allocator);
-    nothing can undo it; PyTorch's memory statistics, snapshots and
-    `empty_cache` do not work with a pluggable allocator (`pool.stats()`
-    does). Does not: move the blocks PyTorch holds, order block reuse
-    between CUDA streams (a block freed on one stream may serve another at
-    once: exact for a program on one stream per device), serve a sleeping
-    or closed pool (its allocations raise).
-    """
-    global _installed, _native_current
-    _require_cuda(pool, "defrag.install(pool)")
-    device = pool.device.index or 0
-    with _registry:
-        fallback, native_current, route = _installed, _native_current, _routes.get(device)
-    if fallback is not None:
-        if fallback.pool is pool:
-            return fallback
-        raise RuntimeError(f"defrag.install: pool #{fallback.pool.id} is already PyTorch's allocator (through "
-                           f"ctypes, one pool per process)")
-    if route is not None and native_current:
-        return register_native(pool)  # the same pool again: its route; another: RuntimeError
-    fast = _fast_path(pool)
-    if fast is None and native_current:
-        raise RuntimeError(f"defrag.install: pool #{pool.id} has no native fast path, and PyTorch's CUDA allocator "
-                           f"is already defrag's native one (which serves only pools that have it)")
-    if fast is None:
-        return _install_fallback(pool)
-    # Registered first: a refusal there (a closed pool, another pool on this device, no install slot left)
-    # leaves PyTorch's allocator as it was. If PyTorch then refuses the switch, the route stays registered
-    # but unused (`installed()` says None) until an install that PyTorch accepts.
-    route = register_native(pool)
-    if not native_current:
-        _change_allocator(torch.cuda.memory.CUDAPluggableAllocator(native_library(), "defrag_cuda_alloc",
-                                                                   "defrag_cuda_free"))
-        with _registry:
-            _native_current = True
-    _log.info("defrag: pool #%d now serves PyTorch's CUDA allocations on cuda:%d (install, native)", pool.id, device)
-    return route
-
-
-def _change_allocator(handle) -> None:
-    """`change_current_allocator(handle)`, kept alive for the process (PyTorch keeps a raw pointer)."""
-    try:
-        torch.cuda.memory.change_current_allocator(handle)
-    except RuntimeError as exc:
-        raise RuntimeError(f"defrag.install(pool) must run before PyTorch's first CUDA allocation (PyTorch: {exc}); "
-                           "call it first thing, or route a block with `with pool.capture():` instead") from None
-    _KEEP.append(handle)
-
-
-def _install_fallback(pool) -> TorchAllocator:
-    global _installed
-    allocator = TorchAllocator.for_pool(pool)
-    _change_allocator(_Handle(allocator.torch_allocator()))
-    with _registry:
-        _installed = allocator
-    _log.info("defrag: pool #%d is now PyTorch's CUDA allocator (install, ctypes fallback)", pool.id)
-    return allocator
-
-
-def installed(device: int | None = None) -> "CudaInstall | TorchAllocator | None":
-    """What `install_cuda` made PyTorch's for `device` (None: the ctypes fallback, else the native route
-    installed first), or None."""
-    with _registry:
-        if _installed is not None:
-            return _installed
-        if not _native_current:  # routes registered without PyTorch (register_native alone) are not installs
-            return None
-        if device is not None:
-            return _routes.get(int(device))
-        return next(iter(_routes.values()), None)
+        routed = list(_routed.get(pool.id, ()))
+    return sum(allocator.release_cached() for allocator in routed)

@@ -45,11 +45,55 @@ def _fast_line() -> str:
     return "ready -> pool.empty of any size that mapped pages hold costs about what torch.empty does"
 
 
-def doctor(args) -> int:
-    """Say plainly what works here and what does not. Always exits 0."""
+_BACKEND_SERVES = ("memory_stats / memory_allocated / max_memory_allocated / memory_summary, reset_peak_memory_stats, "
+                   "cacheInfo (cudnn.benchmark), _record_memory_history / _snapshot / _dump_snapshot, the OOM "
+                   "observer, empty_cache, get/set_per_process_memory_fraction, record_stream, CUDA graphs and "
+                   "torch.compile(mode='reduce-overhead') (private pools), MemPool; CUDA IPC: one clear error")
+_PLUGGABLE_LACKS = ("allocations only: memory_stats and memory_summary, cudnn.benchmark's cacheInfo, snapshots and "
+                    "history, the OOM observer, empty_cache, CUDA graph trees and IPC raise PyTorch's "
+                    "'CUDAPluggableAllocator does not yet support'; pool.stats() and defrag's own snapshots work")
+
+
+def _cuda_allocator_lines() -> list[str]:
+    """Which route `defrag.install` of a CUDA pool takes here and what PyTorch's memory APIs do on it (starts
+    no build: a backend not built yet is compile-checked, from the cached result when there is one)."""
+    from . import cuda_backend, fastpath
+
+    if fastpath.setting() == "off":
+        return ["defrag run / install on CUDA: the ctypes fallback (DEFRAG_FASTPATH=0): " + _PLUGGABLE_LACKS]
+    why = cuda_backend.unavailable_reason()
+    if why is None:
+        lines = [f"defrag run / install on CUDA: defrag's CUDA allocator backend ({cuda_backend.status()}) -> "
+                 f"answered from the pool: {_BACKEND_SERVES}"]
+        features = cuda_backend.features()
+        missing = {k: v for k, v in (features or {}).items() if isinstance(v, str) and v.startswith("NOT served")}
+        if missing:
+            lines.append("  not reached on this torch: " + "; ".join(f"{k} ({v})" for k, v in missing.items()))
+        return lines
+    lines = [f"defrag run / install on CUDA: PyTorch's pluggable allocator route, because the backend is "
+             f"unavailable ({why}) -> {_PLUGGABLE_LACKS}"]
+    check = cuda_backend.compile_check()
+    if check["ok"] is None:
+        lines.append(f"  backend source: not compile-checked here ({check['reason']})")
+    else:
+        verdict = "compiles" if check["ok"] else "does NOT compile: " + check["reason"].splitlines()[0][:200]
+        lines.append(f"  backend source: {verdict} against torch {_torch_version()}'s headers"
+                     f"{' (cached)' if check['cached'] else ''}")
+    return lines
+
+
+def _torch_version() -> str:
     import torch
 
-    from . import tensors
+    return torch.__version__
+
+
+def doctor(args) -> int:
+    """Say plainly what works here and what does not. Exits 0 (`main` has already refused, with exit
+    code 2, a DEFRAG_* variable that holds a value defrag cannot use)."""
+    import torch
+
+    from . import settings, tensors
     from .driver import cuda_driver_usable, default_emulated_driver
     from .units import format_bytes
 
@@ -72,9 +116,12 @@ def doctor(args) -> int:
         lines.append(f"GPU: none usable ({reason})")
         lines.append("-> Pool(device=None) uses the emulated device (CPU tensors over emulated device memory); "
                      "kernels can run under the numba simulator (NUMBA_ENABLE_CUDASIM=1) for tests.")
+    lines.extend(_cuda_allocator_lines())
     emu = default_emulated_driver()
     lines.append(f"emulated device: '{emu.name}', capacity {format_bytes(emu.api.capacity)}, "
                  f"granularity {format_bytes(emu.granularity)} (DEFRAG_EMULATED_CAPACITY / DEFRAG_EMULATED_GRANULARITY)")
+    lines.append(f"settings: all {len(settings.VARIABLES)} DEFRAG_* variables checked (docs/api.md lists them)")
+    lines += [f"  {line}" for line in settings.report()]
     print("\n".join(lines))
     return 0
 
@@ -149,9 +196,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--capacity", default=None,
                    help="pool capacity, e.g. 80GiB (required for a defrag trace; a snapshot's default: the GPU "
                         "at its OOM, reserved + free, else PyTorch's recorded peak reserved)")
-    p.add_argument("--dry", action="store_true", help="the pool's own code over a memory-less device: no bytes are mapped or copied")
+    p.add_argument("--dry", action="store_true",
+                   help="the pool's own code over a memory-less device: no bytes are mapped or copied (without it, "
+                        "a trace the emulated device could not hold on this machine replays dry anyway, and says so)")
     p.add_argument("--json", default=None, help="write the results as JSON to this path")
-    p.add_argument("--plot", default=None, help="draw live and reserved bytes over time per allocator and device (PNG)")
+    p.add_argument("--plot", default=None,
+                   help="draw live and reserved bytes over time for every allocator and device, PyTorch's recorded "
+                        "curve on top (PNG, or another format matplotlib writes: .svg, .pdf, ...)")
     p.add_argument("--snapshot-device", type=int, default=None,
                    help="replay only this device of a snapshot (default: every device with recorded actions)")
     p.add_argument("--device", default=None, help="'emulated' or 'cuda:N'")
@@ -176,6 +227,8 @@ def main(argv=None) -> int:
         print(f"defrag {args.command}: error: unrecognized arguments: {' '.join(extra)} "
               f"(see defrag {args.command} --help)", file=sys.stderr)
         return 2
+    if _bad_settings(args.command):
+        return 2
     from .errors import NativeBuildError, SettingError
 
     try:
@@ -188,15 +241,31 @@ def main(argv=None) -> int:
         return 1
 
 
+def _bad_settings(command: str) -> bool:
+    """Whether some DEFRAG_* variable holds a value defrag cannot use; each such one is then one line on
+    stderr (checked before any command runs, so none fails half-way on one)."""
+    from . import settings
+
+    found = settings.problems()
+    for exc in found:
+        print(f"defrag {command}: error: {exc}", file=sys.stderr)
+    return bool(found)
+
+
 def _run(argv: list[str]) -> int:
     """`defrag run`: the program's exit code; a bad argument is one line and exit code 2."""
     from . import run
     from .errors import NativeBuildError, SettingError
 
+    if _bad_settings("run"):
+        return 2
     try:
         return run.main(argv)
-    except (UsageError, SettingError) as exc:
+    except UsageError as exc:
         print(f"defrag run: error: {exc} (see defrag run --help)", file=sys.stderr)
+        return 2
+    except SettingError as exc:
+        print(f"defrag run: error: {exc}", file=sys.stderr)
         return 2
     except NativeBuildError as exc:
         print(f"defrag run: error: {exc}", file=sys.stderr)

@@ -11,10 +11,14 @@ free and overlap no source, see `defrag.planner`):
 1. **prepare**: map the destination pages that are not mapped yet and carve
    the destination ranges in the heap (giving the old ranges back at once
    where the face lets go of them at the commit).
-2. **copy**: every move of the wave in one batch (the numba kernel on a GPU;
-   memmove, the simulated kernel or the driver's copy on the emulated device),
-   then synchronize. With `verify=True`, checksums of sources and
-   destinations are compared.
+2. **copy**: every move of the wave in one batch, queued on the face's
+   stream (on a GPU the move kernel in one launch and the copy engine for
+   the largest moves, `defrag.copying`; memmove, the simulated kernel or the
+   driver's copy on the emulated device). Nothing waits for it: stream order
+   runs the next wave's copies after it, and the compaction synchronizes
+   once, after its last wave (and before any page is unmapped: `vmm` waits
+   for the device first). With `verify=True`, the device is synchronized and
+   checksums of sources and destinations are compared.
 3. **commit**: every owner is checked, then rewritten to use its new range.
    In place where the face can (`Mover.move_in_place`: for torch, each
    storage takes a data pointer over its new range in one C++ call and every
@@ -29,7 +33,10 @@ free and overlap no source, see `defrag.planner`):
 A failure in steps 1-2 of a wave (driver error, copy failure, checksum
 mismatch, any exception) drops that wave's destinations and unmaps the pages
 it mapped: every tensor keeps its old location and bytes. Earlier waves stay
-done (their tensors are valid at their new places). After the last wave the
+done (their tensors are valid at their new places). The closing synchronize
+is the one step after the commits: when it fails, the device reported an
+error from work it ran (on a GPU a sticky one: the context is lost); the
+books and every owner stay as committed, and the error is raised. After the last wave the
 emptied pages stay mapped and free (`release=False`, the default): unmapping
 them would free no device memory (their handles stay in the pool) and costs
 a driver call per mapping, here and again when they are reused. A request
@@ -59,6 +66,18 @@ graph uses. Other pools are untouched.
 Concurrency: the caller holds the core's gate for the whole compaction, so
 no pool call of another thread runs meanwhile; threads waiting at the gate
 run none of their own code, which is why their blocks may move.
+
+What it asks of the core, and nothing else: its figures (`page_size`, `kind`,
+`capacity`, `capacity_pages`, `allocated_bytes`, `round`) and the rescue's
+settings (`auto_compact`, `auto_mesh`, `min_compact_interval`,
+`last_auto_compact`); safe points (`settle`, `drain`, `flush_reuse`); reads
+of the layout (`regions`, `blocks`, `free_ranges`, `unmanaged_ranges`,
+`stranded`, `scope`); `place` (a rescue's retry) and `record_compaction`;
+and three interfaces: `Core.waves` (`defrag.core.WaveBooks`, the only
+operations that change blocks' records: `begin_moves`, `record_moves`,
+`swap_in`, `move_to`, `forget`), `Core.backing` (pages: `map`, `make_room`,
+`unmap_empty` and its reads) and `Core.driver` (`synchronize`,
+`is_capturing`).
 """
 
 from __future__ import annotations
@@ -75,7 +94,7 @@ from typing import Protocol
 
 import numpy as np
 
-from .copying import ENGINES, copy_ranges, default_engine, kernel_stream, relative
+from .copying import ENGINES, WaveMoves, copy_ranges, default_engine, kernel_stream, relative
 from .core import Core, NoSpace, Scope
 from .errors import CompactionError, CudaError
 from .mesher import mesh_core
@@ -147,15 +166,16 @@ class Mover(Protocol):
     - `stream()`: the CUDA stream copies run on (0: the default stream);
     - `can_rewrite(block)`: "" when the face can rewrite the block's owner,
       else why not (the block is then unmovable);
-    - `hold(block)`: a strong reference that keeps the owner alive and
-      unchanged through the compaction, or None when it cannot move now
-      (`can_rewrite(block)` is not "" included: the compaction asks `hold`
-      alone for every block `threads.Scope.blocker` lets move);
-    - `hold_all(blocks)`: `[hold(b) for b in blocks]`, in one call (a
+    - `grip(block)`: a strong reference that keeps the owner alive and
+      unchanged through the compaction (the block's *grip*), or None when it
+      cannot move now (`can_rewrite(block)` is not "" included: the
+      compaction asks `grip` alone for every block `movability.Scope.blocker`
+      lets move);
+    - `grip_all(blocks)`: `[grip(b) for b in blocks]`, in one call (a
       region's blocks before each plan, or a wave's);
-    - `holdable(blocks)`: for a face whose holds only keep owners alive
-      (`lets_go()`), whether `hold` would give each block a hold, without
-      taking it (cheap: the compaction plans with it and holds only the
+    - `grippable(blocks)`: for a face whose grips only keep owners alive
+      (`lets_go()`), whether `grip` would give each block a grip, without
+      taking it (cheap: the compaction plans with it and grips only the
       blocks it moves);
     - `destinations(blocks)`: for each freshly carved destination of a wave,
       in order, whatever the commit will need (in one call: one C++ call for
@@ -166,14 +186,14 @@ class Mover(Protocol):
     - `commit(old, new, held, dest)`: the owner now uses `new`'s memory; the
       face releases `old` later (when nothing can use it any more). Must not
       fail.
-    - `lets_go()`: whether, once the compaction drops the holds and the
+    - `lets_go()`: whether, once the compaction drops the grips and the
       destinations of a committed wave, nothing can use the old ranges any
       more (the compaction then frees them at once, in one batch, instead of
       waiting for their releases one by one);
-    - `move_in_place(olds, addresses, holds)` (only when `lets_go()`): every
+    - `move_in_place(olds, addresses, grips)` (only when `lets_go()`): every
       owner of `olds` checked as `check` would, then, only if all pass, each
       given the memory at the same index of `addresses` (the copy is done)
-      while its block keeps its identity (`Core.move_to` re-addresses it):
+      while its block keeps its identity (`WaveBooks.move_to` re-addresses it):
       -1, or the index of the first owner that failed (nothing changed); None
       when the face cannot for this wave (nothing changed: the wave then goes
       through destination blocks, `destinations` and `commit_all`);
@@ -188,14 +208,14 @@ class Mover(Protocol):
 
     def stream(self) -> int: ...
     def can_rewrite(self, block) -> str: ...
-    def hold(self, block): ...
-    def hold_all(self, blocks) -> list: ...
-    def holdable(self, blocks) -> list: ...
+    def grip(self, block): ...
+    def grip_all(self, blocks) -> list: ...
+    def grippable(self, blocks) -> list: ...
     def destinations(self, blocks) -> list: ...
     def check(self, old, held, dest) -> bool: ...
     def commit(self, old, new, held, dest) -> None: ...
     def lets_go(self) -> bool: ...
-    def move_in_place(self, olds, addresses, holds) -> int | None: ...
+    def move_in_place(self, olds, addresses, grips) -> int | None: ...
     def commit_all(self, dests) -> int | None: ...
 
 
@@ -308,7 +328,7 @@ def compact_core(core: Core, mover: Mover, *, verify: bool = False, progress: bo
         try:
             _convey(core, mover, scope, engine, verify, report, automatic)
         except BaseException:
-            _finish(core, report, t_start, automatic, release)
+            _finish(core, report, t_start, automatic, release, failing=True)
             raise
 
     with PhaseTimer(phases, "plan"):
@@ -318,6 +338,7 @@ def compact_core(core: Core, mover: Mover, *, verify: bool = False, progress: bo
     total_moves = sum(len(p) for _, p, _ in plans)
     bar = progress_bar(total_bytes, progress, "defrag compact",
                        large=total_bytes > PROGRESS_BYTES or total_moves > PROGRESS_MOVES)
+    done = False
     try:
         for region, plan, layout in plans:
             for a, b in plan.wave_slices():
@@ -331,11 +352,12 @@ def compact_core(core: Core, mover: Mover, *, verify: bool = False, progress: bo
         if stuck:
             with PhaseTimer(phases, "mesh"):
                 _mesh(core, mover, scope, engine, automatic, report, pages=stuck)
+        done = True
     finally:
         for _, _, layout in plans:
             layout.held.clear()  # strong references to the owners end here, error or not
         bar.close()
-        _finish(core, report, t_start, automatic, release)
+        _finish(core, report, t_start, automatic, release, failing=not done)
     for callback in list(callbacks):
         try:
             callback(report)
@@ -387,9 +409,13 @@ def _mesh(core: Core, mover: Mover, scope: Scope, engine: str, automatic: bool, 
         _log.warning("defrag: meshing stopped after a driver fault (that mesh was rolled back): %s", meshed.error)
 
 
-def _finish(core: Core, report: CompactionReport, t_start: float, automatic: bool, release: bool) -> None:
-    """The end of every compaction, failed or not: release, the report's after-figures, the counters."""
+def _finish(core: Core, report: CompactionReport, t_start: float, automatic: bool, release: bool,
+            failing: bool = False) -> None:
+    """The end of every compaction, failed or not: the one synchronize after the waves' copies, release,
+    the report's after-figures, the counters. A failed synchronize is raised after the rest is done
+    (only logged when the compaction is `failing` already: its own error goes up)."""
     phases = report.phases
+    sync_error = _wait_for_copies(core, report, failing)
     # Release the pages the moves emptied, even after a failed wave: earlier
     # waves' work is committed and their pages are free.
     core.drain()
@@ -406,6 +432,29 @@ def _finish(core: Core, report: CompactionReport, t_start: float, automatic: boo
     report.released_pages = max(report.pages_before - report.pages_after, 0)
     report.seconds = time.perf_counter() - t_start
     core.record_compaction(report)
+    if sync_error is not None:
+        raise sync_error
+
+
+def _wait_for_copies(core: Core, report: CompactionReport, failing: bool) -> CudaError | None:
+    """The compaction's one synchronize after its waves: their copies were queued without waiting
+    (stream order runs each wave's after the one before), and a caller may use the moved tensors on
+    any stream once the compaction returns. Counted in the copy phase. Returns the driver's error,
+    if any (logged and dropped when the compaction is `failing` already)."""
+    if not report.waves and not failing:
+        return None  # nothing was queued (a failed wave may have queued part of its copies)
+    with PhaseTimer(report.phases, "copy"):
+        try:
+            core.driver.synchronize()
+        except CudaError as exc:
+            if failing:
+                _log.error("defrag: the synchronize after a failed compaction's copies failed too: %s", exc)
+                return None
+            exc.add_note("the compaction's copies were queued on the device, which reported this error while "
+                         "running them; the pool's books and every tensor's address are as committed (on a "
+                         "GPU this error is sticky: the CUDA context is lost)")
+            return exc
+    return None
 
 
 def _page_budget(core: Core, automatic: bool) -> int:
@@ -434,8 +483,8 @@ def _convey(core: Core, mover: Mover, scope: Scope, engine: str, verify: bool, r
             if budget < 1:
                 return
             P = core.page_size
-            if not any(b.size >= P and b.region is region for b in core.blocks()):
-                continue  # nothing to convey: skip holding every block of the region
+            if not any(b.size >= P for b in core.blocks(region)):
+                continue  # nothing to convey: skip gripping every block of the region
             layout = _collect(core, mover, region, scope, large_only=True)
             try:
                 if not layout.held:
@@ -453,7 +502,7 @@ def _convey(core: Core, mover: Mover, scope: Scope, engine: str, verify: bool, r
             return
 
 
-def _hole_plan(core: Core, region, layout: "_Layout", size: int) -> ArrayPlan | None:
+def _hole_plan(core: Core, region, layout: "_Collected", size: int) -> ArrayPlan | None:
     """`defrag.planner.plan_hole_arrays` over this region's free ranges; for `size` of a page or more,
     `plan_window_arrays` (its window's unmapped pages are backed by cached or creatable pages and
     by the empty mapped pages of the other regions and of this one)."""
@@ -485,39 +534,39 @@ def _map_hole(core: Core, region, hole: tuple[int, int]) -> None:
 
 
 @dataclass
-class _Layout:
-    """One region's blocks as the planner takes them (arrays, in `blocks` order), and the face's holds."""
+class _Collected:
+    """One region's blocks as the planner takes them (arrays, in `blocks` order), and the face's grips."""
 
     blocks: list
     offsets: np.ndarray
     sizes: np.ndarray
     movable: np.ndarray
-    held: dict  # block address -> the face's hold (movable blocks only; None until the wave when `lazy`)
-    lazy: bool = False  # holds taken per wave, for the blocks it moves (`Mover.holdable`)
+    held: dict  # block address -> the face's grip (movable blocks only; None until the wave when `lazy`)
+    lazy: bool = False  # grips taken per wave, for the blocks it moves (`Mover.grippable`)
 
 
-def _collect(core: Core, mover: Mover, region, scope: Scope, *, large_only: bool = False) -> _Layout:
-    """The region's blocks for the planner, and the face's hold on each movable one.
+def _collect(core: Core, mover: Mover, region, scope: Scope, *, large_only: bool = False) -> _Collected:
+    """The region's blocks for the planner, and the face's grip on each movable one.
 
-    A block the face cannot hold now is passed to the planner as unmovable;
+    A block the face cannot grip now is passed to the planner as unmovable;
     with `large_only`, so is every block shorter than a page (not held).
-    Where the face's holds only keep owners alive (`Mover.lets_go()`), its
-    cheap verdict (`Mover.holdable`) decides instead and each wave holds the
+    Where the face's grips only keep owners alive (`Mover.lets_go()`), its
+    cheap verdict (`Mover.grippable`) decides instead and each wave grips the
     blocks it moves (`lazy`): most blocks of a region are never moved.
     """
     base, small, blocker = region.base, core.page_size if large_only else 0, scope.blocker
     # Plain lists and one call to the face: this runs for every block of the region before each plan.
-    blocks = [block for block in core.blocks() if block.region is region]
+    blocks = core.blocks(region)
     candidates = [i for i, block in enumerate(blocks) if block.size >= small and not blocker(block)]
     lazy = mover.lets_go()
     picked = [blocks[i] for i in candidates]
-    grips = [None if ok else False for ok in mover.holdable(picked)] if lazy else mover.hold_all(picked)
+    grips = [None if ok else False for ok in mover.grippable(picked)] if lazy else mover.grip_all(picked)
     held, ok = {}, []
     for i, grip in zip(candidates, grips):
         if grip is not None and grip is not False:
             held[blocks[i].address] = grip
             ok.append(i)
-        elif lazy and grip is None:  # holdable: held by the wave that moves it
+        elif lazy and grip is None:  # grippable: held by the wave that moves it
             held[blocks[i].address] = None
             ok.append(i)
     movable = np.zeros(len(blocks), dtype=bool)
@@ -526,7 +575,7 @@ def _collect(core: Core, mover: Mover, region, scope: Scope, *, large_only: bool
     sizes = np.fromiter((block.size for block in blocks), dtype=np.int64, count=len(blocks))
     if core.backing.meshes():
         offsets, sizes, movable = _fix_meshed(core, region, blocks, offsets, sizes, movable, held)
-    return _Layout(blocks, offsets, sizes, movable, held, lazy)
+    return _Collected(blocks, offsets, sizes, movable, held, lazy)
 
 
 def _fix_meshed(core: Core, region, blocks: list, offsets: np.ndarray, sizes: np.ndarray, movable: np.ndarray,
@@ -545,7 +594,7 @@ def _fix_meshed(core: Core, region, blocks: list, offsets: np.ndarray, sizes: np
         if meshed[first:last + 1].any():
             movable[i] = False
             held.pop(blocks[i].address, None)
-    extra = core.books.unmanaged_in(region.index, 0, region.npages)
+    extra = core.unmanaged_ranges(region)
     if not extra:
         return offsets, sizes, movable
     blocks.extend([None] * len(extra))
@@ -554,7 +603,7 @@ def _fix_meshed(core: Core, region, blocks: list, offsets: np.ndarray, sizes: np
             np.concatenate((movable, np.zeros(len(extra), dtype=bool))))
 
 
-def _run_wave(core: Core, mover: Mover, region, plan: ArrayPlan, a: int, b: int, layout: _Layout, engine, verify,
+def _run_wave(core: Core, mover: Mover, region, plan: ArrayPlan, a: int, b: int, layout: _Collected, engine, verify,
               report) -> None:
     """Moves [a, b) of `plan` (one wave): prepare, copy, (verify), commit, release. All-or-nothing before the commit."""
     phases = report.phases
@@ -565,11 +614,11 @@ def _run_wave(core: Core, mover: Mover, region, plan: ArrayPlan, a: int, b: int,
     dsts = [region.base + d for d in plan.dst[a:b].tolist()]
     grips = list(map(held.pop, [old.address for old in olds]))
     if layout.lazy:  # the owners, held from here to the commit
-        grips = mover.hold_all(olds)
+        grips = mover.grip_all(olds)
         if None in grips:
             raise CompactionError(f"block at {olds[grips.index(None)].address:#x} changed during compaction "
                                   f"(its owner died); nothing was moved")
-    dests = []  # where the owners do not move in place: (old Block, new Block, hold, the face's destination)
+    dests = []  # where the owners do not move in place: (old Block, new Block, grip, the face's destination)
     with Transaction() as txn:
         # 1. prepare: map the destination pages. The copy needs no more: on a GPU it is queued on the
         # stream now and runs while the host does the rest; elsewhere it runs after it, on caches the
@@ -580,7 +629,8 @@ def _run_wave(core: Core, mover: Mover, region, plan: ArrayPlan, a: int, b: int,
             to_map = dest_pages[region.handles[dest_pages] == 0].tolist()
             _make_physical_room(core, region, dest_pages, len(to_map))
             core.backing.map(region, to_map, txn)
-        moves = [(old.address, dst, old.size) for old, dst in zip(olds, dsts)]
+        moves = WaveMoves([(old.address, dst, old.size) for old, dst in zip(olds, dsts)],
+                          (region.base, region.size, plan.src[a:b], plan.dst[a:b], plan.size[a:b]))
         overlap = core.kind == "cuda"
         if overlap:
             with PhaseTimer(phases, "copy"):
@@ -592,12 +642,11 @@ def _run_wave(core: Core, mover: Mover, region, plan: ArrayPlan, a: int, b: int,
         # the face lets go of them at the commit.
         with PhaseTimer(phases, "prepare"):
             lets_go = mover.lets_go()
-            core.begin_moves(region, olds, dsts, txn, vacate=lets_go)
-        # 3. copy, wait for it; verify.
-        with PhaseTimer(phases, "copy"):
-            if not overlap:
+            core.waves.begin_moves(region, olds, dsts, txn, vacate=lets_go)
+        # 3. copy (queued: the compaction synchronizes once, after its last wave); verify.
+        if not overlap:
+            with PhaseTimer(phases, "copy"):
                 _copy(core, mover, engine, moves)
-            core.driver.synchronize()
         if verify:
             with PhaseTimer(phases, "verify"):
                 _verify(core, mover, engine, moves)
@@ -615,7 +664,7 @@ def _run_wave(core: Core, mover: Mover, region, plan: ArrayPlan, a: int, b: int,
     # 5. commit: cannot fail (the face only exchanges fields).
     with PhaseTimer(phases, "swap"):
         if in_place:
-            core.move_to(olds, dsts)
+            core.waves.move_to(olds, dsts)
         else:
             _commit_destinations(core, mover if one_by_one else None, dests)
         report.moved_tensors += len(olds)
@@ -625,7 +674,7 @@ def _run_wave(core: Core, mover: Mover, region, plan: ArrayPlan, a: int, b: int,
     with PhaseTimer(phases, "release"):
         dests.clear()
         if lets_go and not in_place:
-            core.forget(olds)  # vacated before the copy; their queued releases find nothing to do
+            core.waves.forget(olds)  # vacated before the copy; their queued releases find nothing to do
         core.drain()
         core.flush_reuse()  # later waves' destinations lie in what this one vacated
 
@@ -636,7 +685,7 @@ def _prepare_commit(core: Core, mover: Mover, region, olds, dsts, grips, dests: 
     made, every owner checked (by the face's batch, which then commits them all, or move by move).
     Fills `dests`. Returns (-1 when the commit may go ahead, else the index of a changed owner;
     whether the owners are still to be committed one by one)."""
-    carved = core.record_moves(region, olds, dsts, txn)
+    carved = core.waves.record_moves(region, olds, dsts, txn)
     txn.on_rollback(dests.clear)  # if the wave is abandoned the face's destinations go, and their blocks
     dests.extend(zip(olds, carved, grips, mover.destinations(carved)))
     failed = mover.commit_all(dests)
@@ -652,16 +701,11 @@ def _prepare_commit(core: Core, mover: Mover, region, olds, dsts, grips, dests: 
 def _commit_destinations(core: Core, mover: Mover | None, dests: list) -> None:
     """The commit of `_prepare_commit`'s wave: each destination block takes its old block's place,
     and `mover` (None when its batch already did) commits each owner."""
-    history, commit = core.history, (mover.commit if mover is not None else None)
+    swap_in, commit = core.waves.swap_in, (mover.commit if mover is not None else None)
     for old, new, grip, dest in dests:
-        new.retired, new.counted = False, True
-        old.counted = False
-        new.pins, new.owner, new.shared, new.info = old.pins, old.owner, old.shared, old.info
-        old.retired = True
+        swap_in(old, new)
         if commit is not None:
             commit(old, new, grip, dest)
-        if history is not None:
-            history.block_moved(old.address, new.address, new.nbytes)
 
 
 def _pages_under(offsets: np.ndarray, sizes: np.ndarray, page_size: int) -> np.ndarray:
@@ -705,6 +749,7 @@ def _verify(core: Core, mover: Mover, engine: str, moves: list[tuple[int, int, i
     """
     if core.kind == "memoryless":
         return
+    core.driver.synchronize()  # the wave's copies were only queued
     if core.kind == "emulated" and engine != "kernel":
         from .kernels import host_checksum
         for src, dst, n in moves:
@@ -778,7 +823,7 @@ def _rescue_by_moving(core: Core, mover: Mover, nbytes: int, tried: list[str], c
         # A sub-page request needs a hole, not a page. Movable blocks can also fill
         # holes in pages that blocks which cannot move keep (other threads' blocks
         # are spread over every page), so only the live bytes bound what packing frees.
-        slack = core.capacity - core.counters["allocated_bytes"]
+        slack = core.capacity - core.allocated_bytes
         if size > slack:
             tried.append(f"compaction cannot help: even packed, only {format_bytes(max(slack, 0))} would be free")
             return None
@@ -857,7 +902,7 @@ def move_blocks(core: Core, mover: Mover, moves, *, engine: str | None = None, v
         if block.region is not region:
             raise ValueError("move_blocks: every block must lie in one region")
         why = scope.blocker(block, mover.can_rewrite)
-        grip = mover.hold(block) if not why else None
+        grip = mover.grip(block) if not why else None
         if grip is None:
             raise CompactionError(f"block at {block.address:#x} ({format_bytes(block.nbytes)}) cannot move: "
                                   f"{why or 'its owner cannot be held now'}; nothing was moved")
@@ -873,12 +918,17 @@ def move_blocks(core: Core, mover: Mover, moves, *, engine: str | None = None, v
     plan = ArrayPlan(index=order, src=src[order], dst=dst[order], size=size[order],
                      wave=np.ones(len(blocks), dtype=np.int64), page_size=core.page_size,
                      pages_before=0, pages_after=0, moved_bytes=int(size.sum()))
-    layout = _Layout(blocks, src, size, np.ones(len(blocks), dtype=bool), held)
+    layout = _Collected(blocks, src, size, np.ones(len(blocks), dtype=bool), held)
+    done = False
     try:
         _run_wave(core, mover, region, plan, 0, len(blocks), layout, engine, verify, report)
         report.waves = 1
+        done = True
     finally:
         held.clear()  # strong references to the owners end here, error or not
+        sync_error = _wait_for_copies(core, report, failing=not done)
         core.drain()
         report.seconds = time.perf_counter() - t0
+    if sync_error is not None:
+        raise sync_error
     return report

@@ -21,22 +21,37 @@ places blocks at 512-byte granularity:
   in one piece;
 - a block of a page or more goes, best fit, into mapped free space at any
   512-byte boundary when some holds it (typically the free tail of a partly
-  used page joined to empty pages); else it starts in the free tail of the
-  last mapped page before an unmapped run when that needs fewer new pages,
-  or on a page boundary, in a run of virtual pages that hold no live data.
-  New pages are *stitched*: backed by cached physical pages, then by empty
-  mapped pages unmapped elsewhere, and only then by new ones. Such a request
+  used page joined to empty pages); else in the window of free space and
+  unmapped pages that needs the fewest pages mapped (`_cheapest_window`).
+  Those pages are backed as `defrag.page_growth` says: cached physical
+  pages, then new ones while mapped pages stay within 1.10 x what is live,
+  then empty mapped pages unmapped elsewhere (*stitching*). Such a request
   fails only when the free physical pages cannot cover it (a new region is
-  reserved when no run of free virtual pages is long enough).
+  reserved when no window fits).
 - freed ranges are kept carved per size and reused by the next request of
   that size without touching the heap (`free`, `flush_reuse`).
 
-Lifetime. A face calls `release(block)` from any thread at any time (it only
-queues); releases are applied at the next safe point (`drain()`, called at
-the start of every face call with the gate held). A face may defer a release
-until the device is done with the block (`defer`, stream events on CUDA).
-Pages left with no live block stay mapped ("empty") until their physical page
-is needed elsewhere, `trim()`, an explicit compaction or `release_all()`.
+Records. The native books (`Core.books`, `defrag/native/books.h`) hold the one
+record of every block: where it is, its state and the counters, whoever placed
+it (this core's ladder, or a face's native code: `pool.empty`'s fast path,
+PyTorch's allocator entries) and whoever releases it. What a block is to its
+face (a `Block` with the face's `info`, its owner thread, its pins) hangs off
+its record; the books make a `Block` for a block native code placed only when
+Python first asks (`blocks`, the face's `make_face`). The core keeps no list of
+blocks of its own.
+
+Moves. A compaction (`defrag.compactor`) changes blocks' records only through
+`Core.waves`, a `WaveBooks`: a wave's destinations taken before its copy
+(`begin_moves`), then its commit (`move_to`, or `record_moves`, `swap_in` and
+`forget`).
+
+Lifetime. A block's release (`release(block)` from Python, or a storage's
+deleter in any thread) goes to the books: applied at once (its range kept for
+the next request of its size), or queued while a thread is inside the gate and
+applied when it leaves. On CUDA a block other streams used waits for an event
+on each of them first (`defrag/native/streams.h`). Pages left with no live
+block stay mapped ("empty") until their physical page is needed elsewhere,
+`trim()`, an explicit compaction or `release_all()`.
 
 Threads: `gate` is the core's lock and knows which threads wait at it; every
 block belongs to the thread that made it (`defrag.threads`), and `scope()`
@@ -49,7 +64,6 @@ from __future__ import annotations
 import collections
 import math
 from dataclasses import dataclass
-from typing import NamedTuple
 
 import numpy as np
 
@@ -57,9 +71,10 @@ from . import native, readout, threads
 from .backing import Backing, NoSpace
 from .driver import Driver
 from .errors import CudaOutOfMemoryError, PoolAsleepError, PoolClosedError, StaleAccessError
-from .heap import ALIGNMENT
+from .units import ALIGNMENT
+from .page_growth import GrowthPolicy
 from .readout import OutOfRoom
-from .threads import Scope
+from .movability import Scope, Users
 from .units import format_bytes
 from .vmm import Region, Transaction
 
@@ -75,75 +90,92 @@ class Block:
     pins: int = 0
     retired: bool = False  # an old location whose data has moved (or a destination not yet swapped in)
     counted: bool = True  # in allocated_bytes (compaction destinations count only once swapped in)
-    pending: bool = False  # released, waiting on the face's deferral (active, not allocated)
+    pending: bool = False  # released, waiting for other streams to finish with it (active, not allocated)
     owner: object = None  # weakref to the ThreadToken of the thread that allocated, adopted or claimed it
     shared: bool = False  # declared used by several threads: no thread owns it
     info: object = None  # the face's data about the block's user; follows the data when it moves
-    deferral: tuple | list = ()  # the face's "device done with it" markers (have .query())
     keepalive: object = None  # the face's release hook for this range (dropped when the block is freed)
     offloaded: bool = False  # on host-located pages (defrag.residency): never moved until reloaded
 
 
-class UnseenRange(NamedTuple):
-    """In the release queue: the range of a block the core never recorded (the fast path made and
-    freed it between two syncs), to keep for reuse at its turn among the queued Blocks."""
 
-    size: int
-    region: int  # index
-    address: int
-
-
-def _page_runs(mask: np.ndarray) -> list[tuple[int, int]]:
-    """(start, length) of each run of True in a boolean array."""
-    if not mask.any():
-        return []
-    padded = np.concatenate(([False], mask, [False])).astype(np.int8)
-    edges = np.flatnonzero(np.diff(padded))
-    starts, ends = edges[0::2], edges[1::2]
-    return list(zip(starts.tolist(), (ends - starts).tolist()))
+# Blocks of at least this many pages are packed end to end (a window starting in a free tail wins over
+# an equally cheap page-aligned one); smaller ones start on a page boundary unless a tail saves a page.
+# Measured on dry replays (smallest capacity, MiB): a 2.7B model's forward pass (a public
+# cs336_2.7b_forward snapshot) 32,686 page-aligned -> 32,326 packed, under the 32,356 PyTorch's
+# expandable segments need; the shared ctx128 training step 52,422 -> 52,310 (no compaction: -114). Packing
+# every size instead strands tails that only sub-page blocks could use: two snapshots' smallest
+# capacities without compaction grew by 2-3 pages; from 4 pages up, one (select_n, +2 pages) does.
+PACK_PAGES = 4
 
 
-def _tail_window(regions, heaps, page_size: int, size: int, k: int, *, spill: bool = False):
-    """Where a block of `size` (`k` pages on its own) needs fewer new pages by starting in free space
-    (`spill`: no more than `k`, for a block smaller than a page that needs one new page anyway).
-
-    Candidates: the free range ending at the last mapped page before an
-    unmapped run (the free tail of a partly used page, with any empty
-    pages before it), continued into that run, when that needs fewer
-    new pages than `k`; if the run is shorter than that (a gap between
-    mapped pages), on into the free head of the mapped page after it,
-    which maps only the gap. Returns (region, start address, every page the
-    block would touch) for the candidate needing the fewest unmapped
-    pages, or None when none needs fewer than `k`.
-    """
-    P = page_size
+def _spill_window(regions, heaps, page_size: int, size: int):
+    """Where a block of `size` (under a page) that needs one new page anyway can start in the free tail
+    of the last mapped page before an unmapped one and spill into it: (region, start address, the two
+    pages), the largest such tail, or None. The same one page is mapped, and the free space after the
+    block stays in one piece."""
     best = None
     for region, heap in zip(regions, heaps):
         mapped = region.handles != 0
         for q in np.flatnonzero(mapped[:-1] & ~mapped[1:]).tolist():
-            end = region.address(q + 1)
-            run = heap.free_range_ending_at(end)
-            if run is None:
+            run = heap.free_range_ending_at(region.address(q + 1))
+            if run is None or run[1] >= size or run[1] + page_size < size:
                 continue
-            m = -(-(size - run[1]) // P)
-            if not (0 < m <= k if spill else 0 < m < k) or q + 1 + m > region.npages:
-                continue
-            if mapped[q + 1:q + 1 + m].any():
-                # The unmapped run is shorter (a gap that stitching left): the block may still
-                # fit by ending in the free head of the mapped page after it.
-                gap = int(np.argmax(mapped[q + 1:]))
-                head = heap.free_range_starting_at(region.address(q + 1 + gap))
-                if head is None or run[1] + gap * P + head[1] < size:
-                    continue
-                m = gap
-                last = (run[0] + size - 1 - region.base) // P
-            else:
-                last = q + m
-            key = (m, -run[1])
-            if best is None or key < best[0]:
-                first = (run[0] - region.base) // P
-                best = (key, region, run[0], list(range(first, last + 1)))
+            if best is None or run[1] > best[0]:
+                first = (run[0] - region.base) // page_size
+                best = (run[1], region, run[0], list(range(first, q + 2)))
     return None if best is None else best[1:]
+
+
+def _cheapest_window(region, free_ranges, page_size: int, size: int):
+    """Where in `region` a block of `size` bytes needs the fewest pages mapped: (key, address) with key =
+    (unmapped pages, starts off a page boundary, address), or None when no window fits.
+
+    A block may lie on free bytes of mapped pages (`free_ranges`, the
+    heap's) and on unmapped pages, wherever they touch: the free tail of a
+    partly used page continued into the unmapped run after it, an unmapped
+    gap that stitching left between two free ranges, a run of untouched
+    pages. Over such a run, the count of unmapped pages under a sliding
+    window changes only where a piece starts or ends, so the windows that
+    start where a piece starts or end where one ends are the only
+    candidates. Among equally cheap ones the lowest address wins, so a
+    block of `PACK_PAGES` or more starts in the free tail before it and
+    blocks lie end to end, as in expandable segments; a smaller block
+    starts on a page boundary when that costs no extra page, leaving the
+    tail to sub-page blocks (see `PACK_PAGES`).
+    """
+    P = page_size
+    unmapped = region.handles == 0
+    pieces = []
+    if free_ranges:
+        fr = np.asarray(free_ranges, dtype=np.int64).reshape(-1, 2)
+        pieces.append(np.stack([fr[:, 0], fr[:, 0] + fr[:, 1]], axis=1))
+    edges = np.flatnonzero(np.diff(np.concatenate(([False], unmapped, [False])).astype(np.int8)))
+    if edges.size:
+        pieces.append(np.stack([region.base + edges[0::2] * P, region.base + edges[1::2] * P], axis=1))
+    if not pieces:
+        return None
+    pieces = np.concatenate(pieces)
+    pieces = pieces[np.argsort(pieces[:, 0], kind="stable")]
+    starts, ends = pieces[:, 0], pieces[:, 1]
+    # Runs of touching pieces (pieces never overlap: the heap's free ranges lie on mapped pages).
+    new_run = np.ones(len(pieces), dtype=bool)
+    new_run[1:] = starts[1:] != ends[:-1]
+    run_id = np.cumsum(new_run) - 1
+    run_start = starts[new_run][run_id]
+    run_end = ends[np.flatnonzero(np.append(new_run[1:], True))][run_id]
+    cand = np.concatenate([starts, ends - size])
+    lo, hi = np.concatenate([run_start, run_start]), np.concatenate([run_end, run_end])
+    ok = (cand >= lo) & (cand + size <= hi)
+    if not ok.any():
+        return None
+    cand = cand[ok]
+    first = (cand - region.base) // P
+    before = np.concatenate(([0], np.cumsum(unmapped)))
+    need = before[(cand + size - 1 - region.base) // P + 1] - before[first]
+    off_page = ((cand - region.base) % P != 0) if size < PACK_PAGES * P else np.zeros(len(cand), dtype=bool)
+    best = np.lexsort((cand, off_page, need))[0]
+    return (int(need[best]), bool(off_page[best]), int(cand[best])), int(cand[best])
 
 
 class Core:
@@ -159,7 +191,7 @@ class Core:
 
     def __init__(self, driver: Driver, *, capacity_pages: int, page_size: int, auto_compact: bool = True,
                  min_compact_interval: float = 0.0, virtual_factor: int = 2, label: str = "pool",
-                 auto_mesh: bool = True):
+                 auto_mesh: bool = True, growth: GrowthPolicy | None = None):
         self.driver = driver
         self.kind = driver.kind
         self.page_size = page_size
@@ -170,25 +202,28 @@ class Core:
         self.min_compact_interval = float(min_compact_interval)
         self.last_auto_compact = -math.inf
         self.label = label  # how messages name this core ("pool #3")
-        self.gate = threads.Gate()  # the lock; knows which threads wait at it (see scope)
-        self.defer = None  # face hook: block -> list of markers with .query(), or [] to free at once
         self.closed = False
-        self._released: collections.deque[Block] = collections.deque()
+        # Policy counters (ladder climbs, OOMs, compactions, ...); the block counters are the books'.
         self.counters: collections.Counter = collections.Counter()
         self.peaks: collections.Counter = collections.Counter()
-        # The books (native, `defrag/native/books.h`): every region's heap, page counts, the empty-page
-        # count and the freed ranges kept for reuse. The fast path places and releases through them too.
+        # The books (native, `defrag/native/books.h`): the record of every block, every region's heap,
+        # page counts, the empty-page count, the freed ranges kept for reuse, the release queue and the
+        # block counters. Native placements and releases go through them too.
         self.books = native.load_module().Books(page_size)
+        self.gate = threads.Gate(self.books)  # the lock (the books'); knows which threads wait at it
         # The pages under the regions: every map, unmap, stitch and re-backing (`defrag.backing`).
         self.backing = Backing(driver, self.books, page_size, capacity_pages, self.peaks)
+        self.growth = GrowthPolicy() if growth is None else growth  # when placement grows, when it stitches
         self.space = self.backing.space
         self._heaps = self.backing.heaps  # per region: its native Heap (`defrag/native/heap.h`)
-        self._blocks: dict[int, Block] = {}  # block address -> Block (live and retired)
-        self._pending: list[Block] = []  # released, waiting on their deferral markers
-        self.users = threads.Users(self.gate, label)  # the threads that used the core: each block's owner
-        # A face's allocation fast path (`defrag.fastpath.FastPath`): `sync(core)` records
-        # what it did since the last call. Called before the core reads anything.
-        self.front = None
+        self.waves = WaveBooks(self.books, self.backing)  # a compaction wave's books (`defrag.compactor`)
+        self.users = Users(self.gate, label)  # the threads that used the core: each block's owner
+        # A face whose native code places blocks (`pool.empty`'s fast path, PyTorch's allocator entries)
+        # sets these: `make_face(address, size, nbytes, region, origin, owner, weak_storage, dtype, shape)`
+        # makes the Block of such a block when Python first asks for it, and `fast` is the native
+        # FastPath it uses (its dtype objects).
+        self.make_face = None
+        self.fast = None
         npages = self.capacity_pages * max(1, int(virtual_factor))
         try:
             self.add_region(npages)
@@ -204,6 +239,11 @@ class Core:
     def regions(self) -> list[Region]:
         return self.space.regions
 
+    @property
+    def allocated_bytes(self) -> int:
+        """Bytes of counted blocks now (the books' counter)."""
+        return self.books.counters()["allocated_bytes"]
+
     def heap(self, region: Region):
         """The heap of `region` (free ranges; faces and the compactor read it, the core carves it),
         with every range kept for reuse back in it."""
@@ -214,13 +254,25 @@ class Core:
         """(address, size) of every free range of `region`, ranges kept for reuse included."""
         return self.heap(region).free_ranges()
 
-    def blocks(self):
-        """Every block (live, retired, pending), unordered: a read-only view."""
-        return self._blocks.values()
+    def unmanaged_ranges(self, region: Region) -> list[tuple[int, int]]:
+        """(address, size) of the bytes of `region`'s meshed pages that its heap does not manage (a twin's
+        page minus its pieces; on a primary, its twins' pieces): neither free nor covered by a block of
+        `region`, so a planner that takes unoccupied bytes as free must take them as occupied. Empty
+        when nothing is meshed."""
+        return self.books.unmanaged_in(region.index, 0, region.npages)
+
+    def blocks(self, region: Region | None = None) -> list[Block]:
+        """Every block (live, retired, pending) of `region` (None: of every region), unordered: the
+        faces of the books' records, made now for blocks native code placed. The gate is held (so no
+        record goes meanwhile); the list is the caller's, the Blocks are the books'."""
+        return self.books.faces(-1 if region is None else region.index, self.make_face, self.fast)
 
     def block_at(self, address: int) -> Block | None:
         """The live block starting at `address`, or None (retired and pending ones are not live)."""
-        block = self._blocks.get(address)
+        block = self.books.face_at(address)
+        if block is None and self.books.has_faceless(address):
+            self.blocks(self.space.region_of(address))  # native code placed it: its face is made now
+            block = self.books.face_at(address)
         return None if block is None or block.retired or block.pending else block
 
     def owns_address(self, ptr: int) -> bool:
@@ -237,6 +289,7 @@ class Core:
     @history.setter
     def history(self, recorder) -> None:
         self.backing.history = recorder
+        self.books.set_recording(recorder is not None)  # the books log what native code places and every free
 
     def check_open(self) -> None:
         """PoolClosedError after close; StaleAccessError if unmapped memory was touched (emulated
@@ -280,268 +333,85 @@ class Core:
         return self.users.current()
 
     def scope(self, mode=None) -> Scope:
-        """What a compaction called from this thread may move now (the gate is held): `threads.Users.scope`."""
+        """What a compaction called from this thread may move now (the gate is held): `movability.Users.scope`."""
         return self.users.scope(mode)
 
-    # ------------------------------------------------------------------ release queue
+    # ------------------------------------------------------------------ releases
     def release(self, block: Block) -> None:
-        """The block's user is gone (any thread, any time): queue it; applied at the next `drain()`."""
-        front = self.front
-        if front is not None:
-            front.release(block)  # one order with the fast path's own releases
-        else:
-            self._released.append(block)
+        """The block's user is gone (any thread holding the GIL, any time): its record is released in the
+        books, at once or, while a thread is inside the gate, when it leaves. Nothing for a block the
+        books no longer hold (a compaction forgot it)."""
+        self.books.release(block.address, block)
 
-    def requeue(self, items: list) -> None:
-        """A face's fast path hands over its releases in order (the gate is held): Blocks, and the
-        `UnseenRange`s of blocks the core never recorded, to keep at their turn."""
-        self._released.extend(items)
-
-    def drain(self, *, made_too: bool = True) -> None:
-        """Apply queued releases (a safe point: the gate is held), after recording what the face's fast
-        path did. `made_too=False`: record only its releases, so that their ranges are kept for it
-        again; the blocks it made stay unrecorded (the books count them on their pages; the core's
-        blocks and counters do not yet), so nothing may read blocks or counters until the next full
-        drain (a face's refill before it retries its fast path)."""
-        if self.front is not None:
-            self.front.sync(self, made_too=made_too)
-        while self._released:
-            block = self._released.popleft()
-            if type(block) is UnseenRange:
-                self.books.release_range(*block)
-                continue
-            if self._blocks.get(block.address) is not block:
-                continue  # already gone (defensive: each owner releases once)
-            # Retired ranges were synchronized before their data moved: free now.
-            if self.defer is not None and not self.closed and not block.retired:
-                markers = self.defer(block)
-                if markers:
-                    # Like PyTorch: a block waiting on stream events is active, not allocated.
-                    self.bump("allocated_bytes", -block.size)
-                    block.counted, block.pending, block.deferral = False, True, markers
-                    self.counters["pending_bytes"] += block.size
-                    self._pending.append(block)
-                    continue
-            self.free(block, keep=True)
-        if self.front is not None:
-            self.front.settled()
-        if self._pending:
-            still = []
-            for block in self._pending:
-                if all(m.query() for m in block.deferral):
-                    self.free(block, keep=True)
-                else:
-                    still.append(block)
-            self._pending = still
+    def drain(self) -> None:
+        """A safe point (the gate is held): releases queued while the gate was held applied,
+        stream-ordered ones whose streams finished applied, the threads that placed blocks natively
+        noted, and what the books logged for the history taken in order."""
+        books = self.books
+        books.apply_queued()
+        if books.pending:
+            books.poll_pending()
+        owners = books.take_owners()
+        if owners:
+            self.users.note(owners)
+        if self.history is not None:
+            self.history.catch_up()
 
     def settle(self) -> None:
-        """Make the books exact (the gate is held): queued releases applied, deferred ones waited for,
-        ranges kept for reuse back in the heaps. Before a compaction plans, or residency picks pages."""
+        """Make the books exact (the gate is held): queued releases applied, stream-ordered ones waited
+        for, ranges kept for reuse back in the heaps. Before a compaction plans, or residency picks pages."""
         self.drain()
         self.wait_pending()
         self.flush_reuse()
 
     def has_backlog(self) -> bool:
-        """Whether releases wait in the queue for the next `drain`."""
-        return bool(self._released)
+        """Whether releases wait in the books' queue for the gate to be let go."""
+        return self.books.queued > 0
 
     def wait_pending(self) -> None:
-        """Wait for every deferred release still in flight (before declaring OOM, compacting, closing)."""
-        if self._pending:
+        """Wait for every stream-ordered release still in flight (before declaring OOM, compacting,
+        closing): the device is synchronized, then their ranges are free."""
+        if self.books.pending:
             self.driver.synchronize()
-            for block in self._pending:
-                self.free(block, keep=True)
-            self._pending = []
-
-    # ------------------------------------------------------------------ page accounting
-    def _account(self, block: Block, delta: int) -> None:
-        """Count `block` on (+1) or off (-1) its pages, keeping the empty-page count."""
-        self.books.account(block.region.index, block.address, block.size, delta)
-
-    def _account_many(self, region: Region, addresses: list[int], sizes: list[int], delta) -> None:
-        """`_account` for many blocks of one region at once (a compaction wave's), in one native call.
-        `delta`: +1 or -1 for every block, or a list of them (one per block)."""
-        deltas = [delta] * len(addresses) if isinstance(delta, int) else delta
-        self.books.account_many(region.index, addresses, sizes, deltas)
-
-    def begin_moves(self, region: Region, olds: list[Block], addresses: list[int], txn: Transaction, *,
-                    vacate: bool) -> None:
-        """The heap and page books of a compaction wave before its commit, in one batch, undone by
-        `txn`: the range at each of `addresses` is taken for the block of `olds` at the same index
-        (same size). With `vacate`, the old ranges also go back to the heap and off their pages now;
-        the old blocks stay recorded (their owners still use them). No block is recorded at the new
-        ranges: the commit either re-addresses the old blocks (`move_to`) or records destination
-        blocks (`record_moves`).
-
-        Vacating early is for a wave whose face lets go of the old ranges at the commit: the
-        wave's copy still reads them, but nothing can allocate them before the gate is released,
-        and on the emulated device all of this runs before the copy leaves the host's caches cold.
-        """
-        heap = self._heaps[region.index]
-        sizes = [old.size for old in olds]
-        frees = [old.address for old in olds] if vacate else []
-        heap.exchange_lists(frees, addresses, sizes)
-        txn.on_rollback(heap.exchange_lists, addresses, frees, sizes[:len(frees)])
-        if vacate:
-            self._account_many(region, addresses + frees, sizes + sizes, [+1] * len(sizes) + [-1] * len(sizes))
-            txn.on_rollback(self._account_many, region, addresses + frees, sizes + sizes,
-                            [-1] * len(sizes) + [+1] * len(sizes))
-        else:
-            self._account_many(region, addresses, sizes, +1)
-            txn.on_rollback(self._account_many, region, addresses, sizes, -1)
-
-    def record_moves(self, region: Region, olds: list[Block], addresses: list[int], txn: Transaction) -> list[Block]:
-        """Destination blocks over the ranges `begin_moves` took, one per block of `olds` (same size and
-        owner; retired and not counted until the commit swaps them in), dropped by `txn`'s undo."""
-        blocks = [Block(address, old.size, old.nbytes, region, 0, True, False, False, old.owner)
-                  for address, old in zip(addresses, olds)]
-        self._blocks.update(zip(addresses, blocks))
-        txn.on_rollback(self.forget, blocks)
-        return blocks
-
-    def move_to(self, blocks: list[Block], addresses: list[int]) -> None:
-        """The commit of a wave whose owners took their new ranges in place: each block of `blocks`
-        is now recorded at the address at the same index (taken by `begin_moves` with `vacate`),
-        the same Block object with all its fields. Cannot fail."""
-        records, history = self._blocks, self.history
-        for block, address in zip(blocks, addresses):
-            if records.get(block.address) is block:
-                del records[block.address]
-            if history is not None:
-                history.block_moved(block.address, address, block.nbytes)
-            block.address = address
-            records[address] = block
-
-    def forget(self, blocks: list[Block]) -> None:
-        """Drop the records of blocks whose ranges `begin_moves` already settled with the heap and the
-        pages (the gate is held): the old blocks it vacated, once their wave committed, or, as
-        `record_moves`'s undo step, destination blocks never swapped in. Releases still queued for them then find
-        nothing to do (`drain` frees a block only while the core still holds it)."""
-        history = self.history
-        for block in blocks:
-            if self._blocks.get(block.address) is block:
-                del self._blocks[block.address]
-                block.keepalive = None
-                if history is not None:
-                    history.block_freed(block)
+            self.books.synchronized()
 
     def carve(self, region: Region, address: int, size: int, nbytes: int, *, counted: bool = True) -> Block:
-        """Record a block over a range the heap has just allocated."""
+        """Record a block over a range the heap has just allocated (counted on its pages and, if
+        `counted`, in the allocation counters), owned by the calling thread."""
         block = Block(address, size, nbytes, region, counted=counted, owner=self.user())
-        self._blocks[address] = block
-        self._account(block, +1)
-        if counted:
-            self._allocated(size)
-            self.counters["num_allocs"] += 1
+        self.books.add(block, region.index, address, size, nbytes, counted)
         return block
 
     def fill(self, region: Region, address: int, size: int, info) -> Block:
         """A block over the free range [address, address + size) with no user: retired (never moved),
         not counted; `free` gives the range back. For residency's fillers."""
         self._heaps[region.index].allocate_at(address, size)
-        block = self.carve(region, address, size, 0, counted=False)
-        block.retired, block.info = True, info
+        block = Block(address, size, 0, region, retired=True, counted=False, owner=self.user(), info=info)
+        self.books.add(block, region.index, address, size, 0, False, True)
         return block
 
-    def unplace(self, block: Block) -> None:
-        """Undo the `carve` of a block nothing uses yet, keeping its range for the next request of its size
-        (a face's fast path, which makes the user's tensor and counts the allocation itself)."""
-        del self._blocks[block.address]
-        self.books.release_range(block.size, block.region.index, block.address)
-        self.counters["allocated_bytes"] -= block.size
-        self.counters["num_allocs"] -= 1
-
-    def _allocated(self, delta: int) -> None:
-        """`bump("allocated_bytes", delta)`, unrolled: it runs twice per allocation."""
-        c, peaks = self.counters, self.peaks
-        allocated = c["allocated_bytes"] + delta
-        c["allocated_bytes"] = allocated
-        if allocated > peaks["allocated_bytes"]:
-            peaks["allocated_bytes"] = allocated
-        active = allocated + c["pending_bytes"]
-        if active > peaks["active_bytes"]:
-            peaks["active_bytes"] = active
-
     def free(self, block: Block, *, keep: bool = False) -> None:
-        """Free a block's range (the gate is held; nothing may use it any more).
+        """Free a block's range now (the gate is held; nothing may use it any more; no storage of the
+        face's native code may name it): its record leaves the books.
 
-        It goes back to the heap at once, unless `keep` (the release path,
-        `drain`, passes it; undo steps never do, since the steps after them
-        expect the heap as it was). Then the range is kept carved for the
-        next request of its exact size (`place` takes it without touching the
-        heap: the common case of a training step or a decode loop, which
-        frees and asks for the same sizes again). Everything else that reads or changes the heap's free
-        space first returns every kept range to it (`flush_reuse`): a request
-        of a size not kept, unmapping, compaction, statistics, layout and
-        invariant checks. So kept ranges never make the pool map a page,
-        never leave a hole uncoalesced for a request of another size, and
-        never make a statistic wrong. Pages and counters count the range as
-        free at once.
+        It goes back to the heap at once, unless `keep`: then the range is
+        kept carved for the next request of its exact size (`place` takes it
+        without touching the heap: the common case of a training step or a
+        decode loop, which frees and asks for the same sizes again; every
+        release takes this path). Everything else that reads or changes the
+        heap's free space first returns every kept range to it
+        (`flush_reuse`): a request of a size not kept, unmapping, compaction,
+        statistics, layout and invariant checks. So kept ranges never make the
+        pool map a page, never leave a hole uncoalesced for a request of
+        another size, and never make a statistic wrong. Pages and counters
+        count the range as free at once.
         """
-        if keep:
-            self.books.release_range(block.size, block.region.index, block.address)
-        else:
-            self.books.free(block.region.index, block.address)  # a piece on a mesh's twin page goes to its primary
-            self._account(block, -1)
+        self.books.drop(block.address, block, keep)
         block.keepalive = None
-        del self._blocks[block.address]
-        if block.counted:
-            self._allocated(-block.size)
-            self.counters["num_frees"] += 1
-        elif block.pending:
-            self.counters["pending_bytes"] -= block.size
-            self.counters["num_frees"] += 1
-        if self.history is not None:
-            self.history.block_freed(block)
 
     def flush_reuse(self) -> None:
-        """Give every range `free` kept for reuse back to the heap (coalescing it with its neighbours),
-        after recording what the face's fast path did."""
-        if self.front is not None:
-            self.front.sync(self)
-        released = self._released
-        if released and any(type(item) is UnseenRange for item in released):
-            # Ranges the fast path freed wait in the release queue: they go to the heap
-            # now too (nothing else records them: no block, not kept).
-            books = self.books
-            for item in released:
-                if type(item) is UnseenRange:
-                    books.release_range(*item)
-            blocks = [item for item in released if type(item) is not UnseenRange]
-            released.clear()
-            released.extend(blocks)
+        """Give every range kept for reuse back to the heap (coalescing it with its neighbours)."""
         self.books.flush_kept()
-
-    def note_peak(self, peak: int) -> None:
-        """Allocated bytes rose `peak` above the counters at some point (a face's fast path, between
-        syncs): raise the peaks to match."""
-        c, peaks = self.counters, self.peaks
-        top = c["allocated_bytes"] + peak
-        if top > peaks["allocated_bytes"]:
-            peaks["allocated_bytes"] = top
-        if top + c["pending_bytes"] > peaks["active_bytes"]:
-            peaks["active_bytes"] = top + c["pending_bytes"]
-
-    def record_made(self, blocks: list[Block], allocs: int, frees: int, peak: int) -> None:
-        """What a face's fast path did since its last sync (the gate is held).
-
-        `blocks`: the live blocks it carved from kept ranges, each with its
-        owner and info; `allocs`, `frees`: how many it made and freed (blocks
-        made and freed in between included); `peak`: the highest its allocated
-        bytes rose above the count at its last sync. Afterwards pages,
-        counters, peaks and the threads that used the core are as if `place`
-        and `free` had run.
-        """
-        c = self.counters
-        self.note_peak(peak)
-        owners = {}  # by identity: a dead thread's weak reference cannot be hashed
-        for block in blocks:  # the books counted them on their pages when they placed them
-            self._blocks[block.address] = block
-            c["allocated_bytes"] += block.size
-            owners[id(block.owner)] = block.owner
-        c["num_allocs"] += allocs
-        c["num_frees"] += frees
-        self.users.note(owners.values())
 
     def record_compaction(self, report) -> None:
         """Count a finished (or partly committed) compaction's `CompactionReport` in the counters and history."""
@@ -554,24 +424,25 @@ class Core:
         if self.history is not None:
             self.history.compacted(report)
 
-    def bump(self, key: str, delta: int) -> None:
-        """Add `delta` to a counter, tracking its peak (and the active bytes' peak)."""
-        c = self.counters
-        c[key] += delta
-        if c[key] > self.peaks[key]:
-            self.peaks[key] = c[key]
-        active = c["allocated_bytes"] + c["pending_bytes"]
-        if active > self.peaks["active_bytes"]:
-            self.peaks["active_bytes"] = active
-
     # ------------------------------------------------------------------ mapping
     @staticmethod
     def round(nbytes: int) -> int:
         return -(-nbytes // ALIGNMENT) * ALIGNMENT
 
     # ------------------------------------------------------------------ placement
-    def place(self, nbytes: int) -> Block:
-        """Place `nbytes` without compacting; NoSpace when it does not fit now."""
+    def place(self, nbytes: int, stream: int = 0) -> Block:
+        """Place `nbytes` for `stream` (CUDA; 0 the default stream) without compacting; NoSpace when it
+        does not fit now. Ranges other streams freed are ordered before `stream`'s use first (the
+        books' fence; where it cannot be recorded, the device is synchronized)."""
+        if not self.books.fence(stream):
+            self.driver.synchronize()
+            self.books.synchronized()
+        block = self._place(nbytes)
+        if stream:
+            self.books.set_stream(block.address, block, stream)
+        return block
+
+    def _place(self, nbytes: int) -> Block:
         size = self.round(nbytes)
         kept = self.books.take(size)
         if kept is not None:
@@ -590,10 +461,8 @@ class Core:
                 return self.carve(region, address, size, nbytes)
         if self.space.store.available < 1:
             raise NoSpace("no free space in mapped pages and no physical page left")
-        tail = _tail_window(self.space.regions, self._heaps, self.page_size, size, 1, spill=True)
+        tail = _spill_window(self.space.regions, self._heaps, self.page_size, size)
         if tail is not None:
-            # Start in the free tail of the last mapped page and spill into one new page:
-            # the same one page mapped, and the free space after the block stays in one piece.
             region, address, window = tail
             pages = [p for p in window if not region.handles[p]]
         else:
@@ -610,10 +479,9 @@ class Core:
         First mapped free space at any 512-byte boundary, best fit (the free
         tail of a partly used page joined to empty pages after it holds the
         block with no mapping, and the block does not strand its own last
-        page's tail). Else a page-aligned run of pages no block touches
-        (shortest first, then fewest unmapped), unless starting in the free
-        tail of the last mapped page before an unmapped run needs fewer new
-        pages (`_tail_window`).
+        page's tail). Else the window that needs the fewest pages mapped
+        (`_cheapest_window`): free space and unmapped pages side by side, so
+        the free space next to an unmapped run is used in place.
         """
         for region, heap in zip(self.space.regions, self._heaps):
             address = heap.allocate(size)
@@ -623,54 +491,65 @@ class Core:
         free_pages = self.backing.free_physical()
         if k > free_pages:
             raise NoSpace(f"needs {k} free pages, {free_pages} can be had")
-        tail = _tail_window(self.space.regions, self._heaps, self.page_size, size, k)
-        if tail is not None:
-            region, address, window = tail
+        best = None
+        for region, heap in zip(self.space.regions, self._heaps):
+            found = _cheapest_window(region, heap.free_ranges(), self.page_size, size)
+            if found is not None and (best is None or found[0] < best[0]):
+                best = (*found, region)
+        if best is None:
+            region = self.add_region(max(k, self.capacity_pages))
+            address, window = region.base, list(range(k))
         else:
-            best = None  # (run length, unmapped pages in window, region, start)
-            for region in self.space.regions:
-                available = self.backing.untouched(region)
-                for start, length in _page_runs(available):
-                    if length < k:
-                        continue
-                    unmapped = int((region.handles[start:start + k] == 0).sum())
-                    key = (length, unmapped)
-                    if best is None or key < best[:2]:
-                        best = (length, unmapped, region, start)
-            if best is None:
-                region, start = self.add_region(max(k, self.capacity_pages)), 0
-            else:
-                region, start = best[2], best[3]
-            address, window = region.address(start), list(range(start, start + k))
+            _, address, region = best
+            window = list(range(*self.backing.pages_of(address, size)))
         to_map = [p for p in window if not region.handles[p]]
-        # Stitching: physical pages of empty mapped pages elsewhere come before new
-        # ones; compaction leaves its emptied pages mapped for exactly this.
-        self.backing.stitch(region, window, len(to_map), k)
+        if to_map:
+            self._supply(region, window, len(to_map), size)
         with Transaction() as txn:
             self.backing.map_for_placement(region, to_map, txn)
             address = self._heaps[region.index].allocate_at(address, size)
         return self.carve(region, address, size, nbytes)
 
-    # ------------------------------------------------------------------ the ladder
-    def allocate(self, nbytes: int, rescue=None, describe=None) -> Block:
-        """Place `nbytes`, climbing the ladder on failure; OutOfRoom when nothing helps.
+    def _supply(self, region: Region, window: list[int], need: int, size: int) -> None:
+        """Before mapping `need` pages of `window` for a block of `size` bytes: unmap the donors the growth
+        policy (`defrag.page_growth`) asks for, so that the store's cached and new handles back the rest.
+        Within the budget nothing is unmapped; beyond it, empty mapped pages elsewhere (stitching)."""
+        store, c = self.space.store, self.books.counters()  # the block counters are the books'
+        args = dict(mapped=self.space.mapped, live_bytes=c["allocated_bytes"] + c["pending_bytes"],
+                    request_bytes=size, page_size=self.page_size, cached=len(store.cached),
+                    creatable=store.creatable, capacity=self.capacity_pages)
+        supply = self.growth.supply(need, donors=self.books.empty, **args)  # an upper bound: cheap
+        if not supply.stitched:
+            return
+        backing = self.backing
+        supply = self.growth.supply(need, donors=backing.count_empty(region, window), **args)
+        # Which pages go is the same whatever is known of the device (a dry and a real pool place alike);
+        # whether they wait for it is not: a face's native fast path places blocks the backing never
+        # hears of, so there every batch waits.
+        donors = backing.donors(region, window, supply.stitched + supply.give_back)
+        backing.unmap_empty(donors, idle_known=True)  # every placement, native or not, clears `idle`
+        backing.age_empty()
 
-        The ladder: place; wait for deferred releases and place again;
+    # ------------------------------------------------------------------ the ladder
+    def allocate(self, nbytes: int, rescue=None, describe=None, stream: int = 0) -> Block:
+        """Place `nbytes` for `stream`, climbing the ladder on failure; OutOfRoom when nothing helps.
+
+        The ladder: place; wait for stream-ordered releases and place again;
         `rescue(nbytes, tried)` (a face's automatic compaction, returning a
         Block or None); then OutOfRoom, whose message `describe(block)` helps
         write (the largest live blocks).
         """
         tried = []
         try:
-            return self.place(nbytes)
+            return self.place(nbytes, stream)
         except NoSpace as exc:
             tried.append(f"placement ({exc})")
         self.counters["num_alloc_retries"] += 1
-        if self._pending:
+        if self.books.pending:
             self.wait_pending()
             tried.append("waiting for stream-ordered frees")
             try:
-                return self.place(nbytes)
+                return self.place(nbytes, stream)
             except NoSpace:
                 pass
         if rescue is not None:
@@ -688,11 +567,10 @@ class Core:
 
     # ------------------------------------------------------------------ statistics
     def reset_peaks(self) -> None:
-        c = self.counters
+        """Every peak back to its current value (the books' block counters and the core's own)."""
+        self.books.reset_peaks()
         self.peaks.clear()
-        self.peaks.update({"allocated_bytes": c["allocated_bytes"], "pending_bytes": c["pending_bytes"],
-                           "active_bytes": c["allocated_bytes"] + c["pending_bytes"],
-                           "reserved_bytes": self.space.mapped * self.page_size})
+        self.peaks.update({"reserved_bytes": self.space.mapped * self.page_size})
 
     def stranded(self) -> tuple[int, float]:
         """(`stranded_bytes`, `fragmentation`) as `stats_locked` gives them, without the other figures:
@@ -724,9 +602,117 @@ class Core:
         return self.backing.trim()
 
     def has_live_blocks(self) -> bool:
-        return any(not b.retired for b in self._blocks.values())
+        return any(not b.retired for b in self.blocks())
 
     def give_back_idle(self) -> None:
         """After close, with blocks still live: unmap what holds none and release cached pages."""
         self.flush_reuse()
         self.backing.trim()
+
+
+class WaveBooks:
+    """A compaction wave's books (`Core.waves`): the one interface through which `defrag.compactor`
+    changes blocks' records.
+
+    A wave moves blocks of one region, with the core's gate held throughout.
+    Its books change in two steps:
+
+    1. `begin_moves`, before the copy: every destination range taken in the
+       heap and counted on its pages in one batch (with `vacate`, every old
+       range given back at once), undone by the wave's `Transaction`;
+    2. the commit, one of two ways:
+       - `move_to`, when the face moved every owner in place: each old block
+         re-addressed to its destination (the same `Block`, all its fields);
+       - `record_moves` (destination blocks, retired and not counted; undone
+         by the transaction), then `swap_in` for each move (the destination
+         takes its old block's place) and `forget` for the old blocks whose
+         ranges `begin_moves` vacated.
+
+    `move_to` and `swap_in` record each move in the history while one is
+    recorded. Nothing here copies a byte, maps a page or calls the face: the
+    compactor does that between these steps.
+    """
+
+    def __init__(self, books, backing: Backing):
+        self._books = books
+        self._backing = backing  # its heaps (one per region) and its history recorder
+
+    def begin_moves(self, region: Region, olds: list[Block], addresses: list[int], txn: Transaction, *,
+                    vacate: bool) -> None:
+        """The heap and page books of a compaction wave before its commit, in one batch, undone by
+        `txn`: the range at each of `addresses` is taken for the block of `olds` at the same index
+        (same size). With `vacate`, the old ranges also go back to the heap and off their pages now;
+        the old blocks stay recorded (their owners still use them). No block is recorded at the new
+        ranges: the commit either re-addresses the old blocks (`move_to`) or records destination
+        blocks (`record_moves`).
+
+        Vacating early is for a wave whose face lets go of the old ranges at the commit: the
+        wave's copy still reads them, but nothing can allocate them before the gate is released,
+        and on the emulated device all of this runs before the copy leaves the host's caches cold.
+        """
+        heap = self._backing.heaps[region.index]
+        sizes = [old.size for old in olds]
+        frees = [old.address for old in olds] if vacate else []
+        heap.exchange_lists(frees, addresses, sizes)
+        txn.on_rollback(heap.exchange_lists, addresses, frees, sizes[:len(frees)])
+        if vacate:
+            self._account(region, addresses + frees, sizes + sizes, [+1] * len(sizes) + [-1] * len(sizes))
+            txn.on_rollback(self._account, region, addresses + frees, sizes + sizes,
+                            [-1] * len(sizes) + [+1] * len(sizes))
+        else:
+            self._account(region, addresses, sizes, +1)
+            txn.on_rollback(self._account, region, addresses, sizes, -1)
+
+    def _account(self, region: Region, addresses: list[int], sizes: list[int], delta) -> None:
+        """Count blocks of one region on (+1) or off (-1) their pages, keeping the empty-page count, in
+        one native call. `delta`: +1 or -1 for every block, or a list of them (one per block)."""
+        deltas = [delta] * len(addresses) if isinstance(delta, int) else delta
+        self._books.account_many(region.index, addresses, sizes, deltas)
+
+
+    def record_moves(self, region: Region, olds: list[Block], addresses: list[int], txn: Transaction) -> list[Block]:
+        """Destination blocks over the ranges `begin_moves` took, one per block of `olds` (same size and
+        owner; retired and not counted until the commit swaps them in: `swap_in`), recorded in the books
+        without touching the heap or the pages again; `txn`'s undo forgets them."""
+        blocks = []
+        txn.on_rollback(self.forget, blocks)
+        add, index = self._books.add, region.index
+        for address, old in zip(addresses, olds):
+            block = Block(address, old.size, old.nbytes, region, 0, True, False, False, old.owner)
+            add(block, index, address, old.size, old.nbytes, False, True, 0, True)
+            blocks.append(block)
+        return blocks
+
+    def swap_in(self, old: Block, new: Block) -> None:
+        """The commit of one move through a destination (`record_moves`): `new` takes `old`'s place
+        (its pins, owner, sharing and info; live and counted), `old` is retired and not counted; the
+        history records the move. Cannot fail."""
+        self._books.exchange_state(old.address, old, new.address, new)
+        new.retired, new.counted = False, True
+        old.counted = False
+        new.pins, new.owner, new.shared, new.info = old.pins, old.owner, old.shared, old.info
+        old.retired = True
+        history = self._backing.history
+        if history is not None:
+            history.block_moved(old.address, new.address, new.nbytes)
+
+    def move_to(self, blocks: list[Block], addresses: list[int]) -> None:
+        """The commit of a wave whose owners took their new ranges in place: each block of `blocks`
+        is now recorded at the address at the same index (taken by `begin_moves` with `vacate`),
+        the same Block object with all its fields. Cannot fail once the books' check passed (it
+        raises before any change)."""
+        self._books.move([block.address for block in blocks], blocks, addresses)
+        history = self._backing.history
+        for block, address in zip(blocks, addresses):
+            if history is not None:
+                history.block_moved(block.address, address, block.nbytes)
+            block.address = address
+
+    def forget(self, blocks: list[Block]) -> None:
+        """Drop the records of blocks whose ranges `begin_moves` already settled with the heap and the
+        pages: the old blocks it vacated, once their wave committed, or, as `record_moves`'s undo step,
+        destination blocks never swapped in. A release still to come for one of them (its user's old
+        storage dying) then finds nothing to do."""
+        self._books.forget([block.address for block in blocks], blocks)
+        for block in blocks:
+            block.keepalive = None

@@ -58,7 +58,7 @@ def install(pool):
                                f"call defrag.uninstall() first (a process has one)")
         if pool.closed:
             raise PoolClosedError(f"defrag.install: pool #{pool.id} is closed")
-        fast = getattr(pool.core.front, "cpp", None)  # the native FastPath (defrag.fastpath.FastPath.cpp)
+        fast = pool.core.fast  # the native FastPath (native/module.cpp)
         if fast is None:
             raise NotSupportedError(
                 f"defrag.install: pool #{pool.id} has no native fast path (DEFRAG_FASTPATH=0 or the 'rebind' "

@@ -32,13 +32,13 @@ class _KeyMover:
     def can_rewrite(self, block: Block) -> str:
         return ""
 
-    def hold(self, block: Block):
-        return (block.info,)  # the key, boxed: any key (0, None) is a valid hold
+    def grip(self, block: Block):
+        return (block.info,)  # the key, boxed: any key (0, None) is a valid grip
 
-    def hold_all(self, blocks: list) -> list:
+    def grip_all(self, blocks: list) -> list:
         return [(block.info,) for block in blocks]
 
-    def holdable(self, blocks: list) -> list:
+    def grippable(self, blocks: list) -> list:
         return [True] * len(blocks)
 
     def destinations(self, blocks: list) -> list:
@@ -89,6 +89,7 @@ class DryPool:
                          virtual_factor=virtual_factor, label="dry pool", auto_mesh=auto_mesh)
         self._blocks: dict = {}  # key -> Block
         self._mover = _KeyMover(self)
+        self.peak_held_pages = 0  # the most pages that held blocks at once (see `peak_held_bytes`)
 
     @property
     def capacity(self) -> int:
@@ -111,6 +112,9 @@ class DryPool:
                 return False
             block.info = key
             self._blocks[key] = block
+            held = core.space.mapped - core.books.empty
+            if held > self.peak_held_pages:
+                self.peak_held_pages = held
             return True
 
     def _rescue(self, nbytes: int, tried: list[str]):
@@ -127,6 +131,15 @@ class DryPool:
         it); `mesh=True` meshes after the moves, as `Pool.compact()` does by default."""
         with self.core.gate:
             return compact_core(self.core, self._mover, automatic=False, release=release, mesh=mesh)
+
+    @property
+    def peak_held_bytes(self) -> int:
+        """The most bytes of pages that held at least one block at once (mapped pages minus empty ones,
+        after each allocation). Below peak reserved when the growth policy kept empty pages mapped
+        (`defrag.page_growth`), and usually within a few pages of the smallest capacity at which a
+        replay completes: the search for that capacity starts there. Counts device pages only (a dry
+        pool never offloads)."""
+        return self.peak_held_pages * self.core.page_size
 
     def reserved_bytes(self) -> int:
         """Bytes in mapped pages now (`reserved_bytes.all.current`), without building the whole stats dict.
@@ -155,6 +168,7 @@ class DryPool:
         `close` does that.
         """
         self._blocks.clear()
+        self.core.books.clear_unattached()  # the Blocks the books hold go now, with the GIL
         self.core.closed = True
 
     def close(self) -> None:

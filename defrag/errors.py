@@ -86,6 +86,11 @@ class PoolAsleepError(ResidencyError):
     call `pool.wake()` first. Raised before anything changes."""
 
 
+class HeapError(ValueError):
+    """Misuse of a heap (`defrag/native/heap.h`, the pool's best fit over integer offsets): double free,
+    unknown block, overlap, bad size or alignment. The call changed nothing."""
+
+
 class SettingError(ValueError):
     """An environment variable defrag reads (DEFRAG_*) holds a value it cannot use.
 

@@ -5,12 +5,14 @@
 folder per extension, Python and torch version. A later process whose folder
 holds a library built from the same source imports it directly (no compiler
 run); a compile error is remembered on disk so that every later process does
-not pay the failed build again. Nothing here ever raises to its caller: an
-extension that cannot be had is None plus a one-line reason (`failure()`),
-and its user falls back to Python.
+not pay the failed build again. Nothing here raises to its caller but a
+`SettingError` for a DEFRAG_EXT_DIR it cannot use: an extension that cannot
+be had is None plus a one-line reason (`failure()`), and its user falls
+back to Python (or says what to install).
 
-Users: `defrag.storage_ext` (exchanging storages' memory on torch < 2.12) and
-`defrag.fastpath` (the allocation fast path).
+Users: `defrag.storage_ext` (exchanging storages' memory on torch < 2.12),
+`defrag.native` (the pool's books and the allocation fast path) and
+`defrag.cuda_backend` (PyTorch's CUDA allocator backend, built with CUDA).
 """
 
 from __future__ import annotations
@@ -26,6 +28,8 @@ import threading
 import time
 
 import torch
+
+from . import settings
 
 _log = logging.getLogger("defrag")
 
@@ -53,18 +57,22 @@ class CppExtension:
 
     `name`: the module's name; `folder`: the build folder's stem; `source`:
     the C++ text; `what`: how log lines name it; `expected`: the build time to
-    announce ("about 10-30 s").
+    announce ("about 10-30 s"); `with_cuda`: compile against the CUDA toolkit's
+    headers and link torch's CUDA libraries (c10_cuda, torch_cuda, cudart).
     """
 
-    def __init__(self, name: str, folder: str, source: str, what: str, expected: str):
+    def __init__(self, name: str, folder: str, source: str, what: str, expected: str, *, with_cuda: bool = False):
         self.name, self.folder, self.source, self.what, self.expected = name, folder, source, what, expected
+        self.with_cuda = with_cuda
         self._lock = threading.Lock()
         self._module = None
         self._failure: str | None = None
         self._seconds: float | None = None
 
     def build_directory(self) -> str:
-        root = os.environ.get("DEFRAG_EXT_DIR")
+        """This extension's build folder (not made here). `SettingError` when DEFRAG_EXT_DIR names a folder
+        defrag cannot write or make (`defrag.settings.ext_dir`)."""
+        root = settings.ext_dir()
         if not root:
             cache = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
             root = os.path.join(cache, "defrag")
@@ -81,7 +89,9 @@ class CppExtension:
         build folder, once per machine, torch version and source). Never raises: a
         failure is remembered and returned as None (`failure()` says why).
         `build=False`: import what is built, never compile (a build elsewhere
-        that left no library is then the failure).
+        that left no library is then the failure). The one exception:
+        `SettingError` when DEFRAG_EXT_DIR names a folder defrag cannot use,
+        which no compiler would fix (checked first, remembered as nothing).
         """
         if self._module is not None or self._failure is not None:
             return self._module
@@ -90,11 +100,11 @@ class CppExtension:
                 return self._module
             start = time.perf_counter()
             marker = None
+            folder = self.build_directory()
             try:
                 missing = missing_tools()
                 if missing:
                     raise RuntimeError(missing)
-                folder = self.build_directory()
                 os.makedirs(folder, exist_ok=True)
                 marker = self._failure_marker(folder)
                 if os.path.exists(marker):  # a compile error would cost every process the full build time again
@@ -168,7 +178,8 @@ class CppExtension:
         _drop_stale_lock(folder)
         source = self._source_path(folder)
         _write_if_changed(source, self.source)
-        module = cpp_extension.load(self.name, [source], build_directory=folder, extra_cflags=["-O2"], verbose=False)
+        module = cpp_extension.load(self.name, [source], build_directory=folder, extra_cflags=["-O2"],
+                                    with_cuda=True if self.with_cuda else None, verbose=False)
         if fresh:
             _log.info("defrag: %s built in %.1f s", self.what, time.perf_counter() - start)
         return module

@@ -36,7 +36,7 @@ import numpy as np
 # snapshots). It bounds the copy work of a plan to MAX_COPY_PER_PAGE x freed pages.
 MAX_COPY_PER_PAGE = 1 << 20
 MAX_PROBES = 128  # open meshes tried per page: bounds plan_meshes at O(pages x MAX_PROBES x words)
-GRANULE = 512  # the pool's alignment (defrag.heap.ALIGNMENT): one bitmap bit per granule
+GRANULE = 512  # the pool's alignment (defrag.units.ALIGNMENT): one bitmap bit per granule
 
 _ONES = np.uint64(0xFFFF_FFFF_FFFF_FFFF)
 

@@ -28,7 +28,7 @@ import numpy as np
 from .copying import copy_ranges, default_engine
 from .errors import CudaError
 from .mesh_planner import page_bitmaps, plan_meshes
-from .threads import Scope
+from .movability import Scope
 from .vmm import DEVICE, Transaction
 
 

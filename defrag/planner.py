@@ -144,6 +144,7 @@ from typing import NamedTuple
 import numpy as np
 
 from . import native
+from .page_runs import page_run_arrays
 
 __all__ = [
     "ArrayPlan",
@@ -460,13 +461,9 @@ def _intersect(
 
 
 def _page_runs(pages: np.ndarray, page_size: int) -> tuple[np.ndarray, np.ndarray]:
-    """Byte intervals covered by a sorted array of distinct page ids."""
-    if pages.size == 0:
-        return np.empty(0, np.int64), np.empty(0, np.int64)
-    brk = (pages[1:] - pages[:-1] != 1).nonzero()[0]
-    first = np.concatenate(([0], brk + 1))
-    last = np.concatenate((brk, [pages.size - 1]))
-    return pages[first] * page_size, (pages[last] + 1) * page_size
+    """Byte intervals [start, end) covered by a sorted array of distinct page ids (`page_run_arrays`)."""
+    first, count = page_run_arrays(pages)
+    return first * page_size, (first + count) * page_size
 
 
 def _expand_pages(first: np.ndarray, last: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

@@ -1,29 +1,34 @@
 """`Pool`: the torch face of the core: a page-mapped heap whose tensors are ordinary torch tensors.
 
 Placement, release, page accounting and the allocation ladder live in
-`defrag.core`, the compaction protocol in `defrag.compactor`; this module
-turns blocks into torch storages and back, and rewrites a moved block's
-storage (`_TorchMover`).
+`defrag.core`, the compaction protocol in `defrag.compactor`; the pool turns
+blocks into torch storages and back, and rewrites a moved block's storage
+(`_TorchMover`, in `defrag.pool_context`).
 
-`Pool` is cut by concept into parts it inherits, one module each:
+`Pool` is composed of parts, one object each, all built over the pool's one
+`PoolContext` (`defrag.pool_context`: the core, the device, the mover, the
+fast path, and the handful of operations the parts share); each public method
+of a part's concept is one line here that hands the call to its part:
 `defrag.pool_ownership` (`TensorOwnership`: `owns`, `pin`, `share`,
 `claim`, `record_stream`, `adopt`), `defrag.pool_residency`
 (`PoolResidency`: `sleep`, `wake`, `offload`, `reload`),
-`defrag.pool_segments` (`AllocatorSegments`: raw segments for PyTorch's
-allocator, `capture`) and `defrag.pool_observability` (`PoolObservability`:
-`stats`, `layout`, `record_history`, `snapshot`, `summary`). This module
-keeps the pool's life (creation, fast path, release, `trim`, `close`) and
-compaction (`compact`, `live_tensors`).
+`defrag.pool_meshing` (`PoolMeshing`: `mesh`, `unmesh`, `trim`'s meshing
+step), `defrag.pool_segments` (`AllocatorSegments`: raw segments for
+PyTorch's allocator) and `defrag.pool_observability` (`PoolObservability`:
+`stats`, `layout`, `record_history`). `capture` and `release_cached` hand the
+pool itself to `defrag.capture`, `snapshot` and `summary` to `defrag.stats`.
+This module keeps the pool's life (creation, fast path, release, `trim`,
+`close`) and compaction (`compact`, `live_tensors`).
 
-Lifetime. Each block is owned by the torch storage over it (`defrag.tensors`):
-when the last tensor or view of the storage dies, the block's release is
-queued (from whatever thread, possibly inside a pool call through garbage
-collection) and applied at the next safe point: the start of any pool call.
-On CUDA a released block is reused only after an event recorded on every
-stream that used it has completed (`record_stream`). Pages left with no live
-block stay mapped ("empty") until their physical page is needed elsewhere,
-`trim()`, a compaction or `close()`; the device is synchronized before any
-unmap.
+Lifetime. Each block is owned by the torch storage over it: a storage made in
+C++ over the block's record in the pool's native books (`defrag.native`),
+whose deleter releases the record there in whatever thread torch frees it (at
+once, or, while a thread is inside a pool call, when it leaves). On CUDA a
+released block that other streams used (`record_stream`) is reused only after
+an event on each of them completed; one its own stream alone used is reusable
+by that stream at once. Pages left with no live block stay mapped ("empty")
+until their physical page is needed elsewhere, `trim()`, a compaction or
+`close()`; the device is synchronized before any unmap.
 
 Threads (the contract; `defrag.threads` has the mechanism). Every public
 method holds the pool's lock, so pool calls from several threads are
@@ -54,35 +59,63 @@ import logging
 import math
 import traceback
 import weakref
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
-from . import cpu_allocator, fastpath, residency
+from . import copying, cpu_allocator, fastpath, residency
 from . import stats as observe
 from . import tensors as tz
 from . import threads
-from .capture import in_callback
-from .compactor import CompactionReport, compact_core, rescue
-from .pool_meshing import PoolMeshing
-from .core import Block, Core, OutOfRoom
+from .capture import capture as capture_block
+from .capture import release_cached as release_captured
+from .compactor import CompactionReport, compact_core
+from .core import Block, Core
 from .driver import Driver, open_driver
 from .errors import PoolAsleepError, PoolClosedError, StaleAccessError
-from .oom import OutOfMemoryError
+from .mesher import MeshReport
+from .oom import OutOfMemoryError, refused_inside_allocator
+from .pool_context import PoolContext, TensorInfo
+from .pool_meshing import PoolMeshing
 from .pool_observability import PoolObservability
 from .pool_ownership import TensorOwnership
 from .pool_residency import PoolResidency
-from .pool_segments import AllocatorSegments, SegmentInfo
+from .pool_segments import AllocatorSegments
 from .units import format_bytes, parse_size
 
 _log = logging.getLogger("defrag")
 _open_pools: "weakref.WeakSet[Pool]" = weakref.WeakSet()
 _pool_ids = itertools.count(1)
 # A CUDA device's default stream, known without asking torch (whose stream queries initialize its
-# CUDA allocator): c10 numbers it 0 (StreamIdType DEFAULT, index 0) and its cudaStream_t is the
-# legacy default stream, 0.
+# CUDA allocator): c10 numbers it 0 (StreamIdType DEFAULT, index 0).
 DEFAULT_STREAM_ID = 0
-DEFAULT_STREAM_HANDLE = 0
+
+
+def _weakly(method):
+    """A plain function calling the bound `method` through a weak reference to its object (it returns
+    None once the object is gone): a callback native code keeps must not keep the pool alive."""
+    ref = weakref.WeakMethod(method)
+
+    def call(*args):
+        bound = ref()
+        return None if bound is None else bound(*args)
+    return call
+
+
+def _context_list(name: str, doc: str) -> property:
+    """A `Pool` property over the list `name` of its `PoolContext` (read it, append to it, or replace it)."""
+    return property(lambda pool: getattr(pool._context, name),
+                    lambda pool, value: setattr(pool._context, name, value), doc=doc)
+
+
+def _let_go(core: Core) -> None:
+    """The end of a pool's memory (its finalizer: closed and idle, or collected): its native code serves
+    nothing more and keeps no reference to it, and every handle, mapping and reservation goes back."""
+    if core.fast is not None:
+        core.fast.close()
+    core.books.close()
+    core.books.set_keeper(None, None)
+    core.space.release_all()
 
 
 def open_pools() -> list["Pool"]:
@@ -121,18 +154,19 @@ def compact(*, verify: bool = False, progress: bool | None = None, engine: str |
             for p in open_pools()]
 
 
-@dataclass(eq=False, slots=True)
-class TensorInfo:
-    """What the torch face keeps on a block (`Block.info`): its storage and what it was made as."""
+def _native_face_maker(regions: list):
+    """`Core.make_face` for a pool whose native code places blocks (`pool.empty`'s fast path, threads
+    Python never saw, PyTorch's allocator entries): the Block of such a block, made when Python first
+    asks for it. No owner (a thread Python never saw, PyTorch's allocator): pinned, since that code
+    holds the raw pointer and a move would leave it stale. No storage (PyTorch's allocator made the
+    block: torch builds the storage itself): origin "allocator"."""
+    from torch.multiprocessing.reductions import StorageWeakRef
 
-    dtype: torch.dtype | None = None
-    shape: tuple[int, ...] | None = None
-    storage_ref: object | None = None  # StorageWeakRef to the user's storage
-    origin: str = "empty"  # empty | adopt | allocator (PyTorch's CPU or CUDA allocator made it: defrag.install)
-    streams: set = field(default_factory=set)  # CUDA streams that used it (record_stream)
-    alloc_stream: int = 0
-    tensors: list = field(default_factory=list)  # weakrefs to the tensors the pool made ("rebind" mode only)
-    kind: str = "tensor"
+    def make(address, size, nbytes, region, origin, owner, weak, dtype, shape):
+        storage_ref = StorageWeakRef.from_weakref(weak) if weak else None
+        info = TensorInfo(dtype, shape, storage_ref, "empty" if storage_ref is not None else "allocator")
+        return Block(address, size, nbytes, regions[region], pins=int(owner is None), owner=owner, info=info)
+    return make
 
 
 @dataclass(frozen=True)
@@ -151,111 +185,7 @@ class LiveTensor:
     meshed: bool = False  # a page under it shares its physical page with other pages (a mesh: `Pool.mesh`)
 
 
-def _owner_ref(info):
-    """The weak reference to the storage that owns a block with face data `info`, or None where nothing
-    can be held: no data, a segment of PyTorch's allocator (PyTorch sub-allocates inside it), or no
-    storage recorded."""
-    return None if info is None or isinstance(info, SegmentInfo) else info.storage_ref
-
-
-class _TorchMover:
-    """The compaction's callbacks for torch storages (see `defrag.compactor.Mover`)."""
-
-    def __init__(self, pool: "Pool"):
-        self.pool = pool
-
-    def stream(self) -> int:
-        return self.pool._current_stream()
-
-    def can_rewrite(self, block: Block) -> str:
-        info = block.info
-        if isinstance(info, SegmentInfo):
-            return "a segment of PyTorch's allocator (capture): PyTorch sub-allocates inside it, so it never moves"
-        if info is None or info.storage_ref is None or info.storage_ref.expired():
-            return "its storage is being released"
-        if not self.pool._can_swap and self.pool._rebindable(block) is None:
-            return ("torch < 2.12 lacks UntypedStorage._swap_data_ptr_ (and the storage-swap extension could not "
-                    "be built), and views or other references to this storage exist that the pool cannot rewrite")
-        return ""
-
-    def hold(self, block: Block):
-        return self.hold_all([block])[0]
-
-    def holdable(self, blocks: list) -> list:
-        # `hold_all`'s verdict without the storages: whether each has an owner to hold.
-        return [_owner_ref(block.info) is not None for block in blocks]
-
-    def hold_all(self, blocks: list) -> list:
-        # `can_rewrite`'s verdict included: a segment or a dead storage has no hold.
-        pool, lock = self.pool, torch.UntypedStorage._new_with_weak_ptr  # `tz.strong_storage`, inlined
-        swap = pool._can_swap
-        grips = []
-        for block in blocks:
-            ref = _owner_ref(block.info)
-            storage = None if ref is None else lock(ref.cdata)
-            if storage is None:
-                grips.append(None)
-            elif swap:
-                grips.append((storage, None))
-            else:
-                rebind = pool._rebindable(block, storage)
-                grips.append(None if rebind is None else (storage, rebind))
-        return grips
-
-    def destinations(self, blocks: list) -> list:
-        pool = self.pool
-        if pool._fast is not None:
-            return pool.core.front.storages_over(blocks)
-        return [pool._storage_over(block) for block in blocks]
-
-    def _rebases(self) -> bool:
-        # The owners take their new memory in place (`FastPath.rebase`) where the fast path made it
-        # and the old ranges go back to the books at once (`lets_go`).
-        return self.pool._fast is not None and self.lets_go()
-
-    def check(self, old: Block, held, dest) -> bool:
-        user = held[0]
-        return user.nbytes() == dest.nbytes() and user.data_ptr() == old.address
-
-    def lets_go(self) -> bool:
-        # Swapped: the temporary `dest` owns each old range alone, and dies with the compaction's
-        # references. Rebind mode: the old storage dies only once every reference to it is gone.
-        return self.pool._can_swap
-
-    def move_in_place(self, olds: list, addresses: list, grips: list) -> int | None:
-        # One C++ call for the whole wave: every owner rebased in place (`FastPath.rebase`). None
-        # where some owner's memory was not the fast path's: the wave then swaps with temporaries.
-        if not self._rebases():
-            return None
-        failed = self.pool.core.front.rebase([grip[0] for grip in grips], addresses, olds)
-        return None if failed == -2 else failed
-
-    def commit_all(self, dests) -> int | None:
-        # One C++ call for the whole wave where torch has it (`swap_storages`: `_swap_data_ptr_` per
-        # pair after every check); else move by move.
-        swap_all = getattr(fastpath.module, "swap_storages", None) if self.pool._swap_mode == "native" else None
-        if swap_all is None:
-            return None
-        return swap_all([held[0] for _, _, held, _ in dests], [dest for _, _, _, dest in dests],
-                        [old.address for old, _, _, _ in dests])
-
-    def commit(self, old: Block, new: Block, held, dest) -> None:
-        user, rebind = held
-        if rebind is None:
-            # `new` is now the user's block; `old` is owned by the temporary `dest`. Sizes were
-            # checked by `check`; `dest` was made on the pool's device.
-            tz.swap_data(user, dest, self.pool._swap_mode, checked=True)
-        else:
-            # Rebind mode: the known tensors (provably all users) take `dest`;
-            # `old` dies with the old storage once the compaction's references go.
-            tz.rebind(rebind, dest)
-            info = old.info
-            new.info = TensorInfo(info.dtype, info.shape, tz.weak_storage(dest), info.origin, info.streams,
-                                  info.alloc_stream, info.tensors)
-            old.info = None
-
-
-class Pool(TensorOwnership, PoolResidency, PoolMeshing, AllocatorSegments, PoolObservability):
+class Pool:
     """A VMM-backed tensor pool whose live tensors the compactor can move.
 
     `device`: "cuda:N", "emulated", None (first GPU if one works, else the
@@ -304,30 +234,33 @@ class Pool(TensorOwnership, PoolResidency, PoolMeshing, AllocatorSegments, PoolO
         self.id = next(_pool_ids)
         self.kind = self.driver.kind
         self.device = torch.device("cpu") if self.kind == "emulated" else torch.device("cuda", self.driver.ordinal)
-        self.on_compact: list = []  # callbacks(report) after every compaction
-        self.on_oom: list = []  # callbacks(OutOfMemoryError) before an allocation raises it
-        # Callables run (outside the lock) before an explicit compaction or trim, to hand
-        # back memory cached elsewhere (pool.capture() adds PyTorch's cached segments).
-        self.on_pressure: list = []
-        # How a moved storage takes its new memory, fixed for the pool's life: torch's
-        # _swap_data_ptr_, else defrag's small extension (built here on first use, once
-        # per machine), else rebinding the tensors the pool knows (views pin blocks).
-        self._swap_mode = tz.swap_mode()  # fixed for the pool's life, like the storages it made
-        self._can_swap = self._swap_mode != "rebind"
+        swap_mode = tz.swap_mode()  # fixed for the pool's life, like the storages it made
         self.core = Core(self.driver, capacity_pages=capacity_bytes // page_size, page_size=page_size,
                          auto_compact=auto_compact, min_compact_interval=min_compact_interval,
                          virtual_factor=virtual_factor, label=f"pool #{self.id}", auto_mesh=auto_mesh)
-        if self.kind == "cuda":
-            self.core.defer = self._stream_events
-        self._mover = _TorchMover(self)
-        self._segments: dict[int, Block] = {}  # address -> segment handed to PyTorch's allocator
+        if self.kind == "cuda" and self.driver.on_libcuda:
+            # Releases other streams used wait for their events; reuse across streams is fenced.
+            self.core.books.set_streams("cuda", self.driver.context_handle)
         # Holds the address space, not the pool: it runs when the pool is collected or closed idle.
-        self._finalizer = weakref.finalize(self, self.core.space.release_all)
-        self._finalizer.atexit = False
+        finalizer = weakref.finalize(self, _let_go, self.core)
+        finalizer.atexit = False
+        # What the parts share; a Python-path storage's death calls this pool's `_on_release`.
+        self._context = context = PoolContext(self.id, self.core, self.device, swap_mode,
+                                              on_release=self._on_release, finalizer=finalizer)
+        # The books keep this pool alive while a storage of theirs lives, and tell it of every release
+        # after close (`_release_after_close`), through a weak reference (no cycle).
+        self._close_hook = _weakly(self._release_after_close)  # kept here: the books only borrow it
+        self.core.books.set_keeper(self, self._close_hook)
+        if self.kind == "cuda":
+            copying.prepare(self.driver)  # the move kernel loads (or compiles, once per machine) in the background
+        # The parts, each over the context (and the parts it builds on).
+        self._ownership = TensorOwnership(context, open_pools)
+        self._residency = PoolResidency(context, self._ownership)
+        self._meshing = PoolMeshing(context)
+        self._allocator_segments = AllocatorSegments(context)
+        self._observability = PoolObservability(context, self._allocator_segments)
         # The allocation fast path (defrag.fastpath) over the core's native books; whenever it
         # declines, the Python path.
-        self._fast = None
-        self._fast_recording = False  # whether the fast path logs the allocator entries' blocks (history)
         if fastpath.setting() != "off":
             with self.core.gate:
                 self._attach_fast()
@@ -385,221 +318,102 @@ class Pool(TensorOwnership, PoolResidency, PoolMeshing, AllocatorSegments, PoolO
         return (f"<defrag.Pool #{self.id} {self.kind} capacity={format_bytes(self.capacity)} "
                 f"page={format_bytes(self.page_size)} {state}>")
 
-    def _enter(self) -> None:
-        """The start of every mutating call (gate held): open, no stale access, releases applied."""
-        self.core.check_open()
-        self.core.drain()
+    # The hook lists live on the context (its `allocate` and `relieve` run them); these read, append
+    # to or replace them there.
+    on_compact = _context_list("on_compact", "Callbacks `f(report)` after every compaction (a list: append to it).")
+    on_oom = _context_list("on_oom", "Callbacks `f(error)` with the `OutOfMemoryError` just before an allocation "
+                                     "raises it.")
+    on_pressure = _context_list("on_pressure", "Callables run (outside the lock) before an explicit compaction or "
+                                               "trim, to hand back memory cached elsewhere (`pool.capture()` adds "
+                                               "PyTorch's cached segments).")
 
+    # ------------------------------------------------------------------ the fast path
     def _attach_fast(self) -> None:
-        """Hand the kept ranges to the C++ fast path and let it serve `empty` (gate held)."""
-        if not self._can_swap:
+        """Let the native fast path serve `empty` and make this pool's storages (gate held)."""
+        context = self._context
+        if not context.can_swap:
             return  # "rebind" mode must know every tensor it made
         try:
-            # The default stream is known without asking torch (see _current_stream): its c10 id is 0.
+            # The default stream is known without asking torch (see PoolContext.current_stream): its c10 id is 0.
             cpp = fastpath.wait().FastPath(
-                self.core.books, self, self.core.gate.occupants, threads.owner_ref, list(tz.SUPPORTED_DTYPES),
-                self.device.type, self.device.index or 0, self.driver.stale_probe_fd(), DEFAULT_STREAM_ID)
+                self.core.books, threads.owner_ref, list(tz.SUPPORTED_DTYPES), self.device.type,
+                self.device.index or 0, self.driver.stale_probe_fd(), DEFAULT_STREAM_ID)
         except Exception:  # never fatal: the Python path does everything the fast path does
             _log.warning("defrag: the allocation fast path could not attach to %s; using the Python path\n%s",
                          self.core.label, traceback.format_exc())
             return
-        alloc_stream = DEFAULT_STREAM_HANDLE
-
-        def make_info(dtype, shape, storage_ref):
-            # No storage: a block of PyTorch's CPU allocator (`defrag.install`), never one of pool.empty().
-            origin = "empty" if storage_ref is not None else "allocator"
-            return TensorInfo(dtype, shape, storage_ref, origin, alloc_stream=alloc_stream)
-
-        self.core.front = fastpath.FastPath(cpp, make_info)
-        self.core.gate.books = self.core.books  # native placement waits while a thread holds the gate
+        self.core.fast = cpp
+        self.core.make_face = _native_face_maker(self.core.space.regions)
+        cpp.set_room(_weakly(self._room))
         if type(self).empty is Pool.empty:  # a subclass's own empty() stays in charge
             # `pool.empty` straight into C++ (the same as `Pool.empty`, without its Python frame).
             self.empty = cpp.bind_empty(Pool._empty_after_miss, weakref.ref(self))
-        self._fast = cpp
-        self._update_fast()
+        context.update_fast()
 
-    def _refill(self) -> bool:
-        """Apply queued releases so that their ranges are kept for the fast path again; whether any was.
-        Cheaper than `_enter`: the fast path's new blocks stay unrecorded (see `Core.drain`)."""
-        core = self.core
-        with core.gate:
-            if core.closed:
-                return False
-            before = core.books.kept_count()
-            core.drain(made_too=False)
-            return core.books.kept_count() > before
+    def _room(self, nbytes: int, origin: int, stream: int = 0):
+        """Place a block of `nbytes` for `stream` through the ladder for native code that could not place
+        it (the fast path's room, `FastPath.set_room`: called with the GIL by a thread Python never saw,
+        origin 1, or by PyTorch's CPU or CUDA allocator entries, origin 2, which then attach the block).
+        Its face is pinned and belongs to no thread: PyTorch, or a C++ thread, holds its raw pointer.
 
-    def _stock_for_native(self, nbytes: int) -> bool:
-        """A thread Python never saw could not place `nbytes` natively (pages must be mapped, or the
-        ladder must climb; the fast path's `native_empty` calls this with the GIL): place a block
-        through the ladder (compaction included: those threads' blocks are pinned, and the calling
-        thread waits outside any op) and keep its range for that size, for the native placement to
-        take. False when the pool cannot (closed, asleep, out of memory, the fast path off); never
-        raises (it is called across the C boundary)."""
-        return self._stock(nbytes, True, allocator=False) is None
-
-    def _stock_for_allocator(self, nbytes: int, no_room: bool = True) -> "str | bool | None":
-        """`_stock_for_native` for PyTorch's CPU allocator and CUDA entry points (`defrag.install`;
-        native/pool_allocator.h calls it with the GIL; the calling thread's own allocations meanwhile
-        never come back here). `no_room` False: the native placement found releases waiting, the books
-        held or a history log to take, not a lack of room: only apply the releases (the ladder would
-        record every live block again, whose frees would queue again). The ladder stops before
-        compacting: PyTorch may allocate in the middle of an op whose inputs' addresses it has read
-        (an output, a workspace), so moving pool tensors there is unsafe. None: stocked (place
-        again); a str: the pool cannot serve it, the explained OOM (raised to the program as
-        torch.OutOfMemoryError); False: the pool is closed or asleep (the CPU allocator's previous
-        allocator serves it; on CUDA it fails). Never raises (it is called across the C boundary)."""
-        return self._stock(nbytes, no_room, allocator=True)
-
-    def _stock(self, nbytes: int, no_room: bool, *, allocator: bool) -> "str | bool | None":
-        """`_stock_for_native` and `_stock_for_allocator`: `allocator` reads the allocator entries' switch
-        (on while recording history) instead of the fast path's, and stops the ladder before compacting."""
-        compact = not allocator
+        Returns (address, its Block); else a str, the pool's explained OOM (raised to the program as
+        torch.OutOfMemoryError); else None: the pool does not serve it (closed, asleep, the fast path
+        off). For PyTorch's allocator the ladder stops before compacting: PyTorch may allocate in the
+        middle of an op whose inputs' addresses it has read (an output, a workspace), so moving pool
+        tensors there is unsafe. Never raises (it is called across the C boundary)."""
+        allocator = origin == 2
         try:
-            fast = self._fast
+            context = self._context
+            fast = context.fast
             if fast is None or not (fast.serves_allocator if allocator else fast.enabled):
-                return False
-            if self._refill() or not no_room:  # releases were waiting (the common case): their ranges may serve it
                 return None
             with self.core.gate:
-                self._enter()
-                block = self._allocate(nbytes, compact=compact)
-                self.core.unplace(block)
-            return None
+                context.enter()
+                block = context.allocate(nbytes, compact=not allocator, stream=stream)
+                block.pins, block.owner = 1, None
+                block.info = TensorInfo(None if allocator else torch.uint8, (nbytes,), None,
+                                        "allocator" if allocator else "empty")
+            return block.address, block
         except OutOfMemoryError as exc:
-            if compact:
+            if not allocator:
                 return str(exc)
-            return (f"{exc}\n  not tried inside PyTorch's allocator: compacting (an op may hold its inputs' "
-                    f"addresses); compact between steps (pool.compact()) or retry with defrag.retry_on_oom")
+            return refused_inside_allocator(exc)
         except StaleAccessError as exc:
             return str(exc)
         except (PoolClosedError, PoolAsleepError):
-            return False
+            return None
         except Exception as exc:
-            _log.error("defrag: stocking a range for a native allocation failed\n%s", traceback.format_exc())
+            _log.error("defrag: placing a block for native code failed\n%s", traceback.format_exc())
             return f"defrag: making room for {nbytes} bytes failed: {exc!r}"
-
-    def _update_fast(self) -> None:
-        """Let the fast path serve only while nothing needs the Python path's eyes (gate held). PyTorch's
-        allocator entries (`defrag.install`) keep serving while the pool records history: the fast path
-        logs their blocks for the recorder (`FastPath.sync` hands them over)."""
-        if self._fast is not None:
-            core, cpp = self.core, self._fast
-            serves = not (core.closed or core.space.sleeping)
-            recording = core.history is not None
-            if recording != self._fast_recording:
-                cpp.set_recording(recording)
-                self._fast_recording = recording
-            cpp.enabled = serves and not recording
-            cpp.serves_allocator = serves
-
-    def _current_stream(self) -> int:
-        """The cudaStream_t torch runs on now (0 on the emulated device).
-
-        Asks torch only once torch has initialized CUDA itself: its stream
-        queries initialize its CUDA allocator, after which `defrag.install`
-        can no longer replace it. Before that no stream can have been made
-        current (making a torch stream initializes CUDA), so the answer is
-        the default stream.
-        """
-        if self.kind == "cuda" and torch.cuda.is_initialized():
-            return torch.cuda.current_stream(self.device).cuda_stream
-        return DEFAULT_STREAM_HANDLE
-
-    def _stream_events(self, block: Block) -> list:
-        """CUDA: events on every stream that used `block`; it is reused once they completed."""
-        info = block.info
-        streams = {info.alloc_stream, *info.streams} if info is not None else {0}
-        events = []
-        for stream in streams:
-            event = torch.cuda.Event()
-            event.record(torch.cuda.ExternalStream(stream, device=self.device) if stream else
-                         torch.cuda.default_stream(self.device))
-            events.append(event)
-        return events
 
     # ------------------------------------------------------------------ release
     def _on_release(self, block: Block) -> None:
-        """Runs when torch drops a block's owner: any thread, any time. Only queues,
-        except after close, when nothing else will come to drain the queue."""
+        """Runs when torch drops a Python-path block's owner (the fast path off): any thread, any time.
+        Releases it in the books (at once, or when the thread inside the gate leaves); after close,
+        also gives back what nothing uses any more."""
         self.core.release(block)
         if self.core.closed:
             self._release_after_close()
 
     def _release_after_close(self) -> None:
-        """A block died after close: free it, and give everything back once nothing lives
-        (the fast path's deleter calls this too, with the GIL). When the block died inside one of
-        this pool's own calls on this thread (the collector ran there), after that call: its release
-        is queued meanwhile."""
+        """A block died after close: give everything back once nothing lives (the books' close hook calls
+        this too, with the GIL). When the block died inside one of this pool's own calls on this thread
+        (the collector ran there), after that call."""
         if self.core.gate.run_outside(self._release_after_close):
             return
         with self.core.gate:
             self.core.drain()
-            self._release_if_idle()
-
-    # ------------------------------------------------------------------ allocation
-    def _allocate(self, nbytes: int, *, compact: bool = True) -> Block:
-        """Place `nbytes` (the ladder, with automatic compaction); OutOfMemoryError when nothing helps."""
-        try:
-            return self.core.allocate(nbytes, self._rescue if compact else None, self._describe)
-        except OutOfRoom as room:
-            error = OutOfMemoryError(room.message, **room.figures)
-        for observer in list(self.on_oom):
-            try:
-                observer(error)
-            except Exception:  # an observer must not replace the OOM the caller is about to get
-                _log.error("defrag: an on_oom observer raised; ignored\n%s", traceback.format_exc())
-        raise error
-
-    def _rescue(self, nbytes: int, tried: list[str]) -> Block | None:
-        return rescue(self.core, self._mover, nbytes, tried, self.on_compact)
-
-    def _describe(self, block: Block) -> str:
-        info = block.info
-        if info is None:
-            return ""
-        if isinstance(info, SegmentInfo):
-            return "(a segment of PyTorch's allocator)"
-        if getattr(info, "origin", None) == "allocator":  # defrag.install: the pool is PyTorch's allocator
-            return "(PyTorch's CUDA allocator)" if self.kind == "cuda" else "(PyTorch's CPU allocator)"
-        dtype = str(info.dtype).replace("torch.", "") if info.dtype else ""
-        return f"{dtype}{list(info.shape) if info.shape is not None else ''}"
-
-    def _storage_over(self, block: Block) -> torch.UntypedStorage:
-        """A storage over `block` whose death releases it (the fast path's, or one whose release hook
-        the block keeps)."""
-        if self._fast is not None:
-            return self.core.front.storage_over(block)
-        storage, block.keepalive = tz.storage_over(self.kind, self.device, block.address, block.nbytes,
-                                                   self._on_release, block)
-        return storage
-
-    def _record(self, block: Block, dtype, shape, storage: torch.UntypedStorage, origin: str) -> None:
-        """The block's TensorInfo for the user's storage over it."""
-        block.info = TensorInfo(dtype, shape, tz.weak_storage(storage), origin, alloc_stream=self._current_stream())
-
-    def _storage_for(self, block: Block, dtype, shape, origin: str = "empty") -> torch.UntypedStorage:
-        """The user's storage over a new block, with the block's TensorInfo."""
-        storage = self._storage_over(block)
-        self._record(block, dtype, shape, storage, origin)
-        return storage
-
-    def _tensor_for(self, block: Block, dtype, shape: tuple, stride: tuple) -> torch.Tensor:
-        """The user's tensor over a new block (its own storage), with the block's TensorInfo."""
-        tensor, block.keepalive = tz.tensor_at(self.kind, self.device, block.address, block.nbytes, dtype, shape,
-                                               stride, self._on_release, block)
-        self._record(block, dtype, shape, tensor.untyped_storage(), "empty")
-        return tensor
+            self._context.release_if_idle()
 
     # ------------------------------------------------------------------ public: creation
     def empty(self, *shape, dtype: torch.dtype | None = None, requires_grad: bool = False) -> torch.Tensor:
         """An uninitialized tensor over pool memory (an ordinary torch tensor).
 
         Zero-element tensors hold no pool memory: they are plain `torch.empty`
-        results on `pool.device`. A size the pool keeps from an earlier free
-        is served by the C++ fast path when it is attached (`defrag.fastpath`).
+        results on `pool.device`. Any size mapped free space holds is served
+        by the C++ fast path when it is attached (`defrag.fastpath`).
         """
-        fast = self._fast
+        fast = self._context.fast
         if fast is not None and not requires_grad:
             tensor = fast.empty(shape, dtype)
             if tensor is not None:
@@ -608,17 +422,11 @@ class Pool(TensorOwnership, PoolResidency, PoolMeshing, AllocatorSegments, PoolO
 
     def _empty_after_miss(self, *shape, dtype: torch.dtype | None = None, requires_grad: bool = False):
         """`empty` once the fast path declined (also the fallback of the C function `_attach_fast` binds
-        as this pool's `empty`): apply queued releases and try it again, else the Python path."""
-        fast = self._fast
-        if fast is not None and not requires_grad and fast.enabled and self._refill():
-            tensor = fast.empty(shape, dtype)
-            if tensor is not None:
-                return tensor
+        as this pool's `empty`): the Python path, the ladder, errors included."""
         if len(shape) == 1 and not isinstance(shape[0], int):
             shape = shape[0]
         shape = tz.check_shape(shape)
-        return self._new_tensor(shape, tz.contiguous_strides(shape), dtype, requires_grad,
-                                stock=fast is not None and not requires_grad)
+        return self._new_tensor(shape, tz.contiguous_strides(shape), dtype, requires_grad)
 
     def empty_strided(self, size, stride, *, dtype: torch.dtype | None = None,
                       requires_grad: bool = False) -> torch.Tensor:
@@ -630,38 +438,26 @@ class Pool(TensorOwnership, PoolResidency, PoolMeshing, AllocatorSegments, PoolO
             raise ValueError(f"empty_strided: {len(size)} sizes but {len(stride)} strides")
         return self._new_tensor(size, stride, dtype, requires_grad)
 
-    def _new_tensor(self, shape: tuple, stride: tuple, dtype, requires_grad: bool, *,
-                    stock: bool = False) -> torch.Tensor:
-        """A tensor over a new block. `stock` (a contiguous `empty` the fast path declined): place the
-        block, keep it for the fast path and let the fast path make the tensor, so that its release
-        comes back to the fast path too; the Python path when the fast path declines again."""
+    def _new_tensor(self, shape: tuple, stride: tuple, dtype, requires_grad: bool) -> torch.Tensor:
+        """A tensor over a new block placed through the ladder (the block placed once: the fast path, when
+        attached, makes the tensor over that very block)."""
         dtype = tz.check_dtype(dtype if dtype is not None else torch.get_default_dtype())
         if len(shape) == 1 and stride[0] == 1:
             elements = shape[0]
         else:
             elements = 0 if 0 in shape else 1 + sum((n - 1) * st for n, st in zip(shape, stride))
         nbytes = elements * dtype.itemsize
+        context = self._context
         with self.core.gate:
-            self._enter()
+            context.enter()
             if nbytes == 0:
                 return torch.empty_strided(shape, stride, dtype=dtype, device=self.device,
                                            requires_grad=requires_grad)
-            block = self._allocate(nbytes)
-            if stock and self._fast is not None and self._fast.enabled:
-                self.core.unplace(block)
-                block = None
-            else:
-                try:
-                    tensor = self._tensor_for(block, dtype, shape, stride)
-                except BaseException:
-                    self.core.free(block)
-                    raise
-                if self.core.history is not None:
-                    self.core.history.block_allocated(block)
-        if block is None:
-            tensor = self._fast.empty(shape, dtype)
-            return tensor if tensor is not None else self._new_tensor(shape, stride, dtype, requires_grad)
-        if not self._can_swap:  # "rebind" mode only: otherwise no weakref on users' tensors (swap_tensors works)
+            block = context.allocate(nbytes, stream=context.current_stream())
+            tensor = context.tensor_for(block, dtype, shape, stride)
+            if self.core.history is not None:
+                self.core.history.block_allocated(block)
+        if not context.can_swap:  # "rebind" mode only: otherwise no weakref on users' tensors (swap_tensors works)
             block.info.tensors.append(weakref.ref(tensor))
         if requires_grad:
             tensor.requires_grad_(True)
@@ -712,8 +508,8 @@ class Pool(TensorOwnership, PoolResidency, PoolMeshing, AllocatorSegments, PoolO
             shape = shape[0]
         shape = tz.check_shape(shape)
         with self.core.gate:
-            self._enter()
-            self._require_own(tensor, "resize_")
+            self._context.enter()
+            self._ownership.block_of(tensor, "resize_")
         need = (tensor.storage_offset() + math.prod(shape)) * tensor.element_size()
         if need <= tensor.untyped_storage().nbytes():
             with torch.no_grad():
@@ -725,23 +521,258 @@ class Pool(TensorOwnership, PoolResidency, PoolMeshing, AllocatorSegments, PoolO
             tensor.set_(fresh.untyped_storage(), 0, shape, tz.contiguous_strides(shape))
         return tensor
 
-    # ------------------------------------------------------------------ inspection
-    def _other_owner(self, ptr: int) -> "Pool | None":
-        """The other open pool whose address space holds `ptr`, if any."""
-        return next((p for p in open_pools() if p is not self and p.owns_address(ptr)), None)
+    # ------------------------------------------------------------------ ownership (TensorOwnership)
+    def owns_address(self, ptr: int) -> bool:
+        """Whether `ptr` lies in this pool's virtual address space."""
+        return self._ownership.owns_address(ptr)
 
-    def _rebindable(self, block: Block, storage=None) -> list | None:
-        """Rebind mode: the tensors to rebind, if they are provably all users of the storage.
+    def owns(self, tensor: torch.Tensor) -> bool:
+        """Whether `tensor`'s storage is a live block of this pool."""
+        return self._ownership.owns(tensor)
 
-        Pass the caller's own strong `storage` reference if it holds one (it is
-        the one reference the proof allows besides the tensors).
+    def pin(self, tensor: torch.Tensor) -> None:
+        """Keep `tensor`'s storage where it is: compaction never moves a pinned block.
+
+        Pins count: each `pin` needs an `unpin`. Pinning a tensor that is not
+        in this pool raises ValueError and changes nothing.
         """
-        storage = storage if storage is not None else tz.strong_storage(block.info.storage_ref)
-        if storage is None:
-            return None
-        known = [t for t in (r() for r in block.info.tensors) if t is not None]
-        return known if tz.rebind_proof(storage, known) else None
+        self._ownership.pin(tensor)
 
+    def unpin(self, tensor: torch.Tensor) -> None:
+        """Undo one `pin`. ValueError if the tensor is not pinned."""
+        self._ownership.unpin(tensor)
+
+    def share(self, tensor: torch.Tensor) -> None:
+        """Declare that several threads use `tensor`: no thread owns its block any more.
+
+        A shared block is never moved by a compaction that other running
+        threads could overlap (the default, or `threads="own"`); it moves only
+        when no other thread that used the pool runs. Use it for tensors
+        handed to other threads that keep using them (weights read by worker
+        threads, a cache filled by one thread and read by another). `claim`
+        undoes it.
+        """
+        self._ownership.share(tensor)
+
+    def claim(self, tensor: torch.Tensor) -> None:
+        """Make the calling thread the only user of `tensor`: its own compactions may move it.
+
+        For hand-offs: a batch made by a loader thread and from now on used only
+        by this one, or a shared tensor no other thread touches any more. The
+        previous owner's compactions stop moving it.
+        """
+        self._ownership.claim(tensor)
+
+    def record_stream(self, tensor: torch.Tensor, stream) -> None:
+        """Declare that `tensor` is used on `stream`: its block is reused only after
+        that stream's work queued before the free has completed (CUDA). A no-op
+        on the emulated device, where every operation is synchronous."""
+        self._ownership.record_stream(tensor, stream)
+
+    def adopt(self, obj):
+        """Move existing data into the pool, keeping the caller's objects.
+
+        - a tensor: its storage is rewritten in place (the same Python object;
+          every view follows) to point at pool memory holding the same bytes;
+        - an `nn.Module`: its parameters (the same Parameter objects), buffers
+          and existing `.grad`s;
+        - an optimizer: its state tensors (on this pool's device; others, such
+          as Adam's CPU `step` next to CUDA parameters, stay where they are);
+        - a list, tuple or dict (a state dict, a KV cache) of any of these,
+          nested as deep as you like.
+
+        All or nothing: every block is placed before any storage is rewritten,
+        so an out-of-memory error leaves every tensor where it was. Storages
+        already in this pool are left alone; storages in another pool, or
+        tensors on another device (for a tensor or module), raise ValueError.
+        Returns `obj`.
+        """
+        return self._ownership.adopt(obj)
+
+    # ------------------------------------------------------------------ residency (PoolResidency)
+    @property
+    def asleep(self) -> bool:
+        """Whether the pool sleeps (between `sleep()` and `wake()`)."""
+        return self._residency.asleep
+
+    def sleep(self, *, discard=(), progress: bool | None = None) -> "residency.ResidencyReport":
+        """Release every device page and keep every address: tensors keep their pointers, not their memory.
+
+        Copies the bytes of every live tensor to one pinned host buffer,
+        unmaps and releases every device page (cached ones too), and keeps
+        the reservations, the tensors, their views and their `data_ptr()`s.
+        `wake()` maps device pages at the same addresses and copies the bytes
+        back, so views, raw pointers and captured CUDA graphs stay valid.
+
+        `discard`: tensors (or modules, lists, dicts of them, as for `adopt`)
+        whose bytes need not survive, such as a KV cache: they are not
+        copied and read zeros after `wake()`. `progress`: a progress bar
+        (None: only above 256 MiB).
+
+        While asleep, pool calls that need device memory (`empty`, `adopt`,
+        `compact`, `pin`, `offload`, `trim`, ...) raise `PoolAsleepError`;
+        `stats()`, `summary()`, `layout()`, `snapshot()`, `live_tensors()`,
+        `wake()` and `close()` work. The pool cannot see kernels: touching a
+        sleeping tensor reads unmapped memory (a CUDA illegal-address error on
+        a GPU; zeros and a `StaleAccessError` at the next pool call on the
+        emulated device). Offloaded tensors stay host-backed and usable.
+        A driver fault before the last page is unmapped restores everything
+        (same pages, same bytes) and raises. `ResidencyError` when already
+        asleep. Returns a `ResidencyReport`.
+        """
+        return self._residency.sleep(discard=discard, progress=progress)
+
+    def wake(self, *, progress: bool | None = None) -> "residency.ResidencyReport":
+        """Map device pages where the pool slept and copy every kept byte back (see `sleep`).
+
+        `ResidencyError` when the pool is awake. When the device cannot
+        supply the pages (or any driver call fails) the pool stays asleep
+        with every byte kept, and the error says so: call it again later.
+        `StaleAccessError` (the pool still asleep, nothing changed) when a
+        tensor of the pool was touched while it slept (emulated device): the
+        access read zeros or lost its write, and is reported once, here.
+        """
+        return self._residency.wake(progress=progress)
+
+    def offload(self, tensors, *, pack: bool = True, progress: bool | None = None) -> "residency.ResidencyReport":
+        """Back these tensors' pages with host memory at the same addresses; their device pages are freed.
+
+        The tensors stay readable and writable where they are, over the bus:
+        slower, but from the offload until after the reload no pointer
+        changes (views, `data_ptr()`s and captured graphs stay valid). Pages
+        are the unit: tensors that share a page with tensors that stay are
+        first packed into pages of their own (a compaction move: views
+        follow, but a raw pointer taken before `offload` is stale; with
+        `pack=False` that is a `ResidencyError` instead, nothing moved), so
+        that no other tensor goes to host memory with them; the space left in
+        those pages is held unused. Offloaded tensors never move; `reload(tensors)` brings their
+        pages back (with every tensor on them). The pool keeps each offloaded
+        tensor's storage alive until it is reloaded (or the pool closes), so
+        dropping one frees its memory at the next `reload()`.
+
+        `tensors`: a tensor, module, optimizer, or list/tuple/dict of them (as
+        for `adopt`). Errors, with nothing offloaded: `ValueError` for a
+        pinned tensor, or one that is not in this pool; `NotSupportedError`
+        where the driver has no host-located pages (CUDA before 12.2, or a
+        device without host NUMA VMM support); `PoolAsleepError` while asleep.
+        Returns a `ResidencyReport`.
+        """
+        return self._residency.offload(tensors, pack=pack, progress=progress)
+
+    def reload(self, tensors=None, *, progress: bool | None = None) -> "residency.ResidencyReport":
+        """Bring offloaded tensors' pages back to device memory (None: every offloaded page).
+
+        Every tensor on those pages comes back; tensors that are not
+        offloaded are left alone. Needs a free device page per page (the
+        pool's capacity); `ResidencyError` otherwise, with nothing changed.
+        Returns a `ResidencyReport`.
+        """
+        return self._residency.reload(tensors, progress=progress)
+
+    # ------------------------------------------------------------------ meshing (PoolMeshing)
+    def mesh(self, *, release: bool = False, threads: str | None = None, engine: str | None = None) -> MeshReport:
+        """Share physical pages between pages whose live bytes are disjoint at page offsets, moving no
+        tensor (every address stays; pinned tensors and PyTorch-owned blocks too): each group's live
+        bytes are copied into one physical page mapped at every page of the group, and the others'
+        physical pages are freed (cached; released to the device with `release=True`).
+        `threads` and `engine` as for `compact`. A driver fault rolls back the group it hit (every byte and
+        mapping as before) and is raised. Returns a `defrag.mesher.MeshReport`."""
+        return self._meshing.mesh(release=release, threads=threads, engine=engine)
+
+    def unmesh(self) -> int:
+        """Give every meshed page a physical page of its own again (bytes intact); returns how many.
+        ValueError (nothing changed for the rest) when the pool has too few free physical pages."""
+        return self._meshing.unmesh()
+
+    # ------------------------------------------------------------------ raw segments for PyTorch's allocator (AllocatorSegments), capture
+    def alloc_segment(self, nbytes: int, stream: int = 0, *, compact: bool = True) -> int:
+        """Raw device memory for PyTorch's allocator: `nbytes` in pool pages; returns its address.
+
+        Climbs the same ladder as `empty` (empty mapped pages, stitching, then
+        compacting this pool's movable tensors) and raises OutOfMemoryError
+        when nothing helps. Makes no torch allocation: a compaction here only
+        copies with the driver or the numba kernel and swaps storages. The
+        segment belongs to no thread and never moves; `free_segment` gives it
+        back. `stream`: the CUDA stream PyTorch allocates it for. `compact`:
+        False stops the ladder before compacting (see `defrag.capture`).
+        """
+        return self._allocator_segments.alloc_segment(nbytes, stream, compact=compact)
+
+    def free_segment(self, address: int) -> bool:
+        """Give back a segment from `alloc_segment`; False (and nothing changes) if `address` is not one.
+
+        Works after `close()` too (PyTorch may free its cached segments late).
+        On CUDA the range is reused at once on the segment's stream; another stream waits for it on the
+        device first (the books' fence).
+        """
+        return self._allocator_segments.free_segment(address)
+
+    def segments(self) -> list[tuple[int, int]]:
+        """(address, bytes) of every segment handed to PyTorch's allocator and not given back."""
+        return self._allocator_segments.segments()
+
+    def capture(self, *, allocator=None):
+        """`with pool.capture():` routes this thread's PyTorch CUDA allocations to pool pages (see `defrag.capture`)."""
+        return capture_block(self, allocator=allocator)
+
+    def release_cached(self) -> int:
+        """Hand back to the pool the segments PyTorch caches for `capture()` blocks and no longer uses, through
+        every allocator the pool was captured with (`defrag.capture.release_cached`); their bytes."""
+        return release_captured(self)
+
+    # ------------------------------------------------------------------ observability (PoolObservability), snapshots
+    def stats(self) -> dict:
+        """Counters and gauges; PyTorch's key grammar where PyTorch has the key.
+
+        `allocated_bytes.all.*`: bytes in live blocks (rounded to 512);
+        `reserved_bytes.all.*`: mapped physical bytes; `active_bytes.all.*`:
+        allocated plus blocks released but waiting on stream events;
+        `pages.{mapped,cached,total,empty}`; `stranded_bytes`: free bytes inside
+        pages that hold live data (what compaction can recover);
+        `largest_free_bytes`: the largest request that succeeds now without
+        compaction; `fragmentation`: stranded / reserved.
+        """
+        return self._observability.stats()
+
+    def reset_peak_stats(self) -> None:
+        """Reset every `*.peak` statistic to its current value (like `torch.cuda.reset_peak_memory_stats`)."""
+        self._observability.reset_peak_stats()
+
+    def check_invariants(self) -> None:
+        """Raise AssertionError if any of DESIGN.md's pool invariants is broken (a test aid); see `Core`."""
+        self._observability.check_invariants()
+
+    def layout(self) -> dict:
+        """A plain-dict picture of the pool (for `defrag.viz` and snapshots).
+
+        `regions`: base, npages and a per-page state ("unmapped", "empty" for a
+        mapped page holding no block, "live"); `blocks`: every block with its
+        address, size (rounded), nbytes, region index, pinned, dtype, shape and
+        state ("live", "retired" or "pending-free"); plus page_size, capacity
+        and cached pages.
+        """
+        return self._observability.layout()
+
+    def record_history(self, enabled: bool = True, *, max_entries: int = 100_000, stacks: bool = True) -> None:
+        """Start (or stop) recording alloc/free/map/unmap/compaction events for `snapshot()`.
+
+        `stacks`: record the Python frames that led to each allocation and OOM
+        (the caller's frames, not defrag's), as `torch.cuda.memory.
+        _record_memory_history(stacks="python")` does; they show in the
+        trace entries and in the snapshot's blocks. Costs a few microseconds
+        per allocation while recording.
+        """
+        self._observability.record_history(enabled, max_entries=max_entries, stacks=stacks)
+
+    def snapshot(self) -> dict:
+        """The pool in the format of `torch.cuda.memory._snapshot()` (segments and device_traces)."""
+        return observe.snapshot(self)
+
+    def summary(self) -> str:
+        """A human-readable table in the spirit of `torch.cuda.memory_summary()`."""
+        return observe.summary(self.stats(), self)
+
+    # ------------------------------------------------------------------ inspection
     def live_tensors(self) -> list[LiveTensor]:
         """Every live block, in address order, as a `compact()` called from this thread sees it."""
         with self.core.gate:
@@ -752,7 +783,7 @@ class Pool(TensorOwnership, PoolResidency, PoolMeshing, AllocatorSegments, PoolO
             for block in sorted(self.core.blocks(), key=lambda b: b.address):
                 if block.retired:
                     continue
-                reason = scope.blocker(block, self._mover.can_rewrite)
+                reason = scope.blocker(block, self._context.mover.can_rewrite)
                 info = block.info
                 first, end = backing.pages_of(block)
                 meshed = bool((backing.mesh_ids[block.region.index][first:end] >= 0).any())
@@ -770,10 +801,10 @@ class Pool(TensorOwnership, PoolResidency, PoolMeshing, AllocatorSegments, PoolO
         are disjoint share physical pages (`Pool.mesh`), so that trim gives
         back the most; a driver fault there rolls that mesh back and is logged.
         """
-        self._relieve()
+        self._context.relieve()
         with self.core.gate:
             self.core.check_open()
-            return (self._mesh_to_release() if mesh else 0) + self.core.trim()
+            return (self._meshing.mesh_to_release() if mesh else 0) + self.core.trim()
 
     def close(self) -> None:
         """Close the pool: no new allocations; memory goes back to the driver.
@@ -791,18 +822,11 @@ class Pool(TensorOwnership, PoolResidency, PoolMeshing, AllocatorSegments, PoolO
             self.core.drain()
             self.core.wait_pending()
             self.core.closed = True
-            if self._fast is not None:
-                self._fast.close()  # later releases of its blocks call _release_after_close
+            if self._context.fast is not None:
+                self._context.fast.close()  # no more fast allocations
+            self.core.books.close()  # later releases call _release_after_close
             _open_pools.discard(self)
-            self._release_if_idle()
-
-    def _release_if_idle(self) -> None:
-        if self.core.has_live_blocks() or self._finalizer is None:
-            if any(True for _ in self.core.blocks()):
-                self.core.give_back_idle()  # keep what is live; give back the rest now
-            return
-        self._finalizer()  # the address space's release_all, exactly once
-        self._finalizer = None
+            self._context.release_if_idle()
 
     # ------------------------------------------------------------------ compaction
     def compact(self, *, verify: bool = False, progress: bool | None = None, engine: str | None = None,
@@ -810,8 +834,9 @@ class Pool(TensorOwnership, PoolResidency, PoolMeshing, AllocatorSegments, PoolO
         """Move live tensors so that the pages they strand become free; see `defrag.compactor`.
 
         `verify`: compare checksums of every moved block; `progress`: a progress
-        bar (None: only for large compactions); `engine`: "kernel" (GPU
-        default), "memmove" (emulated default) or "driver"; `release`: also
+        bar (None: only for large compactions); `engine`: "auto" (GPU default:
+        the move kernel, and the copy engine for the largest moves; see
+        `defrag.copying`), "kernel", "memmove" (emulated default) or "driver"; `release`: also
         unmap every empty page at the end (default False: emptied pages stay
         mapped and free, so the next request needs no driver call; a request
         that needs their physical page unmaps them then, and `trim()` returns
@@ -832,19 +857,9 @@ class Pool(TensorOwnership, PoolResidency, PoolMeshing, AllocatorSegments, PoolO
         changes). Nothing is meshed when every tensor could move.
         Returns a `CompactionReport`.
         """
-        self._relieve()
+        self._context.relieve()
         with self.core.gate:
             self.core.check_open()
             scope = self.core.scope(threads)
-            return compact_core(self.core, self._mover, verify=verify, progress=progress, engine=engine,
+            return compact_core(self.core, self._context.mover, verify=verify, progress=progress, engine=engine,
                                 automatic=False, release=release, scope=scope, callbacks=self.on_compact, mesh=mesh)
-
-    def _relieve(self) -> None:
-        """Run the `on_pressure` hooks, outside the lock (never from inside PyTorch's allocator)."""
-        if in_callback():
-            return
-        for hook in list(self.on_pressure):
-            try:
-                hook()
-            except Exception:  # a hook that fails must not stop the compaction or trim it helps
-                _log.error("defrag: an on_pressure hook raised; ignored\n%s", traceback.format_exc())

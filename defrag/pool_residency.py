@@ -1,17 +1,19 @@
 """`PoolResidency`: where the pool's bytes live: device pages, host memory, or (asleep) nowhere mapped.
 
-A part of `defrag.pool.Pool` (a mixin it inherits): the torch-facing half of
-`sleep`/`wake` (every device page released, every address kept)
-and `offload`/`reload` (chosen tensors' pages backed by host memory at the
-same addresses). It turns the caller's tensors into blocks and hands them to
-`defrag.residency`, which holds the machinery over the `Core` (torch-free).
+A part of `defrag.pool.Pool`, built over the pool's
+`defrag.pool_context.PoolContext`: the torch-facing half of `sleep`/`wake`
+(every device page released, every address kept) and `offload`/`reload`
+(chosen tensors' pages backed by host memory at the same addresses). It turns
+the caller's tensors into blocks and hands them to `defrag.residency`, which
+holds the machinery over the `Core` (torch-free). The contracts are the
+docstrings of `Pool`'s methods of the same names.
 
-What it relies on from the `Pool`: `core` (its `gate`, `space`, `scope`),
-`_mover` (the compaction callbacks, for `offload`'s packing), `_enter()`
-(the start of a mutating call), `_update_fast()` (the fast path serves only
-while the pool is awake), and, from `TensorOwnership`, `_require_own(tensor,
-what)` and `_adoptable(obj)` (a tensor, module, optimizer or container as a
-list of tensors).
+What it uses of the context: `core` (its `gate`, `space`, `scope`), `mover`
+(the compaction callbacks, for `offload`'s packing), `enter()` (the start of
+a mutating call) and `update_fast()` (the fast path serves only while the
+pool is awake); and of the pool's `TensorOwnership`, given apart,
+`block_of(tensor, what)` and `tensors_in(obj)` (a tensor, module, optimizer
+or container as a list of tensors).
 """
 
 from __future__ import annotations
@@ -23,113 +25,58 @@ from . import tensors as tz
 
 
 class PoolResidency:
-    """The `Pool`'s `sleep`, `wake`, `offload` and `reload` (see the module docstring)."""
+    """A `Pool`'s `sleep`, `wake`, `offload` and `reload` (see the module docstring)."""
 
-    # ------------------------------------------------------------------ sleep / wake / offload / reload
+    def __init__(self, context, ownership):
+        self.context = context
+        self.ownership = ownership
+
     @property
     def asleep(self) -> bool:
-        """Whether the pool sleeps (between `sleep()` and `wake()`)."""
-        return self.core.space.sleeping
+        return self.context.core.space.sleeping
 
     def sleep(self, *, discard=(), progress: bool | None = None) -> "residency.ResidencyReport":
-        """Release every device page and keep every address: tensors keep their pointers, not their memory.
-
-        Copies the bytes of every live tensor to one pinned host buffer,
-        unmaps and releases every device page (cached ones too), and keeps
-        the reservations, the tensors, their views and their `data_ptr()`s.
-        `wake()` maps device pages at the same addresses and copies the bytes
-        back, so views, raw pointers and captured CUDA graphs stay valid.
-
-        `discard`: tensors (or modules, lists, dicts of them, as for `adopt`)
-        whose bytes need not survive, such as a KV cache: they are not
-        copied and read zeros after `wake()`. `progress`: a progress bar
-        (None: only above 256 MiB).
-
-        While asleep, pool calls that need device memory (`empty`, `adopt`,
-        `compact`, `pin`, `offload`, `trim`, ...) raise `PoolAsleepError`;
-        `stats()`, `summary()`, `layout()`, `snapshot()`, `live_tensors()`,
-        `wake()` and `close()` work. The pool cannot see kernels: touching a
-        sleeping tensor reads unmapped memory (a CUDA illegal-address error on
-        a GPU; zeros and a `StaleAccessError` at the next pool call on the
-        emulated device). Offloaded tensors stay host-backed and usable.
-        A driver fault before the last page is unmapped restores everything
-        (same pages, same bytes) and raises. `ResidencyError` when already
-        asleep. Returns a `ResidencyReport`.
-        """
-        with self.core.gate:
-            self._enter()
-            blocks = [self._require_own(t, "sleep(discard=...)") for t in self._residency_tensors(discard)]
+        context = self.context
+        with context.core.gate:
+            context.enter()
+            blocks = [self.ownership.block_of(t, "sleep(discard=...)") for t in self._residency_tensors(discard)]
             try:
-                return residency.sleep(self.core, discard=blocks, progress=progress)
+                return residency.sleep(context.core, discard=blocks, progress=progress)
             finally:
-                self._update_fast()
+                context.update_fast()
 
     def wake(self, *, progress: bool | None = None) -> "residency.ResidencyReport":
-        """Map device pages where the pool slept and copy every kept byte back (see `sleep`).
-
-        `ResidencyError` when the pool is awake. When the device cannot
-        supply the pages (or any driver call fails) the pool stays asleep
-        with every byte kept, and the error says so: call it again later.
-        `StaleAccessError` (the pool still asleep, nothing changed) when a
-        tensor of the pool was touched while it slept (emulated device): the
-        access read zeros or lost its write, and is reported once, here.
-        """
-        with self.core.gate:
+        context = self.context
+        with context.core.gate:
             try:
-                return residency.wake(self.core, progress=progress)
+                return residency.wake(context.core, progress=progress)
             finally:
-                self._update_fast()
+                context.update_fast()
 
     def offload(self, tensors, *, pack: bool = True, progress: bool | None = None) -> "residency.ResidencyReport":
-        """Back these tensors' pages with host memory at the same addresses; their device pages are freed.
-
-        The tensors stay readable and writable where they are, over the bus:
-        slower, but from the offload until after the reload no pointer
-        changes (views, `data_ptr()`s and captured graphs stay valid). Pages
-        are the unit: tensors that share a page with tensors that stay are
-        first packed into pages of their own (a compaction move: views
-        follow, but a raw pointer taken before `offload` is stale; with
-        `pack=False` that is a `ResidencyError` instead, nothing moved), so
-        that no other tensor goes to host memory with them; the space left in
-        those pages is held unused. Offloaded tensors never move; `reload(tensors)` brings their
-        pages back (with every tensor on them). The pool keeps each offloaded
-        tensor's storage alive until it is reloaded (or the pool closes), so
-        dropping one frees its memory at the next `reload()`.
-
-        `tensors`: a tensor, module, optimizer, or list/tuple/dict of them (as
-        for `adopt`). Errors, with nothing offloaded: `ValueError` for a
-        pinned tensor, or one that is not in this pool; `NotSupportedError`
-        where the driver has no host-located pages (CUDA before 12.2, or a
-        device without host NUMA VMM support); `PoolAsleepError` while asleep.
-        Returns a `ResidencyReport`.
-        """
-        with self.core.gate:
-            self._enter()
+        context = self.context
+        core = context.core
+        with core.gate:
+            context.enter()
             blocks = []
             for t in self._residency_tensors(tensors):
-                block = self._require_own(t, "offload")
+                block = self.ownership.block_of(t, "offload")
                 if block not in blocks:
                     blocks.append(block)
             keep = lambda block: tz.strong_storage(block.info.storage_ref)  # noqa: E731
-            return residency.offload(self.core, self._mover, blocks, keep=keep, scope=self.core.scope(None),
+            return residency.offload(core, context.mover, blocks, keep=keep, scope=core.scope(None),
                                      pack=pack, progress=progress)
 
     def reload(self, tensors=None, *, progress: bool | None = None) -> "residency.ResidencyReport":
-        """Bring offloaded tensors' pages back to device memory (None: every offloaded page).
-
-        Every tensor on those pages comes back; tensors that are not
-        offloaded are left alone. Needs a free device page per page (the
-        pool's capacity); `ResidencyError` otherwise, with nothing changed.
-        Returns a `ResidencyReport`.
-        """
-        with self.core.gate:
-            self._enter()
+        context = self.context
+        with context.core.gate:
+            context.enter()
             blocks = None
             if tensors is not None:
-                blocks = [self._require_own(t, "reload") for t in self._residency_tensors(tensors)]
-            return residency.reload(self.core, blocks, progress=progress)
+                blocks = [self.ownership.block_of(t, "reload") for t in self._residency_tensors(tensors)]
+            return residency.reload(context.core, blocks, progress=progress)
 
     def _residency_tensors(self, obj) -> list[torch.Tensor]:
         if obj is None or (isinstance(obj, (list, tuple, dict)) and not obj):
             return []
-        return self._adoptable(obj)
+        return self.ownership.tensors_in(obj)

@@ -1,95 +1,66 @@
 """`AllocatorSegments`: the pool's raw segments, handed to PyTorch's own allocator.
 
-A part of `defrag.pool.Pool` (a mixin it inherits): `alloc_segment`,
-`free_segment` and `segments`, which `defrag.capture`'s `TorchAllocator`
-calls to let PyTorch sub-allocate inside pool pages, and `capture` /
-`release_cached`, the `Pool` entry points to that module. A segment belongs
-to no thread and never moves (`SegmentInfo`, what the pool keeps on its
-block); its bytes count as allocated.
+A part of `defrag.pool.Pool`, built over the pool's
+`defrag.pool_context.PoolContext`: `alloc_segment`, `free_segment` and
+`segments`, which `defrag.capture`'s `TorchAllocator` calls (through `Pool`)
+to let PyTorch sub-allocate inside pool pages. It keeps the segments handed
+out (`SegmentInfo` on their blocks) and their totals for `stats` (`totals`). A
+segment belongs to no thread and never moves; its bytes count as allocated.
+The contracts are the docstrings of `Pool`'s methods of the same names.
 
-What it relies on from the `Pool`: `core` (its `gate`, `release`, `drain`,
-`closed`, `history`), `_segments` (address -> segment block, made by
-`Pool.__init__`; `stats` reports it), `_enter()` (the start of a
-mutating call), `_allocate(nbytes, compact=...)` (the ladder) and
-`_release_if_idle()` (everything back to the driver once nothing lives
-after `close`).
+What it uses of the context: `core` (its `gate`, `release`, `drain`,
+`closed`, `history`), `enter()` (the start of a mutating call),
+`allocate(nbytes, compact=..., stream=...)` (the ladder) and
+`release_if_idle()` (everything back to the driver once nothing lives after
+`close`).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
-from .capture import capture as capture_block
-from .capture import release_cached as release_captured
-
-
-@dataclass(eq=False)
-class SegmentInfo:
-    """What the torch face keeps on a raw segment handed to PyTorch's allocator (`Pool.alloc_segment`).
-
-    PyTorch sub-allocates tensors inside a segment, so the pool cannot know
-    who uses it: a segment never moves. Its bytes count as allocated.
-    """
-
-    alloc_stream: int = 0
-    streams: set = field(default_factory=set)
-    kind: str = "segment"
+from .core import Block
+from .pool_context import SegmentInfo
 
 
 class AllocatorSegments:
-    """The `Pool`'s raw segments for PyTorch's allocator (see the module docstring)."""
+    """A `Pool`'s raw segments for PyTorch's allocator (see the module docstring)."""
 
-    # ------------------------------------------------------------------ raw segments (PyTorch's allocator)
+    def __init__(self, context):
+        self.context = context
+        self._by_address: dict[int, Block] = {}  # address -> segment handed to PyTorch's allocator
+
     def alloc_segment(self, nbytes: int, stream: int = 0, *, compact: bool = True) -> int:
-        """Raw device memory for PyTorch's allocator: `nbytes` in pool pages; returns its address.
-
-        Climbs the same ladder as `empty` (empty mapped pages, stitching, then
-        compacting this pool's movable tensors) and raises OutOfMemoryError
-        when nothing helps. Makes no torch allocation: a compaction here only
-        copies with the driver or the numba kernel and swaps storages. The
-        segment belongs to no thread and never moves; `free_segment` gives it
-        back. `stream`: the CUDA stream PyTorch allocates it for. `compact`:
-        False stops the ladder before compacting (see `defrag.capture`).
-        """
         nbytes = int(nbytes)
         if nbytes <= 0:
             raise ValueError(f"a segment needs at least one byte, got {nbytes}")
-        with self.core.gate:
-            self._enter()
-            block = self._allocate(nbytes, compact=compact)
-            block.info = SegmentInfo(alloc_stream=int(stream))
+        context = self.context
+        core = context.core
+        with core.gate:
+            context.enter()
+            block = context.allocate(nbytes, compact=compact, stream=int(stream))
+            block.info = SegmentInfo()
             block.owner, block.shared = None, True
-            self._segments[block.address] = block
-            if self.core.history is not None:
-                self.core.history.block_allocated(block)
+            self._by_address[block.address] = block
+            if core.history is not None:
+                core.history.block_allocated(block)
             return block.address
 
     def free_segment(self, address: int) -> bool:
-        """Give back a segment from `alloc_segment`; False (and nothing changes) if `address` is not one.
-
-        Works after `close()` too (PyTorch may free its cached segments late).
-        On CUDA the pages are reused only after the segment's streams are done.
-        """
-        with self.core.gate:
-            block = self._segments.pop(int(address), None)
+        core = self.context.core
+        with core.gate:
+            block = self._by_address.pop(int(address), None)
             if block is None:
                 return False
-            self.core.release(block)
-            self.core.drain()
-            if self.core.closed:
-                self._release_if_idle()
+            core.release(block)
+            core.drain()
+            if core.closed:
+                self.context.release_if_idle()
             return True
 
     def segments(self) -> list[tuple[int, int]]:
-        """(address, bytes) of every segment handed to PyTorch's allocator and not given back."""
-        with self.core.gate:
-            return sorted((b.address, b.nbytes) for b in self._segments.values())
+        with self.context.core.gate:
+            return sorted((b.address, b.nbytes) for b in self._by_address.values())
 
-    # ------------------------------------------------------------------ PyTorch's own allocations
-    def capture(self, *, allocator=None):
-        """`with pool.capture():` routes this thread's PyTorch CUDA allocations to pool pages (see `defrag.capture`)."""
-        return capture_block(self, allocator=allocator)
-
-    def release_cached(self) -> int:
-        """Hand back to the pool the segments PyTorch caches for `capture()` blocks and no longer uses."""
-        return release_captured(self)
+    def totals(self) -> dict:
+        """`stats`' figures of the segments handed out (gate held): `segments` (how many) and
+        `segment_bytes` (their rounded sizes)."""
+        return {"segments": len(self._by_address), "segment_bytes": sum(b.size for b in self._by_address.values())}

@@ -11,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 
 from .backing import PRIMARY, TWIN
-from .heap import ALIGNMENT
+from .units import ALIGNMENT
 from .units import format_bytes
 from .vmm import ASLEEP, DEVICE, HOST
 
@@ -19,8 +19,14 @@ from .vmm import ASLEEP, DEVICE, HOST
 class OutOfRoom(MemoryError):
     """The ladder is exhausted: `message` explains; faces raise their own error from it.
 
-    Figures as attributes: `requested`, `capacity`, `live`, `stranded`,
-    `pinned`, `tried`.
+    `figures` (a dict): `requested`, `capacity`, `live`, `stranded`,
+    `pinned`, `tried`, and for faces that word their own advice
+    (`defrag.oom.refused_inside_allocator`): `movable` (live bytes a
+    compaction could move), `reserved`, `page_size`, `device_total`,
+    `device_full` (the device refused a page below the capacity),
+    `capacity_needed` (the smallest capacity whose pages would have served
+    this request now, layout unchanged) and `facts` (the message's lines
+    before its suggestion).
     """
 
     def __init__(self, message: str, **figures):
@@ -64,10 +70,17 @@ def out_of_room(core, nbytes: int, tried: list[str], describe=None) -> OutOfRoom
         lines.append("  largest live tensors: " + ", ".join(
             (f"{format_bytes(b.nbytes)} {describe(b) if describe else ''}".strip()
              + (" (pinned)" if b.pins else "")) for b in largest))
+    facts = tuple(lines)
     lines.append("  suggestion: " + _suggestion(core, nbytes, st["allocated_bytes.all.current"], pinned))
+    P = core.page_size
+    store = core.space.store
+    free_pages = len(store.cached) + (0 if store.device_full else store.creatable) + core.backing.empty
     return OutOfRoom("\n".join(lines), requested=nbytes, capacity=core.capacity,
                      live=st["allocated_bytes.all.current"], stranded=st["stranded_bytes"],
-                     pinned=pinned, tried=tuple(tried))
+                     pinned=pinned, tried=tuple(tried), movable=packing_floor(core, core.scope(None))[1],
+                     reserved=st["reserved_bytes.all.current"], page_size=P,
+                     device_total=core.driver.total_memory, device_full=bool(store.device_full),
+                     capacity_needed=(core.capacity_pages - free_pages + -(-nbytes // P)) * P, facts=facts)
 
 
 def _suggestion(core, nbytes: int, live: int, pinned: int) -> str:
@@ -104,8 +117,9 @@ def stats(core) -> dict:
     backing = core.backing
     stranded, fragmentation = core.stranded()
     P = core.page_size
-    allocated = core.counters["allocated_bytes"]
-    pending = core.counters["pending_bytes"]
+    counted = core.books.counters()  # the block counters are the books'
+    allocated = counted["allocated_bytes"]
+    pending = counted["pending_bytes"]
     mapped = core.space.mapped
     empty = backing.empty
     heap_free = stranded + empty * P
@@ -116,22 +130,25 @@ def stats(core) -> dict:
     else:
         largest = max((h.largest_free() for h in backing.heaps), default=0)
         largest = min(largest, P - ALIGNMENT)
+    # The largest block servable without mapping a page (PyTorch's cacheInfo; `stranded()` above
+    # returned the kept ranges to the heaps).
+    largest_mapped = max((h.largest_free() for h in backing.heaps), default=0)
     reserved = mapped * P
     core.peaks["reserved_bytes"] = max(core.peaks["reserved_bytes"], reserved)
     active = allocated + pending
     c = core.counters
     return {
         "allocated_bytes.all.current": allocated,
-        "allocated_bytes.all.peak": core.peaks["allocated_bytes"],
+        "allocated_bytes.all.peak": counted["allocated_bytes.peak"],
         "active_bytes.all.current": active,
-        "active_bytes.all.peak": core.peaks["active_bytes"],
+        "active_bytes.all.peak": counted["active_bytes.peak"],
         "reserved_bytes.all.current": reserved,
         "reserved_bytes.all.peak": core.peaks["reserved_bytes"],
         "requested_bytes.all.current": sum(b.nbytes for b in core.blocks()),
         "num_alloc_retries": c["num_alloc_retries"],
         "num_ooms": c["num_ooms"],
-        "num_allocs": c["num_allocs"],
-        "num_frees": c["num_frees"],
+        "num_allocs": counted["num_allocs"],
+        "num_frees": counted["num_frees"],
         "num_device_alloc": store.created,
         "num_device_free": store.created - store.total,
         "pages.mapped": mapped,
@@ -150,6 +167,7 @@ def stats(core) -> dict:
         "free_inside_mapped_bytes": heap_free,
         "stranded_bytes": stranded,
         "largest_free_bytes": largest,
+        "largest_mapped_free_bytes": largest_mapped,
         "fragmentation": fragmentation,
         "num_compactions": c["num_compactions"],
         "num_compactions.explicit": c["num_compactions.explicit"],
@@ -233,7 +251,7 @@ def check_invariants(core) -> None:
             assert region.handles[first:end].all(), "free space recorded inside an unmapped page"
     allocated = sum(b.size for b in core.blocks())
     counted = sum(b.size for b in core.blocks() if b.counted)
-    assert counted == core.counters["allocated_bytes"], "allocated counter disagrees with blocks"
+    assert counted == core.allocated_bytes, "allocated counter disagrees with blocks"
     heap_free = sum(h.free_bytes() for h in backing.heaps)
     assert allocated + heap_free == core.space.book_pages * core.page_size, (
         f"allocated {allocated} + free {heap_free} != mapped {core.space.book_pages * core.page_size}")

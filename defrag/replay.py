@@ -119,6 +119,9 @@ class ReplayResult:
     # Reserved bytes over the trace (when asked for): (event indices, bytes), each point the most
     # reserved from that event to the next point's. Not in `as_dict`: it is for pictures.
     series: tuple | None = field(default=None, repr=False)
+    # Where a search for the smallest capacity should start (dry pools: `DryPool.peak_held_bytes`);
+    # not in `as_dict`: it is the search's, not a figure of the replay.
+    search_hint: int | None = field(default=None, repr=False)
 
     @property
     def completed(self) -> bool:
@@ -144,6 +147,7 @@ class ReplayResult:
         finally:
             self.series = series
         out.pop("series", None)
+        out.pop("search_hint", None)
         out["completed"] = self.completed
         out["reserved_over_live"] = self.reserved_over_live
         out["meets_goal_1_02"] = self.meets_goal()
@@ -195,6 +199,21 @@ def _parse_body(body: bytes, path) -> tuple[Trace, str]:
 
 
 # ---------------------------------------------------------------------- engines
+def _work_bar(progress: bool | None):
+    """The bar over a whole replay's work (`replay_devices`): every replay and every probe of every
+    smallest-capacity search, counted in trace events, on stderr. None with ``progress`` False; with
+    None it draws only on a terminal (tqdm's own test)."""
+    if progress is False:
+        return None
+    from tqdm.auto import tqdm
+    bar = tqdm(total=0, desc="replays and capacity searches", unit="ev", unit_scale=True, leave=False,
+               file=sys.stderr, disable=None if progress is None else False)
+    if bar.disable:  # not a terminal
+        bar.close()
+        return None
+    return bar
+
+
 def _progress(total: int, progress: bool | None, desc: str):
     if progress is False or (progress is None and total < PROGRESS_EVENTS):
         return None
@@ -217,7 +236,7 @@ def replay(trace: Trace, capacity, *, device=None, dry: bool = False, compaction
     ignored). ``stop_at_first_oom`` ends the replay at the first failure (for
     capacity searches). ``series``: also record reserved bytes over the
     trace (`ReplayResult.series`, at most `traces.snapshot.SERIES_POINTS` points, each the
-    most reserved in its stretch; dry replays only). Does not compute
+    most reserved in its stretch: the pages mapped after each event). Does not compute
     ``min_capacity`` (see :func:`min_capacity`).
     """
     capacity = parse_size(capacity, what="capacity")
@@ -228,7 +247,8 @@ def replay(trace: Trace, capacity, *, device=None, dry: bool = False, compaction
     name = "defrag-mesh" if mesh else "defrag" if compaction else "defrag-no-compaction"
     if dry:
         return _replay_dry(trace, capacity, page, compaction, name, progress, stop_at_first_oom, series, mesh)
-    return _replay_real(trace, capacity, page, device, compaction, name, progress, stop_at_first_oom, mesh)
+    return _replay_real(trace, capacity, page, device, compaction, name, progress, stop_at_first_oom, mesh,
+                        series)
 
 
 class _Run:
@@ -323,7 +343,8 @@ def _replay_dry(trace, capacity, page, compaction, name, progress, stop_at_first
                         compactions=st["num_compactions"], compactions_automatic=st["num_compactions.automatic"],
                         moved_bytes=st["compaction.moved_bytes"], moved_tensors=st["compaction.moved_tensors"],
                         seconds=time.perf_counter() - t0, error=error,
-                        series=_window_max(run.reserved, run.i + 1) if series else None)
+                        series=_window_max(run.reserved, run.i + 1) if series else None,
+                        search_hint=model.peak_held_bytes)
 
 
 def _window_max(values, used: int) -> tuple[list, list]:
@@ -389,7 +410,7 @@ def _open_real_pool(capacity: int, page: int, device, compaction: bool, mesh: bo
 
 
 def _replay_real(trace, capacity, page, device, compaction, name, progress, stop_at_first_oom,
-                 mesh=False) -> ReplayResult:
+                 mesh=False, series=False) -> ReplayResult:
     import torch
 
     from .errors import CompactionError
@@ -414,7 +435,9 @@ def _replay_real(trace, capacity, page, device, compaction, name, progress, stop
         try:
             # As the dry pool: meshing only in the defrag-mesh row.
             compact = (lambda: pool.compact(progress=False, mesh=mesh)) if compaction else None
-            run.drive(trace, alloc, tensors.pop, compact, bar, stop_at_first_oom)
+            space = pool.core.space  # read only: the pages mapped now, as the dry pool reads them
+            run.drive(trace, alloc, tensors.pop, compact, bar, stop_at_first_oom,
+                      (lambda: space.mapped * page) if series else None)
         except (CompactionError, ValueError) as exc:
             # A compaction that could not run (e.g. its plan needs more physical pages than can be freed).
             error = _pool_error(exc, run.i, trace.events[run.i])
@@ -438,7 +461,8 @@ def _replay_real(trace, capacity, page, device, compaction, name, progress, stop
                         peak_reserved_bytes=st["reserved_bytes.all.peak"], ooms=ooms, failed_bytes=failed_bytes,
                         compactions=st["num_compactions"], compactions_automatic=st["num_compactions.automatic"],
                         moved_bytes=st["compaction.moved_bytes"], moved_tensors=st["compaction.moved_tensors"],
-                        seconds=time.perf_counter() - t0, error=error)
+                        seconds=time.perf_counter() - t0, error=error,
+                        series=_window_max(run.reserved, run.i + 1) if series else None)
 
 
 def min_capacity(trace: Trace, *, compaction: bool = True, page_size=None, known_good: int | None = None,
@@ -619,8 +643,12 @@ class _Workers:
             self.n = 1
         self.context = multiprocessing.get_context("fork") if self.n > 1 else None
 
-    def run(self, jobs: list) -> list:
-        """`jobs`: (priority, generator) pairs; returns each generator's return value, in order."""
+    def run(self, jobs: list, bar=None) -> list:
+        """`jobs`: (priority, generator) pairs; returns each generator's return value, in order.
+
+        `bar` (a tqdm bar, or None): advanced by each task's trace length when the task is done; its
+        total grows as tasks are queued (a search queues its next round when the last one answers).
+        """
         import heapq
         import itertools
         from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
@@ -629,6 +657,20 @@ class _Workers:
         queue: list = []
         waiting: dict = {}
         order = itertools.count()
+        tally = {"queued": 0, "done": 0}
+
+        def counted(spec, queueing: bool) -> None:
+            if bar is None:
+                return
+            events = len(_SHARED[spec[1]].events)
+            if queueing:
+                tally["queued"] += 1
+                bar.total += events
+            else:
+                tally["done"] += 1
+                bar.update(events)
+            bar.set_postfix_str(f"{tally['done']}/{tally['queued']} replays", refresh=False)
+            bar.refresh()
 
         def advance(j: int, answers) -> None:
             gen = jobs[j][1]
@@ -639,9 +681,11 @@ class _Workers:
                 return
             waiting[j] = [[None] * len(specs), len(specs)]
             for slot, spec in enumerate(specs):
+                counted(spec, True)
                 heapq.heappush(queue, (jobs[j][0], next(order), j, slot, spec))
 
-        def deliver(j: int, slot: int, value) -> None:
+        def deliver(j: int, slot: int, value, spec) -> None:
+            counted(spec, False)
             w = waiting[j]
             w[0][slot] = value
             w[1] -= 1
@@ -654,18 +698,18 @@ class _Workers:
         if self.n == 1:
             while queue:
                 _, _, j, slot, spec = heapq.heappop(queue)
-                deliver(j, slot, _task(spec))
+                deliver(j, slot, _task(spec), spec)
             return out
         with ProcessPoolExecutor(self.n, mp_context=self.context) as pool:
             running: dict = {}
             while queue or running:
                 while queue and len(running) < self.n:
                     _, _, j, slot, spec = heapq.heappop(queue)
-                    running[pool.submit(_task, spec)] = (j, slot)
+                    running[pool.submit(_task, spec)] = (j, slot, spec)
                 done, _ = wait(running, return_when=FIRST_COMPLETED)
                 for fut in done:
-                    j, slot = running.pop(fut)
-                    deliver(j, slot, fut.result())
+                    j, slot, spec = running.pop(fut)
+                    deliver(j, slot, fut.result(), spec)
         return out
 
 
@@ -862,6 +906,7 @@ class DeviceReport:
     recorded: object = None
     ooms: list = field(default_factory=list)
     live_series: tuple | None = field(default=None, repr=False)
+    recorded_by_defrag: bool = False  # a defrag pool wrote the snapshot (`defrag run --record`): its reserved bytes
 
     def result(self, allocator: str) -> ReplayResult | None:
         return next((r for r in self.results if r.allocator == allocator), None)
@@ -882,6 +927,7 @@ class DeviceReport:
             "recorded_note": None if self.recorded is not None or self.device is None else NO_SEGMENT_ENTRIES,
             "models_over_recorded_peak_reserved": self.recorded_vs_models(),
             "ooms": self.ooms,
+            "summary": summary_sentence(self),
         }
 
 
@@ -889,15 +935,20 @@ NO_SEGMENT_ENTRIES = ("the trace has no segment entries (segment_alloc/free/map/
                       "over time is not recorded")
 
 
-def snapshot_capacity(recorded, ooms: list, trace: Trace, page: int = DEFAULT_PAGE) -> tuple[int, str]:
+def snapshot_capacity(recorded, ooms: list, trace: Trace, page: int = DEFAULT_PAGE,
+                      pool_capacity: int | None = None) -> tuple[int, str]:
     """The capacity a snapshot's device implies, and where it comes from.
 
-    At a recorded OOM: PyTorch's reserved bytes + the device's free bytes
+    A snapshot a defrag pool recorded (``pool_capacity``: `SnapshotDevice.pool_capacity`, e.g.
+    ``defrag run --record``): that pool's capacity, its limit then. At a
+    recorded OOM: PyTorch's reserved bytes + the device's free bytes
     there (the most over the OOMs), what this process could hold on that GPU.
     Otherwise PyTorch's recorded peak reserved. Without segment entries:
     the reserved bytes at the end (``segments``) or the peak live bytes
     rounded up to a page, whichever is more. Never less than one page.
     """
+    if pool_capacity:
+        return max(pool_capacity, page), "the capacity of the defrag pool that recorded it"
     known = [(o.capacity, o) for o in ooms if o.capacity is not None]
     if known:
         cap, o = max(known, key=lambda x: x[0])
@@ -912,25 +963,34 @@ def snapshot_capacity(recorded, ooms: list, trace: Trace, page: int = DEFAULT_PA
     return max(live, page), "no segment entries: the peak live bytes, rounded up to a page"
 
 
-def explain_oom(oom, defrag_completes: bool | None, expandable_completes: bool | None) -> dict:
-    """A recorded OOM as a dict: the request, live, reserved and free bytes then, the GPU's capacity
-    (reserved + free), the verdict, and whether defrag / the expandable-segments model complete the
-    workload with the refused request served there (None: not tried)."""
+def explain_oom(oom, defrag_completes: bool | None, expandable_completes: bool | None,
+                capacity: int | None = None) -> dict:
+    """A recorded OOM as a dict: the request, live, reserved and free bytes then, the capacity it is judged
+    at (``capacity``, e.g. --capacity; default the GPU's then: reserved + free, also `recorded_capacity`),
+    the verdict there ("fragmentation" when live + request fit in it), and whether defrag / the
+    expandable-segments model complete the workload at it with the refused request served there
+    (None: not tried)."""
+    cap = oom.capacity if capacity is None else capacity
+    verdict = ("unknown" if cap is None else
+               "fragmentation" if oom.live_bytes + oom.size <= cap else "not fragmentation")
     return {"event": oom.event, "size": oom.size, "live_bytes": oom.live_bytes,
-            "reserved_bytes": oom.reserved_bytes, "device_free": oom.device_free, "capacity": oom.capacity,
-            "verdict": oom.verdict, "defrag_completes": defrag_completes,
+            "reserved_bytes": oom.reserved_bytes, "device_free": oom.device_free, "capacity": cap,
+            "recorded_capacity": oom.capacity, "verdict": verdict, "defrag_completes": defrag_completes,
             "expandable_completes": expandable_completes}
 
 
-def _oom_job(key, oom, capacity: int):
-    cap = max(oom.capacity or capacity, DEFAULT_PAGE)
+def _oom_job(key, oom, capacity: int, given: bool):
+    """Both checks of one recorded OOM; at `capacity` when it was given (--capacity, which the verdict
+    is then judged at too), else at the GPU's capacity then (reserved + free), or `capacity` when that
+    is not recorded (the verdict is then "unknown")."""
+    cap = max(capacity if given or oom.capacity is None else oom.capacity, DEFAULT_PAGE)
     a, b = yield [("oom", key, "defrag", cap, DEFAULT_PAGE, oom.event, oom.size),
                   ("oom", key, "torch-expandable (model)", cap, MODEL_PAGE, oom.event, oom.size)]
-    return explain_oom(oom, a, b)
+    return explain_oom(oom, a, b, cap if given else None)
 
 
-def _oom_unchecked(oom):
-    return explain_oom(oom, None, None)
+def _oom_unchecked(oom, capacity: int | None):
+    return explain_oom(oom, None, None, capacity)
     yield  # a job that needs no work: a generator that returns at once
 
 
@@ -942,12 +1002,21 @@ def _allocator_job(key, allocator: str, capacity: int, peak_live: int, *, dry: b
         (r,) = yield [("replay", key, allocator, capacity, page, series)]
     else:
         r = replay(_SHARED[key], capacity, device=device, dry=False, compaction=allocator != "defrag-no-compaction",
-                   page_size=page, progress=progress, mesh=allocator == "defrag-mesh")
+                   page_size=page, progress=progress, mesh=allocator == "defrag-mesh", series=series)
     r.min_capacity = yield from _search_job(
         key, allocator, page, peak_live, known_good=r.capacity if r.completed else None,
-        known_bad=None if r.completed else r.capacity, hint=r.peak_reserved_bytes if r.completed else None,
+        known_bad=None if r.completed else r.capacity, hint=_hint(r),
         max_steps=MIN_CAPACITY_MAX_STEPS, budget_s=budget_s, split=split, gallop=allocator in POOLS)
     return [r]
+
+
+def _hint(r: ReplayResult) -> int | None:
+    """Where the search for `r`'s smallest capacity starts: for a completed dry pool replay, the most
+    bytes of pages that held blocks (its peak reserved includes the empty pages the growth policy
+    keeps mapped: up to 1.10 x what is live); else the peak reserved."""
+    if not r.completed:
+        return None
+    return r.search_hint if r.search_hint is not None else r.peak_reserved_bytes
 
 
 def _pools_without_phases_job(key, capacity: int, peak_live: int, *, page_size, series: bool, budget_s):
@@ -968,8 +1037,9 @@ def _pools_without_phases_job(key, capacity: int, peak_live: int, *, page_size, 
     if plain.completed:
         r = ReplayResult(**{**{f: getattr(plain, f) for f in plain.__dataclass_fields__}, "allocator": "defrag",
                             "notes": [], "min_capacity": None})
-        r.notes.append("the same replay as defrag-no-compaction's (no phase markers and no failed placement: "
-                       "compaction never ran)")
+        r.notes.append(f"at {format_bytes(capacity)} compaction never ran (no phase markers, no failed placement), "
+                       f"so this row's replay there is defrag-no-compaction's; its smallest capacity is its own, "
+                       f"searched where compaction does run")
     else:
         (r,) = yield [("replay", key, "defrag", capacity, page, series)]
     good = r.capacity if r.completed else None
@@ -978,7 +1048,7 @@ def _pools_without_phases_job(key, capacity: int, peak_live: int, *, page_size, 
         good = mc.bytes if good is None else min(good, mc.bytes)
     r.min_capacity = yield from _search_job(
         key, "defrag", page, peak_live, known_good=good, known_bad=None if r.completed else r.capacity,
-        hint=r.peak_reserved_bytes if r.completed else None, max_steps=MIN_CAPACITY_MAX_STEPS,
+        hint=_hint(r), max_steps=MIN_CAPACITY_MAX_STEPS,
         budget_s=budget_s, split=2, gallop=True)
     return [r, plain]
 
@@ -1007,7 +1077,8 @@ def replay_devices(items: list, capacity: int | None = None, *, dry: bool = Fals
             if capacity is not None:
                 cap, source = capacity, "--capacity"
             elif dev is not None:
-                cap, source = snapshot_capacity(recorded, ooms, trace)
+                cap, source = snapshot_capacity(recorded, ooms, trace,
+                                                pool_capacity=getattr(item, "pool_capacity", None))
             else:
                 raise ValueError("a capacity is needed for a trace that is not a snapshot")
             key = _share(trace)
@@ -1033,15 +1104,23 @@ def replay_devices(items: list, capacity: int | None = None, *, dry: bool = Fals
             for i, oom in enumerate(ooms):
                 # Each check is two replays of the whole trace: a program that retried a refused request
                 # thousands of times gets its first OOM_CHECKS checked, every one explained in numbers.
-                jobs.append(((2, len(plans)), _oom_job(key, oom, cap) if i < OOM_CHECKS else _oom_unchecked(oom)))
-            plans.append((dev, trace, cap, source, recorded, first, n_results, len(ooms)))
+                given = capacity is not None
+                jobs.append(((2, len(plans)), _oom_job(key, oom, cap, given) if i < OOM_CHECKS
+                             else _oom_unchecked(oom, cap if given else None)))
+            plans.append((dev, trace, cap, source, recorded, first, n_results, len(ooms),
+                          getattr(item, "pool_capacity", None) is not None))
         # Real replays run in this process (their devices are not for forked children).
-        done = _Workers(workers if dry else 1).run(jobs)
+        bar = _work_bar(progress)
+        try:
+            done = _Workers(workers if dry else 1).run(jobs, bar)
+        finally:
+            if bar is not None:
+                bar.close()
     finally:
         for item in items:
             _SHARED.pop(id(item.trace if hasattr(item, "trace") else item[1]), None)
     reports = []
-    for dev, trace, cap, source, recorded, first, n, n_ooms in plans:
+    for dev, trace, cap, source, recorded, first, n, n_ooms, by_defrag in plans:
         results = [r for job in done[first:first + n] for r in job]
         skipped: list[dict] = []
         if baselines:
@@ -1049,7 +1128,8 @@ def replay_devices(items: list, capacity: int | None = None, *, dry: bool = Fals
             results += extra
         reports.append(DeviceReport(dev, trace, cap, source, results, skipped, recorded,
                                     done[first + n:first + n + n_ooms],
-                                    live_series=live_series(trace) if series else None))
+                                    live_series=live_series(trace) if series else None,
+                                    recorded_by_defrag=by_defrag))
     return reports
 
 
@@ -1085,27 +1165,102 @@ def run_all(trace: Trace, capacity: int, *, dry: bool = False, device=None, page
     return report.results, report.skipped
 
 
-def _goal_line(r: ReplayResult, peak_live: int | None = None) -> str:
-    """The goal (compaction on): peak reserved <= 1.02 x peak live + one page, at --capacity and at the smallest.
+def _smallest(r: ReplayResult | None) -> str | None:
+    """A result's smallest capacity in words ("51.19 GiB", "at most 2.25 GiB", "more than 80.00 GiB"),
+    None when it was not searched."""
+    mc = None if r is None else r.min_capacity
+    if mc is None:
+        return None
+    if mc.bytes is None:
+        return f"more than {format_bytes(mc.failed_below)}" if mc.failed_below else "not found"
+    return format_bytes(mc.bytes) if mc.exact or mc.failed_below is None else f"at most {format_bytes(mc.bytes)}"
 
-    A replay with failed allocations is "not met", whatever its ratio: the memory it could not place is
-    not in its peaks. The smallest capacity is measured against `peak_live` (the trace's, 512-byte
-    rounding; default the replay's own), since a replay that failed saw less live memory than the trace has.
+
+def summary_sentence(report: DeviceReport) -> str:
+    """What happened on one device and what would have helped, in a user's words (the table follows).
+
+    What happened: the recorded peak reserved (else what the snapshot's
+    segments held at the end, else nothing) against the peak live bytes;
+    the recorded OOMs, and whether live + request fit in the capacity
+    (fragmentation) or not; without recorded OOMs, whether defrag fails at
+    the capacity. What would have helped: whether
+    defrag and PyTorch with expandable segments (the model) run to the end
+    with each refused request served where it failed, and the smallest
+    capacity that runs the trace for defrag (and its meshing row when that
+    needs less), PyTorch with expandable segments and PyTorch (the models).
     """
-    if r.completed:
-        verdict = "met" if r.meets_goal() else "not met"
+    fb = format_bytes
+    live = report.trace.stats().peak_live_bytes
+    who = "the defrag pool" if report.recorded_by_defrag else "PyTorch"
+    rec, ooms = report.recorded, report.ooms
+    happened = []
+    if rec is not None:
+        over = rec.peak_bytes / live - 1 if live else 0.0
+        happened.append(f"{who} reserved up to {fb(rec.peak_bytes)} for {fb(live)} live"
+                        + (f" ({over:+.1%})" if abs(over) >= 0.0005 else ""))
+    elif report.trace.meta.get("reserved_bytes_at_snapshot"):
+        end = report.trace.meta["reserved_bytes_at_snapshot"]
+        happened.append(f"{who} held {fb(end)} at the end for a peak of {fb(live)} live (its reserved bytes over "
+                        f"time are not recorded)")
     else:
-        verdict = (f"not met: {r.ooms} allocation{'s' if r.ooms != 1 else ''} failed" if r.ooms
-                   else "not met: the replay stopped") + ", so the ratio leaves out what could not be placed"
-    text = (f"goal, compaction on (peak reserved <= 1.02 x peak live + one page): at {format_bytes(r.capacity)} "
-            f"reserved/live = {r.reserved_over_live:.4f} ({verdict})")
-    mc = r.min_capacity
-    live = peak_live or r.peak_live_bytes
-    if mc is not None and mc.bytes is not None and live:
-        met = mc.bytes <= 1.02 * live + r.page_size
-        text += (f"; smallest capacity that completes {'' if mc.exact else '<= '}{format_bytes(mc.bytes)} = "
-                 f"{mc.bytes / live:.4f} x peak live ({'met' if met else 'not met'})")
-    return text
+        happened.append(f"the trace peaks at {fb(live)} live")
+    if ooms:
+        n = len(ooms)
+        judged = [o for o in ooms if o["verdict"] != "unknown"]
+        frag = sum(o["verdict"] == "fragmentation" for o in judged)
+        caps = {o["capacity"] for o in judged}
+        within = fb(caps.pop()) if len(caps) == 1 else "the capacity"
+        text = f"and ran out of memory {'once' if n == 1 else f'{n} times'}"
+        if not judged:
+            text += " (the GPU's capacity then is not recorded: fragmentation or not is unknown)"
+        elif frag == len(judged):
+            text += f" with the memory there but fragmented (live + request fit in {within})"
+        elif frag == 0:
+            text += f": live + request did not fit in {within}, so it needed more memory, not a better layout"
+        else:
+            text += f"; {frag} of {len(judged)} times the memory was there but fragmented (live + request fit in {within})"
+        happened[-1] += " " + text if not text.startswith(":") else text
+    d = report.result("defrag")
+    if not ooms and d is not None and not d.completed:
+        happened.append(f"at {fb(report.capacity)} defrag fails {d.ooms} allocation{'s' if d.ooms != 1 else ''}"
+                        if d.ooms else f"at {fb(report.capacity)} defrag stops ({d.error})")
+    helped = []
+    checked = [o for o in ooms if o["defrag_completes"] is not None]
+    if checked:
+        a = sum(bool(o["defrag_completes"]) for o in checked)
+        b = sum(bool(o["expandable_completes"]) for o in checked)
+        if len(checked) == 1:
+            helped.append(("defrag, which moves tensors, would have served the request and run to the end" if a
+                           else "defrag would not have served the request either")
+                          + (" (for tensors in a defrag.Pool: under defrag run PyTorch's own blocks do not move)"
+                             if a and report.recorded_by_defrag else ""))
+            helped.append(f"PyTorch with expandable_segments would{'' if b else ' not'} (model)")
+        else:
+            helped.append(f"with each refused request served, defrag runs to the end in {a} of {len(checked)} "
+                          f"cases, PyTorch with expandable_segments in {b} (model)")
+    needs = []
+    if _smallest(d):
+        needs.append(f"defrag {_smallest(d)}")
+    mesh = report.result("defrag-mesh")
+    if (_smallest(mesh) and _smallest(d) and mesh.min_capacity.bytes is not None
+            and d.min_capacity.bytes is not None and mesh.min_capacity.bytes < d.min_capacity.bytes):
+        needs.append(f"defrag with meshing {_smallest(mesh)}")
+    models = [f"{words} {_smallest(report.result(name))}"
+              for name, words in (("torch-expandable (model)", "PyTorch with expandable_segments"),
+                                  ("torch (model)", "PyTorch")) if _smallest(report.result(name))]
+    if models:
+        needs.append(", ".join(models) + " (model)")
+    if needs:
+        helped.append("the smallest capacity that runs the trace" + (" less the refused requests" if ooms else "")
+                      + ": " + ", ".join(needs))
+
+    def sentence(parts: list) -> str:
+        text = "; ".join(parts)
+        if text and not text.startswith("defrag"):  # the project's name keeps its lower case
+            text = text[:1].upper() + text[1:]
+        return text + "." if text else ""
+
+    return " ".join(x for x in (sentence(happened), sentence(helped)) if x)
 
 
 def _recorded_line(report: DeviceReport) -> str:
@@ -1136,8 +1291,9 @@ def _oom_lines(report: DeviceReport) -> list[str]:
             why = "unknown (the GPU's capacity then is not recorded)"
         else:
             need = o["live_bytes"] + o["size"]
+            given = report.capacity_source == "--capacity"
             why = (f"{o['verdict']} (live + request = {fb(need)} {'<=' if need <= o['capacity'] else '>'} "
-                   f"{fb(o['capacity'])} = reserved + free)")
+                   f"{fb(o['capacity'])} = {'--capacity' if given else 'reserved + free'})")
 
         def yes(v):
             return f"not tried (only the first {OOM_CHECKS} are)" if v is None else ("yes" if v else "no")
@@ -1155,8 +1311,21 @@ _PLOT_STYLE = {"defrag": ("tab:blue", "-", 1.4), "defrag-no-compaction": ("tab:c
 
 
 def plot_devices(reports: list[DeviceReport], path) -> None:
-    """One panel per device: live bytes and each allocator's reserved bytes over the trace, PyTorch's
-    recorded reserved bytes, and the recorded OOMs as vertical lines. Needs the reports' series."""
+    """`devices_figure(reports)` written to `path` (the format from its suffix; PNG without one, to that
+    very path: matplotlib would add ".png" to it)."""
+    import matplotlib.pyplot as plt
+
+    fig = devices_figure(reports)
+    try:
+        fig.savefig(path, dpi=110, format=None if Path(str(path)).suffix else "png")
+    finally:
+        plt.close(fig)
+
+
+def devices_figure(reports: list[DeviceReport]):
+    """One panel per device: live bytes and each allocator's reserved bytes over the trace (every result
+    with a series: `replay_devices(..., series=True)`), PyTorch's recorded reserved bytes dashed on top of
+    them, the capacity used, and the recorded OOMs as vertical lines. A matplotlib Figure (Agg)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -1173,10 +1342,12 @@ def plot_devices(reports: list[DeviceReport], path) -> None:
             x, y = rep.live_series
             ax.step([i + 1 for i in x], [v / unit for v in y], where="post", color="black", lw=1.2, label="live")
         if rep.recorded is not None:
+            # Drawn over every replayed curve (zorder), dashed, so that it stays visible where a replay
+            # reserves exactly what PyTorch did.
             rec = rep.recorded
             xs = list(rec.event) + [len(rep.trace.events)]
-            ax.step(xs, [v / unit for v in rec.reserved] + [rec.reserved[-1] / unit], where="post", lw=1.6,
-                    color="tab:red", label=f"{RECORDED}: reserved")
+            ax.step(xs, [v / unit for v in rec.reserved] + [rec.reserved[-1] / unit], where="post", lw=2.0,
+                    ls=(0, (6, 3)), color="tab:red", zorder=5, label=f"{RECORDED}: reserved")
         for r in rep.results:
             if r.series is None:
                 continue
@@ -1186,7 +1357,7 @@ def plot_devices(reports: list[DeviceReport], path) -> None:
                     label=f"{r.allocator}: reserved" + ("" if r.completed else f" ({r.ooms} OOMs)"))
         for i, o in enumerate(rep.ooms):
             ax.axvline(o["event"], color="tab:red", ls=":", lw=1, label="recorded OOM" if i == 0 else None)
-        ax.axhline(rep.capacity / unit, color="grey", ls="--", lw=0.8, label="capacity")
+        ax.axhline(rep.capacity / unit, color="grey", ls="--", lw=0.8, label=f"capacity ({format_bytes(rep.capacity)})")
         title = rep.trace.name if rep.device is None else f"{rep.trace.name}: device {rep.device}"
         ax.set_title(f"{title} ({len(rep.trace.events):,} events)", fontsize=10)
         ax.set_xlabel("events replayed")
@@ -1194,8 +1365,7 @@ def plot_devices(reports: list[DeviceReport], path) -> None:
         ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))  # beside the curves, not on them
         ax.grid(alpha=0.3)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    return fig
 
 
 def _check_real_pool(capacity: int, device) -> None:
@@ -1232,13 +1402,76 @@ def load_input(path, *, snapshot_device: int | None = None) -> tuple[str, list]:
     return kind, [(None, trace)]
 
 
+def _plot_format(value) -> None:
+    """`UsageError` unless matplotlib can write a picture to `value` (decided by its suffix; none: PNG)."""
+    from .arguments import UsageError
+
+    suffix = Path(str(value)).suffix.lower().lstrip(".")
+    if not suffix:
+        return
+    from matplotlib.backend_bases import FigureCanvasBase
+
+    formats = FigureCanvasBase.get_supported_filetypes()
+    if suffix not in formats:
+        raise UsageError(f"--plot {value}: matplotlib cannot draw a .{suffix} file; name a picture, e.g. "
+                         f"{Path(str(value)).with_suffix('.png')} (also {', '.join('.' + f for f in sorted(formats) if f != 'png')})")
+
+
+def _host_memory_available() -> int | None:
+    """MemAvailable from /proc/meminfo in bytes; None where there is no such file."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
+def emulation_limit(items: list, capacity: int | None) -> str | None:
+    """Why replaying `items` without --dry on the emulated device could not fit this machine, or None.
+
+    The emulated device keeps one memfd (an open file) per physical page
+    and, once compaction copies into a page, the page's bytes in host
+    memory. The estimate per device: its peak live bytes or PyTorch's
+    recorded peak reserved, whichever is more, plus a quarter for what
+    fragmentation adds, at most the capacity; the most over the devices
+    (they replay one after the other), against ``ulimit -n`` (less 64 files
+    for the process's own) and against the host memory available now.
+    """
+    import resource
+
+    page = DEFAULT_PAGE
+    need = 0
+    for item in items:
+        dev, trace = (item.device, item.trace) if hasattr(item, "trace") else item
+        recorded = getattr(item, "recorded", None)
+        cap = capacity if capacity is not None else snapshot_capacity(
+            recorded, getattr(item, "ooms", []), trace, pool_capacity=getattr(item, "pool_capacity", None))[0]
+        peak = max(trace.stats().peak_live_bytes, recorded.peak_bytes if recorded is not None else 0)
+        need = max(need, min(cap, peak + peak // 4 + page))
+    pages = -(-need // page)
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != resource.RLIM_INFINITY and pages + 64 > soft:
+        return (f"could need about {pages} pages of {format_bytes(page)}, one open file each, more than "
+                f"`ulimit -n` allows ({soft})")
+    available = _host_memory_available()
+    if available is not None and pages * page > 0.8 * available:
+        return (f"could need about {format_bytes(pages * page)} of host memory (each page compaction writes "
+                f"into), more than this machine has available ({format_bytes(available)})")
+    return None
+
+
 def main(args) -> int:
     """The `defrag replay` command: load, replay every device, print a section per device, write --json/--plot.
 
     Bad input (arguments, a file that is not a trace) raises `defrag.cli.UsageError`:
-    one line on stderr, exit code 2. Exit code 1 when the compacting pool
-    fails an allocation (or stops) at its capacity on some device; 0 when
-    it completes on every device.
+    one line on stderr, exit code 2, before any replay runs. Without
+    --dry on the emulated device, a trace this machine could not hold
+    (`emulation_limit`) replays dry, and the first line says why. Exit
+    code 1 when the compacting pool fails an allocation (or stops) at its
+    capacity on some device; 0 when it completes on every device.
     """
     from .arguments import UsageError, device_arg, device_label, out_file_arg, size_arg
 
@@ -1246,9 +1479,12 @@ def main(args) -> int:
     if args.capacity is not None:
         capacity = size_arg(args.capacity, "--capacity", at_least=DEFAULT_PAGE,
                             at_least_what=f"one page ({format_bytes(DEFAULT_PAGE)})")
-    for flag, value in (("--json", args.json), ("--plot", getattr(args, "plot", None))):
+    plot = getattr(args, "plot", None)
+    for flag, value in (("--json", args.json), ("--plot", plot)):
         if value:
             out_file_arg(value, flag)
+    if plot:
+        _plot_format(plot)
     snapshot_device = getattr(args, "snapshot_device", None)
     if snapshot_device is not None and snapshot_device < 0:
         raise UsageError(f"--snapshot-device {snapshot_device}: a device index is 0 or more")
@@ -1260,57 +1496,65 @@ def main(args) -> int:
     if kind == "trace" and capacity is None:
         raise UsageError(f"--capacity is required for a defrag trace ({args.path} is not a snapshot, which "
                          "records its GPU); e.g. --capacity 80GiB (see defrag replay --help)")
-    device = args.device
-    if not args.dry:
+    device, dry, dry_because = args.device, bool(args.dry), None
+    if not dry:
         # A device that cannot work is the user's input, like a bad path; so is a capacity it cannot hold.
         device = device_label(device_arg(args.device))
+        if device == "emulated":
+            dry_because = emulation_limit(items, capacity)
+            dry = dry_because is not None
+    if not dry:
         for cap in sorted({capacity} if capacity is not None else
-                          {snapshot_capacity(it.recorded, it.ooms, it.trace)[0] for it in items}):
+                          {snapshot_capacity(it.recorded, it.ooms, it.trace,
+                                             pool_capacity=it.pool_capacity)[0] for it in items}):
             _check_real_pool(cap, device)
     t0 = time.perf_counter()
     first = items[0].trace if kind == "snapshot" else items[0][1]
     print(f"{kind} {first.name!r} ({args.path}): {len(items)} device{'s' if len(items) != 1 else ''} to replay"
-          f"{', dry (memory-less device)' if args.dry else ''}")
+          f"{', dry (memory-less device)' if dry else ''}")
+    if dry_because:
+        print(f"  dry without --dry: a real replay on the emulated device {dry_because}; the dry replay runs "
+              f"the pool's own code over a memory-less device, with the same figures")
     try:
-        reports = replay_devices(items, capacity, dry=args.dry, device=device, series=bool(getattr(args, "plot", None)),
+        reports = replay_devices(items, capacity, dry=dry, device=device, series=bool(plot),
                                  mesh=not getattr(args, "no_mesh", False))
     except ReplayError as exc:
         raise UsageError(str(exc)) from None
     for rep in reports:
         st = rep.trace.stats()
         head = "" if rep.device is None else f"== device {rep.device}: "
-        print(f"\n{head}{st.events} events, {st.allocs} allocs, {st.phases} phase markers, peak live "
-              f"{format_bytes(st.peak_live_bytes)}; capacity {format_bytes(rep.capacity)}"
+        print(f"\n{head}{st.events} events, {st.allocs} allocations"
+              + (f", {st.phases} phase markers" if st.phases else "")
+              + f", peak live {format_bytes(st.peak_live_bytes)}; capacity {format_bytes(rep.capacity)}"
               + ("" if rep.capacity_source == "--capacity" else f" ({rep.capacity_source})"))
-        if rep.device is not None:
-            m = rep.trace.meta
-            print(f"  {m['entries']} recorded actions, {m['initial_allocs']} blocks live before the first "
-                  f"({m['pre_trace_frees']} seen only as frees: ring buffer truncation), {m['skipped_entries']} "
-                  f"entries skipped, {m['recorded_ooms']} OOMs recorded")
+        print(summary_sentence(rep))
         print(format_table(rep.results, rep.skipped, rep.recorded, recorded_missing=rep.device is not None))
         if rep.device is not None:
             print(_recorded_line(rep))
         if rep.ooms:
-            print("recorded OOMs (capacity = PyTorch's reserved + the device's free bytes at each):")
+            print("recorded OOMs (capacity = " + ("--capacity" if rep.capacity_source == "--capacity" else
+                                                   "PyTorch's reserved + the device's free bytes at each") + "):")
             print("\n".join(_oom_lines(rep)))
-        r = rep.result("defrag")
-        if r is not None:
-            print(_goal_line(r, st.peak_live_bytes))
+        if rep.device is not None:
+            m = rep.trace.meta
+            print(f"snapshot: {m['entries']} recorded actions, {m['initial_allocs']} blocks live before the first "
+                  f"({m['pre_trace_frees']} seen only as frees: ring buffer truncation), {m['skipped_entries']} "
+                  f"entries skipped, {m['recorded_ooms']} OOMs recorded")
     seconds = time.perf_counter() - t0
     print(f"\n{len(reports)} device{'s' if len(reports) != 1 else ''} replayed in {seconds:.1f} s")
-    if getattr(args, "plot", None):
+    if plot:
         try:
-            plot_devices(reports, args.plot)
+            plot_devices(reports, plot)
         except OSError as exc:
-            raise UsageError(f"cannot write --plot {args.plot}: {exc.strerror or exc}") from None
-        print(f"wrote {args.plot}")
+            raise UsageError(f"cannot write --plot {plot}: {exc.strerror or exc}") from None
+        print(f"wrote {plot}")
     if args.json:
         first_rep = reports[0]
         payload = {
             "trace": {"name": first.name, "path": str(args.path), "kind": kind, "stats": first.stats().as_dict(),
                       "meta": first.meta},
-            "capacity": capacity if capacity is not None else first_rep.capacity, "dry": bool(args.dry),
-            "device": args.device,
+            "capacity": capacity if capacity is not None else first_rep.capacity, "dry": dry,
+            "dry_because": dry_because, "device": args.device,
             "devices": [rep.as_dict() for rep in reports],
             # The first device's results, where readers of a single-device replay look for them.
             "results": [r.as_dict() for r in first_rep.results], "skipped": first_rep.skipped,

@@ -6,7 +6,8 @@ graph stays valid across these calls (they only have to wait for the bytes).
 
 - **sleep / wake** (`sleep`, `wake`): sleep copies the bytes of every live
   block on device pages to one pinned host buffer (`Driver.alloc_host`,
-  `cuMemAllocHost`), unmaps every device page and releases every handle (the
+  `cuMemAllocHost`; one queued copy per run of neighbouring blocks, then one
+  synchronize), unmaps every device page and releases every handle (the
   pages cached by the store too), and keeps the reservations and the books
   (heap, blocks, page counts) exactly as they were; the pages are `ASLEEP`
   (see `defrag.vmm`). Wake maps device pages at the same addresses and copies
@@ -25,7 +26,7 @@ graph stays valid across these calls (they only have to wait for the bytes).
   are first packed into pages of their own (`compactor.move_blocks`), so no
   other block rides along, and the free space left in those pages is filled
   with *filler* blocks so that nothing new is placed in host memory.
-  Offloaded blocks never move (`threads.Scope.blocker`), and the face's hold on each
+  Offloaded blocks never move (`movability.Scope.blocker`), and the face's hold on each
   keeps it alive until it is reloaded, so a host page never becomes an
   empty page the core could hand out. Reload swaps device pages back under
   whole pages (every block on them comes back) and drops the holds.
@@ -158,6 +159,18 @@ def _release_to_driver(core: Core, handles: list[int], report: ResidencyReport) 
 
 
 # ---------------------------------------------------------------------- sleep / wake
+def runs(saved: list[tuple[int, int, int]]) -> list[tuple[int, int, int]]:
+    """(address, size, buffer offset) entries, in address order, with every entry that continues the one
+    before it both in device memory and in the buffer merged into it: one copy per run of neighbours."""
+    out: list[list[int]] = []
+    for address, size, offset in saved:
+        if out and out[-1][0] + out[-1][1] == address and out[-1][2] + out[-1][1] == offset:
+            out[-1][1] += size
+        else:
+            out.append([address, size, offset])
+    return [tuple(r) for r in out]
+
+
 def sleep(core: Core, *, discard=(), progress: bool | None = None) -> ResidencyReport:
     """Copy every live block on device pages to host memory, release every device page; keep the books.
 
@@ -191,17 +204,19 @@ def sleep(core: Core, *, discard=(), progress: bool | None = None) -> ResidencyR
     bar = progress_bar(total, progress, "defrag sleep", large=total > PROGRESS_BYTES)
     try:
         with Transaction() as txn:
-            # 2. Copy out, into one pinned host buffer.
+            # 2. Copy out, into one pinned host buffer: blocks packed in address order, so neighbours
+            # are one copy; all queued, then one synchronize.
             with PhaseTimer(report.phases, "copy"):
                 if total:
                     buffer = driver.alloc_host(total)
                     txn.on_rollback(driver.free_host, buffer)
                 offset = 0
                 for b in keep:
-                    driver.copy_to_host(buffer + offset, b.address, b.size)
                     saved.append((b.address, b.size, offset))
                     offset += b.size
-                    bar.update(b.size)
+                for address, size, at in runs(saved):
+                    driver.copy_to_host_async(buffer + at, address, size)
+                    bar.update(size)
                 driver.synchronize()
             # 3. Unmap every device page; undone by mapping the same handle again.
             with PhaseTimer(report.phases, "unmap"):
@@ -249,10 +264,11 @@ def wake(core: Core, *, progress: bool | None = None) -> ResidencyReport:
             # 1. Map device pages (from the store: cached first, then new) where the pool slept.
             with PhaseTimer(report.phases, "map"):
                 report.pages = core.backing.wake_pages(txn)
-            # 2. Copy the bytes back; what sleep discarded reads zeros.
+            # 2. Copy the bytes back (neighbours in one copy, all queued, one synchronize); what sleep
+            # discarded reads zeros.
             with PhaseTimer(report.phases, "copy"):
-                for address, size, offset in res.saved:
-                    driver.copy_from_host(address, res.buffer + offset, size)
+                for address, size, offset in runs(res.saved):
+                    driver.copy_from_host_async(address, res.buffer + offset, size)
                     bar.update(size)
                 for address, size in res.discarded:
                     driver.memset(address, 0, size)

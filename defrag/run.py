@@ -9,7 +9,8 @@ lives in the pool; on a GPU PyTorch's CUDA allocator), then runs the program
 as ``__main__`` with its own ``sys.argv``, as ``python script.py args`` or
 ``python -m module args`` would, and exits with its exit code. At the end it
 prints one summary line on stderr (the program's stdout stays the program's
-own): peak live, peak reserved, fragmentation, OOMs, compactions; with
+own): peak live, peak reserved, fragmentation at exit (once the program's
+own objects are collected), OOMs, compactions; with
 ``--report PATH`` it also writes the pool's stats as JSON.
 
 What it guarantees: the install happens before the program's first line
@@ -30,6 +31,7 @@ them), nor report when the program ends with ``os._exit`` (no summary).
 from __future__ import annotations
 
 import builtins
+import gc
 import json
 import os
 import runpy
@@ -177,6 +179,7 @@ def _open_pool(driver, capacity: int, *, record: bool = False):
     from . import install
     from .arguments import pool_open_error
     from .errors import CudaError, NotSupportedError
+    from .oom import set_capacity_option
     from .pool import Pool
 
     try:
@@ -190,6 +193,7 @@ def _open_pool(driver, capacity: int, *, record: bool = False):
     except NotSupportedError as exc:
         pool.close()
         raise UsageError(f"cannot install the pool here: {exc}") from None
+    set_capacity_option("--capacity")  # an OOM inside PyTorch's allocator names the option, not Pool(capacity=)
     return pool
 
 
@@ -279,15 +283,15 @@ def _run_program(args: RunArgs) -> int:
 def _allocator_counters(pool) -> dict:
     """What the installed allocator counted: the CPU allocator's counters, or the CUDA entry's for the
     pool's device (or the ctypes fallback's)."""
-    from . import capture, cpu_allocator
+    from . import allocator_install, cpu_allocator
 
     counters = cpu_allocator.counters()
     if counters.get("installed"):
         return counters
-    route = capture.installed(getattr(pool.driver, "ordinal", None))
+    route = allocator_install.installed(getattr(pool.driver, "ordinal", None))
     if route is None:
         return {}
-    if hasattr(route, "counters"):  # the native route (capture.CudaInstall)
+    if hasattr(route, "counters"):  # the native route (allocator_install.CudaInstall)
         return route.counters()
     return {name: getattr(route, name) for name in ("allocs", "frees", "failures", "errors", "foreign_frees")}
 
@@ -303,6 +307,7 @@ def summary(pool, exit_code: int, seconds: float) -> dict:
         "seconds": round(seconds, 3),
         "device": device_label(pool.driver),
         "capacity_bytes": stats["capacity_bytes"],
+        "page_size_bytes": stats["page_size"],
         "peak_live_bytes": peak_live,
         "peak_reserved_bytes": peak_reserved,
         "reserved_over_live": round(peak_reserved / peak_live, 4) if peak_live else None,
@@ -314,11 +319,21 @@ def summary(pool, exit_code: int, seconds: float) -> dict:
 
 
 def summary_line(figures: dict) -> str:
-    """One line a person reads at the end of the run."""
+    """One line a person reads at the end of the run.
+
+    The overhead over live is a percentage, except when less than one page
+    was live: then a whole page reserved reads as thousands of percent, so it
+    is given in bytes.
+    """
     from .units import format_bytes
 
     over = figures["reserved_over_live"]
-    over_text = f" (+{(over - 1) * 100:.1f}% over live)" if over else ""
+    live, reserved = figures["peak_live_bytes"], figures["peak_reserved_bytes"]
+    page = figures.get("page_size_bytes") or 0
+    if over and live < page:
+        over_text = f" (+{format_bytes(reserved - live)} over live, which is under one {format_bytes(page)} page)"
+    else:
+        over_text = f" (+{(over - 1) * 100:.1f}% over live)" if over else ""
     return (f"defrag run: exit {figures['exit_code']} in {figures['seconds']:.1f} s on {figures['device']} · "
             f"peak live {format_bytes(figures['peak_live_bytes'])} · peak reserved "
             f"{format_bytes(figures['peak_reserved_bytes'])}{over_text} of {format_bytes(figures['capacity_bytes'])} · "
@@ -370,7 +385,12 @@ def main(argv: list[str]) -> int:
             uninstall()
             pool.close()
         raise
-    figures = summary(pool, code, time.perf_counter() - started)
+    seconds = time.perf_counter() - started
+    # The program's module is gone, but its objects may sit in reference cycles (a module's functions
+    # hold its globals) until the collector happens to run: collect now, so that "at exit" is the same
+    # figure every run (what the program left live once its own objects are freed).
+    gc.collect()
+    figures = summary(pool, code, seconds)
     if report is not None:
         try:
             _write_report(report, figures, pool, args)

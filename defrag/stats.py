@@ -38,7 +38,7 @@ import time
 import weakref
 
 from .units import format_bytes
-from .vmm import page_runs
+from .page_runs import page_runs
 
 # Actions of PyTorch's TraceEntry that the pool produces.
 ACTIONS = ("alloc", "free_requested", "free_completed", "segment_map", "segment_unmap", "oom", "snapshot")
@@ -83,7 +83,11 @@ class HistoryRecorder:
     recorded or that was live when recording began (so the destination of an
     abandoned compaction wave, or an old location released after its data
     moved, never appears as a spurious free); map/unmap entries name only
-    pages whose state really changed.
+    pages whose state really changed. Frees, and the allocations native code
+    made, are logged by the pool's books as they happen (any thread) and
+    taken in order before anything the pool's Python code records
+    (`catch_up`), so a range is always freed in the trace before it is used
+    again.
 
     Frames: with `stacks=True`, `alloc` and `oom` entries carry the caller's
     Python frames (innermost first, defrag's own frames left out), kept for
@@ -116,10 +120,9 @@ class HistoryRecorder:
     def entries(self) -> list[dict]:
         """The recorded entries, oldest first (copies: callers may keep or edit them).
 
-        In the order the pool learned of them: the allocator entries' events (`absorb`) arrive at the
-        pool's next sync, which comes before any event the pool's Python code records, so a range is
-        always freed in the trace before it is used again (their `time_us` may tie within a
-        microsecond: order by position, not by time)."""
+        In the order things happened: the books' log (`absorb`) is taken before any event the pool's
+        Python code records, so a range is always freed in the trace before it is used again (their
+        `time_us` may tie within a microsecond: order by position, not by time)."""
         return [dict(e) for e in self._entries]
 
     def __len__(self) -> int:
@@ -134,12 +137,18 @@ class HistoryRecorder:
         self._entries.append(entry)
         self.recorded += 1
 
+    def catch_up(self) -> None:
+        """Take what the pool's books logged since the last call (`absorb`): before anything else is
+        recorded, so the trace keeps the order things happened in."""
+        core = self._core()
+        if core is not None:
+            self.absorb(*core.books.take_events())
+
     def absorb(self, events, lost: int = 0) -> None:
-        """The allocator entries' blocks made and released natively (`defrag.install`), as logged by the
-        fast path (`FastPath.take_events`): (1 alloc / 2 free, address, requested bytes, time_us) each,
-        oldest first, with the time they happened; no frames (PyTorch's C++ made them). A free of a
-        block never seen allocated is ignored, as in `block_freed`. `lost`: events the native log
-        could not keep (no host memory), ever."""
+        """Blocks the books placed natively and every free, as they logged them (`Books.take_events`):
+        (1 alloc / 2 free, address, requested bytes, time_us) each, oldest first, with the time they
+        happened; no frames (native code made them). A free of a block never seen allocated is ignored
+        (see the class doc). `lost`: events the native log could not keep (no host memory), ever."""
         tracked = self._tracked
         for kind, address, nbytes, time_us in events:
             if kind == 1:
@@ -152,18 +161,12 @@ class HistoryRecorder:
     # ------------------------------------------------------------------ hooks (pool lock held)
     def block_allocated(self, alloc) -> None:
         """A block now owned by a user storage (`empty`, `adopt`, ...): one `alloc` entry."""
+        self.catch_up()
         self._tracked[alloc.address] = alloc.nbytes
         frames = python_frames() if self.stacks else []
         if frames:
             self.frames[alloc.address] = frames
         self._add("alloc", alloc.address, alloc.nbytes, frames=frames)
-
-    def block_freed(self, alloc) -> None:
-        """A block went back to the heap: `free_requested` then `free_completed`.
-
-        Ignored for blocks the trace never saw allocated (see the class doc).
-        """
-        self._untrack(alloc.address)
 
     def _untrack(self, address: int, time_us: int | None = None) -> None:
         """The tracked block at `address` is freed (`_free`, with its recorded size); nothing for an address
@@ -189,6 +192,7 @@ class HistoryRecorder:
         itself, released later when the compaction drops its temporary owner
         (if it has one), is not recorded again.
         """
+        self.catch_up()
         self._free(old_address, self._tracked.pop(old_address, nbytes))
         self._tracked[new_address] = nbytes
         frames = self.frames.pop(old_address, [])
@@ -198,12 +202,14 @@ class HistoryRecorder:
 
     def pages_mapped(self, region, pages) -> None:
         """Pages of `region` were mapped: one `segment_map` per run of consecutive pages."""
+        self.catch_up()
         done = [p for p in pages if region.handles[p]]
         for first, count in page_runs(done):
             self._add("segment_map", region.address(first), count * self.page_size)
 
     def pages_unmapped(self, region, pages) -> None:
         """Pages of `region` were unmapped: one `segment_unmap` per run of consecutive pages."""
+        self.catch_up()
         done = [p for p in pages if not region.handles[p]]
         for first, count in page_runs(done):
             self._add("segment_unmap", region.address(first), count * self.page_size)
@@ -211,15 +217,19 @@ class HistoryRecorder:
     def oom(self, nbytes: int) -> None:
         """An allocation of `nbytes` failed for good: one `oom` entry.
 
-        `device_free` (PyTorch: what the driver reports free) is the pool's
-        capacity minus its allocated bytes: memory that exists but could not
-        be used for this request.
+        `device_free` (PyTorch: what the driver reports free, outside what
+        the allocator reserved) is what the pool could still map: its
+        capacity minus its mapped pages, or only its cached pages when the
+        device refused more. So reserved + free is the pool's capacity, as
+        reserved + free is the GPU's for PyTorch; the free space stranded
+        inside mapped pages is not in it.
         """
+        self.catch_up()
         core = self._core()
         free = 0
         if core is not None:
-            st = core.stats_locked()
-            free = st["capacity_bytes"] - st["allocated_bytes.all.current"]
+            store = core.space.store
+            free = (len(store.cached) + (0 if store.device_full else store.creatable)) * core.page_size
         self._add("oom", None, nbytes, device_free=int(free), frames=python_frames() if self.stacks else [])
 
     def compacted(self, report) -> None:
@@ -234,6 +244,7 @@ class HistoryRecorder:
 
     def snapshot_taken(self, allocated: int) -> None:
         """A snapshot was taken: one `snapshot` entry (addr 0, size = allocated bytes), as PyTorch does."""
+        self.catch_up()
         self._add("snapshot", 0, allocated)
 
 

@@ -33,14 +33,13 @@ from __future__ import annotations
 import ctypes
 import logging
 import math
-import os
 import threading
 import weakref
 
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
-from . import storage_ext
+from . import settings, storage_ext
 
 _log = logging.getLogger("defrag")
 
@@ -231,10 +230,6 @@ def _set_version(t: torch.Tensor, version: int) -> None:
         setter(t, version)
 
 
-def _env_flag(name: str) -> bool:
-    return os.environ.get(name, "").strip().lower() not in ("", "0", "false", "no", "off")
-
-
 _modes: dict[tuple[bool, bool], str] = {}  # (force old torch, extension forbidden) -> mode
 _modes_lock = threading.Lock()
 
@@ -248,7 +243,7 @@ def swap_mode() -> str:
     DEFRAG_FORCE_NO_SWAP_DATA_PTR or DEFRAG_NO_STORAGE_EXT change, so tests can
     switch paths with the environment. Logs one WARNING when it is "rebind".
     """
-    key = (_env_flag("DEFRAG_FORCE_NO_SWAP_DATA_PTR"), _env_flag("DEFRAG_NO_STORAGE_EXT"))
+    key = (settings.force_no_swap_data_ptr(), settings.no_storage_ext())
     mode = _modes.get(key)
     if mode is not None:
         return mode

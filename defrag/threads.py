@@ -12,9 +12,10 @@ hooks in user code:
 - `is_alive(ref)` says whether that thread still runs;
 - `describe(ref)` names it for error messages.
 
-From these facts, `Users` (one per core: the threads that used it) gives a
-compaction its `Scope`, and `Scope.blocker` is the one test of whether a
-block may move. This module knows nothing of torch.
+From these facts `defrag.movability` decides which blocks a compaction may
+move. `Gate` is a pool's lock (its native books'), which knows which threads
+wait at it or are inside it (they run the pool's own code: *parked*). This
+module knows nothing of torch.
 """
 
 from __future__ import annotations
@@ -24,13 +25,8 @@ import logging
 import threading
 import traceback
 import weakref
-from dataclasses import dataclass
-
-from .errors import ConcurrencyError
 
 _log = logging.getLogger("defrag")
-
-THREAD_MODES = (None, "own", "all")
 
 _ids = itertools.count(1)
 _local = threading.local()
@@ -79,6 +75,11 @@ def describe(ref) -> str:
 class Gate:
     """A pool's lock that also knows which threads are waiting for it or holding it.
 
+    The lock itself is the pool's native books' (`Books.enter` / `Books.leave`):
+    one lock for Python's multi-step operations and native placement and
+    release. While a thread is inside, native placement declines and releases
+    wait in the books' queue, applied in order when it leaves.
+
     A thread inside the gate (waiting to enter, or in) is running the pool's
     own code, not the user's: it cannot be touching its tensors until the
     gate lets it out, which cannot happen while a compaction holds the lock.
@@ -87,35 +88,34 @@ class Gate:
     be let out at any time and is not parked here. Reentrant, like RLock.
     """
 
-    __slots__ = ("_lock", "_inside", "_after", "books")
+    __slots__ = ("books", "_inside", "_after")
 
-    def __init__(self) -> None:
-        self._lock = threading.RLock()
+    # How long one native wait for the lock lasts before Python gets to run its signal handlers
+    # (a KeyboardInterrupt reaches a thread waiting at the gate within this).
+    WAIT_SLICE = 0.05
+
+    def __init__(self, books) -> None:
+        self.books = books  # the pool's native books, whose lock this is
         self._inside: dict[int, int] = {}  # token id -> nesting depth; each thread writes only its own key
         self._after: dict[int, list] = {}  # token id -> work put off until that thread leaves (`run_outside`)
-        # The pool's native books when native code places and releases beside Python: held (`hold`)
-        # while a thread is inside, so that they never change under a multi-step Python operation.
-        self.books = None
 
     def __enter__(self) -> ThreadToken:
         token = current_token()
         inside = self._inside
         inside[token.id] = inside.get(token.id, 0) + 1
         try:
-            self._lock.acquire()
+            enter = self.books.enter
+            while not enter(self.WAIT_SLICE):
+                pass  # Python runs pending signal handlers between the tries
         except BaseException:  # interrupted while waiting: not inside after all
             self._leave(token.id)
             raise
-        if self.books is not None and inside[token.id] == 1:  # the outermost entry
-            self.books.hold()
         return token
 
     def __exit__(self, *exc) -> None:
         tid = current_token().id
         outermost = self._inside[tid] == 1
-        if self.books is not None and outermost:
-            self.books.unhold()
-        self._lock.release()
+        self.books.leave()
         self._leave(tid)
         if outermost and self._after:
             for fn in self._after.pop(tid, ()):
@@ -144,134 +144,7 @@ class Gate:
         else:
             del self._inside[tid]
 
-    @property
-    def occupants(self) -> dict:
-        """The live dict of threads waiting at or inside the gate (token id -> depth): empty exactly when
-        no thread is. Read-only to callers (a fast path checks its size without taking the lock)."""
-        return self._inside
-
     def parked(self, ref) -> bool:
         """Whether the thread behind owner reference `ref` is waiting at or inside this gate."""
         token = ref() if ref is not None else None
         return token is not None and token.id in self._inside
-
-
-@dataclass(frozen=True)
-class Scope:
-    """Which blocks one compaction may move (see `Users.scope`)."""
-
-    mine: object  # the caller's owner reference (owner_ref())
-    idle: frozenset  # token ids of other threads parked at the gate: their blocks may move
-    everything: bool  # no other thread that used the core is running: every unpinned block may move
-
-    def blocker(self, block, can_rewrite=None) -> str:
-        """Why a compaction of this scope may not move `block` ("" when it may): the one movability test.
-
-        A block stays where it is while pinned, retired (an old location
-        awaiting release), pending (released, the device not done with it),
-        offloaded, or owned by a thread this scope may not disturb; then the
-        face's own verdict, `can_rewrite(block) -> str` ("" when the face can
-        rewrite the block's owner).
-        """
-        if block.pins:
-            return "pinned"
-        if block.retired:
-            return "retired (awaiting release)"
-        if block.pending:
-            return "released, waiting for the device to finish with it"
-        if block.offloaded:
-            return "offloaded to host memory (pool.reload(t) brings it back)"
-        if not (self.everything or block.owner is self.mine):
-            reason = self._thread_reason(block)
-            if reason:
-                return reason
-        return can_rewrite(block) if can_rewrite is not None else ""
-
-    def mesh_blocker(self, block) -> str:
-        """Why a mesh of this scope may not copy `block`'s page ("" when it may): `blocker` minus pins and
-        the face's verdict, since meshing changes no address. Between the copy and the remap a write
-        by another thread to the block would be lost, so its thread rule stays."""
-        if block.retired:
-            return "retired (awaiting release)"
-        if block.pending:
-            return "released, waiting for the device to finish with it"
-        if block.offloaded:
-            return "offloaded to host memory"
-        if not (self.everything or block.owner is self.mine):
-            return self._thread_reason(block)
-        return ""
-
-    def _thread_reason(self, block) -> str:
-        if block.shared:
-            return "shared between threads (pool.share), and another thread that used the pool is running"
-        if not is_alive(block.owner):
-            return ("its thread has ended, and another thread that used the pool is running (it may have "
-                    "been handed the tensor: pool.claim(t) there makes it that thread's)")
-        if block.owner().id not in self.idle:
-            return (f"owned by {describe(block.owner)}, which is running and may be using it: "
-                    f"that thread's own compactions move it")
-        return ""
-
-
-class Users:
-    """The threads that used one core (each block's owner is one of them), and the scopes they give."""
-
-    __slots__ = ("_refs", "gate", "label")
-
-    def __init__(self, gate: Gate, label: str):
-        self._refs: dict[int, object] = {}  # token id -> owner ref
-        self.gate = gate
-        self.label = label
-
-    def current(self):
-        """The calling thread's owner reference, remembering that this thread used the core."""
-        token = current_token()
-        ref = token.ref
-        if self._refs.get(token.id) is not ref:
-            self._refs[token.id] = ref
-        return ref
-
-    def note(self, refs) -> None:
-        """Remember the threads behind owner references `refs` (blocks made where the core did not see)."""
-        for ref in refs:
-            token = ref() if ref is not None else None
-            if token is not None and self._refs.get(token.id) is not ref:
-                self._refs[token.id] = ref
-
-    def _others_alive(self, mine) -> list:
-        others = []
-        for tid, ref in list(self._refs.items()):
-            if not is_alive(ref):
-                del self._refs[tid]
-            elif ref is not mine:
-                others.append(ref)
-        return others
-
-    def scope(self, mode=None) -> Scope:
-        """What a compaction called from this thread may move now (the gate is held).
-
-        A thread is *busy* when it used the core, still runs, and is not
-        parked at the gate. None: the caller's blocks and those of parked
-        threads, plus blocks of ended threads and shared blocks when no
-        other thread is busy; "own": the caller's blocks only; "all": every
-        unpinned block, refused with ConcurrencyError while another thread
-        is busy.
-        """
-        if mode not in THREAD_MODES:
-            raise ValueError(f"threads must be None, 'own' or 'all', got {mode!r}")
-        mine = self.current()
-        if mode == "own":
-            return Scope(mine, frozenset(), everything=False)
-        idle, busy = set(), []
-        for ref in self._others_alive(mine):
-            if self.gate.parked(ref):
-                idle.add(ref().id)
-            else:
-                busy.append(ref)
-        if mode == "all" and busy:
-            names = ", ".join(describe(r) for r in busy[:5]) + (" ..." if len(busy) > 5 else "")
-            raise ConcurrencyError(
-                f"compact(threads='all') needs every other thread that used {self.label} to have ended "
-                f"(or to wait inside a pool call), but {len(busy)} still run ({names}): join them first, "
-                f"or call pool.compact() in each thread to move its own tensors")
-        return Scope(mine, frozenset(idle), everything=not busy)

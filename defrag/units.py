@@ -1,9 +1,13 @@
-"""Byte sizes: parse "8GiB"/"512MiB"/ints, and format bytes for people."""
+"""Byte sizes: parse "8GiB"/"512MiB"/ints, format bytes for people, and the pool's placement grain."""
 
 from __future__ import annotations
 
 import re
 from fractions import Fraction
+
+# Every block's size is rounded up to this many bytes and every block starts on a multiple of it, as
+# PyTorch rounds its own allocations (the native heap's kAlignment, defrag/native/heap.h).
+ALIGNMENT = 512
 
 _UNITS = {
     "": 1, "b": 1,

@@ -43,6 +43,7 @@ import numpy as np
 
 from .driver import Driver
 from .errors import CudaError
+from .page_runs import page_runs
 
 # What backs a virtual page (Region.backing); see the module docstring.
 DEVICE, HOST, ASLEEP = 0, 1, 2
@@ -189,17 +190,6 @@ class Region:
         return np.flatnonzero(self.handles).tolist()
 
 
-def page_runs(pages) -> list[tuple[int, int]]:
-    """Page indices (any order) -> sorted (first, count) runs of consecutive pages."""
-    runs: list[tuple[int, int]] = []
-    for p in sorted(pages):
-        if runs and runs[-1][0] + runs[-1][1] == p:
-            runs[-1] = (runs[-1][0], runs[-1][1] + 1)
-        else:
-            runs.append((p, 1))
-    return runs
-
-
 class AddressSpace:
     """Regions of reserved virtual memory and the physical pages mapped into them."""
 
@@ -318,29 +308,47 @@ class AddressSpace:
             raise first
 
     def _unmap_mapped(self, region: Region, pages: list[int], sync: bool) -> None:
-        """Undo helper: unmap pages this transaction mapped and return their handles."""
+        """Unmap these mapped pages and return their handles (device ones to the store, host ones to
+        the driver); each page leaves `pages` once its books say unmapped.
+
+        One cuMemUnmap per run of consecutive pages: one call may cover several whole mappings
+        (never a part of one; checked on a GPU by tests/gpu/test_driver_gpu.py), and an unmap costs
+        about as much as a map, so a batch of donors given back costs a call per run, not per page.
+        A failed call leaves its run mapped and in `pages` (runs before it stay unmapped) and the
+        error propagates."""
         if sync:
             self.driver.synchronize()
-        for page in list(pages):
-            backing = region.backing[page]
-            if backing == ASLEEP:  # nothing is mapped there (sleep released it): only the books change
-                region.handles[page], region.backing[page] = 0, DEVICE
-                self.asleep -= 1
-                pages.remove(page)
-                continue
-            self.driver.unmap(region.address(page), self.page_size)
-            self.unmap_calls += 1
-            if backing == HOST:  # a host-located handle never enters the store of device pages
-                handle = int(region.handles[page])
-                region.handles[page], region.backing[page] = 0, DEVICE
-                self.host_mapped -= 1
-                pages.remove(page)
-                self.driver.release(handle)
-                continue
-            handle = int(region.handles[page])
-            region.handles[page] = 0
-            self.unref(handle, to_store=True)
-            pages.remove(page)
+        done: set[int] = set()
+        try:
+            for page in pages:
+                if region.backing[page] == ASLEEP:  # nothing is mapped there (sleep released it): only the books
+                    region.handles[page], region.backing[page] = 0, DEVICE
+                    self.asleep -= 1
+                    done.add(page)
+            for first, count in page_runs(p for p in pages if p not in done):
+                self.driver.unmap(region.address(first), count * self.page_size)
+                self.unmap_calls += 1
+                hosts = []
+                for page in range(first, first + count):
+                    handle = int(region.handles[page])
+                    region.handles[page] = 0
+                    if region.backing[page] == HOST:  # a host-located handle never enters the device store
+                        region.backing[page] = DEVICE
+                        self.host_mapped -= 1
+                        hosts.append(handle)
+                    else:
+                        self.unref(handle, to_store=True)
+                    done.add(page)
+                error = None
+                for handle in hosts:
+                    try:
+                        self.driver.release(handle)
+                    except CudaError as exc:
+                        error = error or exc
+                if error is not None:
+                    raise error
+        finally:
+            pages[:] = [p for p in pages if p not in done]
 
     def ref(self, handle: int) -> None:
         """One more virtual page maps device `handle`: its first mapping counts it in `mapped`, later
@@ -420,17 +428,18 @@ class AddressSpace:
         region.handles[page] = 0
         self.unref(handle, to_store=False)
 
-    def unmap(self, region: Region, pages: list[int]) -> None:
+    def unmap(self, region: Region, pages: list[int], *, sync: bool = True) -> None:
         """Synchronize, then unmap each page and return its handle to the store (cached).
 
-        The caller guarantees no live data remains on these pages. If a driver
-        call fails part-way, the pages already unmapped stay unmapped (their
-        state is recorded page by page) and the error propagates.
+        The caller guarantees no live data remains on these pages; `sync=False` only where it also
+        knows the device is done with them (invariant 5). If a driver call fails part-way, the pages
+        already unmapped stay unmapped (their state is recorded page by page) and the error propagates.
         """
         pages = [p for p in pages if region.handles[p]]
         if not pages:
             return
-        self.driver.synchronize()
+        if sync:
+            self.driver.synchronize()
         self._unmap_mapped(region, pages, False)
 
     def release_all(self) -> None:

@@ -76,7 +76,7 @@ def draw(path: pathlib.Path = OUT) -> pathlib.Path:
     ax.set_ylim(0, H)
     ax.axis("off")
 
-    ax.text(W - 10, H - 8, "data flows down; nothing flows up", ha="right", va="top", fontsize=9,
+    ax.text(W - 10, H - 8, "calls go down; up only what was passed down", ha="right", va="top", fontsize=9,
             style="italic", color=NOTE)
 
     # ---- callers
@@ -88,11 +88,11 @@ def draw(path: pathlib.Path = OUT) -> pathlib.Path:
     # ---- faces
     _band(ax, 94, 138, "faces")
     _box(ax, 40, 114, 330, 112, "pool.py  Pool",
-         "torch storages over blocks: empty, adopt,\npin, claim/share, compact, stats, snapshot;\n"
-         "_TorchMover; alloc_segment / free_segment\n+ tensors.py, storage_ext.py (torch glue)",
+         "torch storages over blocks; parts over one\nPoolContext (ownership, residency, meshing,\n"
+         "segments, observability); _TorchMover\n+ tensors.py, storage_ext.py (torch glue)",
          TORCH)
     _box(ax, 390, 114, 260, 112, "capture.py  TorchAllocator",
-         "PyTorch's pluggable allocator\nover the same pages (segments\nfrom Pool.alloc_segment);\npool.capture(), install()",
+         "PyTorch's pluggable allocator over\nthe same pages (segments);\npool.capture(); and\nallocator_install.py: install()",
          TORCH)
     _box(ax, 670, 114, 290, 112, "dry.py  DryPool",
          "the same core, blocks named by keys;\n_KeyMover rewrites a dict entry;\n"
@@ -103,11 +103,11 @@ def draw(path: pathlib.Path = OUT) -> pathlib.Path:
     _band(ax, 246, 126, "policy (no torch)")
     _box(ax, 40, 266, 450, 96, "core.py  Core",
          "blocks (Block), placement, release queue (drain, settle),\ncounters, the allocation ladder; "
-         "threads.py: Gate,\nUsers.scope, Scope.blocker; readout.py: stats, layout",
+         "threads.py: Gate; movability.py:\nUsers.scope, Scope.blocker; readout.py: stats, layout",
          CORE)
     _box(ax, 510, 266, 450, 96, "compactor.py  compact_core / rescue",
-         "plan, prepare, copy, verify, commit, release, per wave\nin a Transaction; owners rewritten by the face's "
-         "Mover\n(move_in_place); mesher.py, residency.py beside it",
+         "plan, prepare, copy, verify, commit, release, per wave\nin a Transaction; records through Core.waves, "
+         "owners\nthrough the face's Mover; mesher.py, residency.py beside it",
          CORE)
 
     # ---- pure parts, address space, kernels

@@ -46,29 +46,32 @@ plain Python over the uint64 view, and the checksum arithmetic is the same
 
 Grid sizing
 -----------
-GPU: 256 threads (8 teams) per block and ``min(SMs * BLOCKS_PER_SM,
-ceil(chunks / 8))`` blocks, so a big wave fills the device once and the
-grid-stride loop does the rest. Simulator: ``SIM_GRID`` (2 blocks of 32
-threads: each simulated thread is a Python thread, so keep it small).
+GPU: `defrag.kernels.geometry.launch_geometry`: 256 threads (8 teams) per
+block, at most one resident wave of blocks (SMs x blocks per SM), and chunks
+fine enough that a wave of 1 MiB or more reaches every SM. The launcher
+(`kernels.launch`) asks the loaded kernel's occupancy; numba's own launches
+here (`launch_dims`) assume ``BLOCKS_PER_SM`` (4: what the sm_90 build's 55
+registers per thread allow at 256 threads). Simulator: ``SIM_GRID`` (2
+blocks of 32 threads: each simulated thread is a Python thread, so keep it
+small).
 """
 
 from __future__ import annotations
 
 import functools
-import math
 import threading
 
 import numpy as np
 from numba import cuda
 
 from . import _mix
+from .geometry import launch_geometry
 
 TEAM = 32  # threads sharing one chunk: a warp on a GPU
 SIM = bool(cuda.config.ENABLE_CUDASIM)
 
 THREADS_PER_BLOCK = 256
-BLOCKS_PER_SM = 8
-CHUNK_WORDS = 512  # 8 KiB per chunk on a GPU
+BLOCKS_PER_SM = 4  # the sm_90 build's occupancy at 256 threads (55 registers per thread)
 SIM_GRID = (2, 32)  # (blocks, threads per block) under the simulator
 SIM_CHUNK_WORDS = 64  # 1 KiB: small enough that test plans span many chunks
 
@@ -288,11 +291,8 @@ def launch_dims(total_words: int) -> tuple[int, int, int]:
     if SIM:
         blocks, threads = SIM_GRID
         return blocks, threads, SIM_CHUNK_WORDS
-    chunks = math.ceil(total_words / CHUNK_WORDS)
-    teams_per_block = THREADS_PER_BLOCK // TEAM
-    cap = _sm_count(cuda.get_current_device().id) * BLOCKS_PER_SM
-    blocks = max(1, min(cap, math.ceil(chunks / teams_per_block)))
-    return blocks, THREADS_PER_BLOCK, CHUNK_WORDS
+    return launch_geometry(total_words, sm_count=_sm_count(cuda.get_current_device().id),
+                           blocks_per_sm=BLOCKS_PER_SM, threads=THREADS_PER_BLOCK)
 
 
 def as_stream(stream):

@@ -14,6 +14,8 @@ import os
 
 import numpy as np
 
+from defrag import settings
+
 from ._tables import WORD
 
 
@@ -31,7 +33,7 @@ def preload_libnvvm(path: str | None = None) -> str | None:
     names a library; OSError when the file cannot be loaded. Called before
     the first kernel compiles.
     """
-    path = path or os.environ.get("DEFRAG_LIBNVVM") or None
+    path = path or settings.libnvvm()
     if not path:
         return None
     ctypes.CDLL(path, mode=getattr(os, "RTLD_NOW", 2) | getattr(os, "RTLD_GLOBAL", 0x100))

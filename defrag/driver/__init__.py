@@ -16,13 +16,11 @@ the emulated device; a `Driver` is used as it is.
 
 from __future__ import annotations
 
-import mmap
-import os
 import threading
 
-from ..errors import SettingError
+from .. import settings
 from .cuda import Driver, cuda_driver_usable
-from .emulated import DEFAULT_CAPACITY, DEFAULT_GRANULARITY, EmulatedCuda
+from .emulated import EmulatedCuda
 from .faults import FaultInjector
 from .memoryless import MemorylessCuda
 
@@ -39,39 +37,15 @@ _cuda_drivers: dict[int, Driver] = {}
 _shared: dict[str, Driver | None] = {}  # kind -> this process's emulated / memory-less device
 
 
-def _env_bytes(name: str, default: int, *, power_of_two: bool = False) -> int:
-    """A size from environment variable `name` (`default` when unset or empty); `SettingError` naming
-    the variable and what it accepts otherwise. `power_of_two`: a power of two of at least the host
-    page size (a VMM granularity: GPUs report powers of two, and the pool aligns to them)."""
-    raw = os.environ.get(name)
-    if not raw:
-        return default
-    from ..units import format_bytes, parse_size
-    try:
-        value = parse_size(raw, what=name)
-    except ValueError:
-        value = None
-    if power_of_two:
-        if value is None or value < mmap.PAGESIZE or value & (value - 1):
-            raise SettingError(f"{name}={raw!r} is not a granularity: use a power of two of at least the host "
-                               f"page size ({format_bytes(mmap.PAGESIZE)}), such as '2MiB' (what H100/H200 report) "
-                               f"or '64KiB', or unset it (default {format_bytes(default)})")
-    elif value is None or value <= 0:
-        raise SettingError(f"{name}={raw!r} is not a size: use a positive byte count or a string like "
-                           f"'16GiB' or '512MiB', or unset it (default {format_bytes(default)})")
-    return value
-
-
 def _shared_driver(kind: str) -> Driver:
     """This process's one device of `kind` ("emulated" or "memoryless"), sized by
     DEFRAG_<KIND>_CAPACITY (default 16GiB) and DEFRAG_<KIND>_GRANULARITY (default 2MiB).
     `SettingError` (nothing made) when either holds something unusable."""
-    prefix = f"DEFRAG_{kind.upper()}"
     with _lock:
         if _shared.get(kind) is None:
             _shared[kind] = getattr(Driver, kind)(
-                capacity=_env_bytes(f"{prefix}_CAPACITY", DEFAULT_CAPACITY),
-                granularity=_env_bytes(f"{prefix}_GRANULARITY", DEFAULT_GRANULARITY, power_of_two=True))
+                capacity=settings.device_size(kind, "capacity"),
+                granularity=settings.device_size(kind, "granularity"))
         return _shared[kind]
 
 

@@ -116,6 +116,17 @@ class Driver:
         self._host_prop = None
         self._trial_handle = 0  # the probe's trial page, if releasing it failed (released at the next probe)
 
+    @property
+    def on_libcuda(self) -> bool:
+        """Whether this driver's calls go to the real CUDA driver library (not an emulation of one, even
+        one rehearsing the "cuda" kind): what native code may then call itself (stream events)."""
+        return self.api is cu
+
+    @property
+    def context_handle(self) -> int:
+        """The device's primary context (CUcontext) as an integer, for native code that must make it current."""
+        return self._context_id
+
     # ------------------------------------------------------------ constructors
     @classmethod
     def cuda(cls, ordinal: int = 0) -> "Driver":
@@ -364,6 +375,108 @@ class Driver:
         self.make_current()
         _check("cuMemsetD8Async",
                self._api.cuMemsetD8Async(int(ptr), int(value) & 0xFF, int(nbytes), cu.CUstream(int(stream))))
+
+    def copy_from_host_async(self, dst: int, src: int, nbytes: int, stream: int = 0) -> None:
+        """Copy `nbytes` from page-locked host memory at `src` (`alloc_host`) to device memory at `dst`,
+        ordered on `stream` (cuMemcpyHtoDAsync). The source is read when the copy runs: keep it
+        unchanged until then (an event recorded after it says when)."""
+        self.make_current()
+        _check("cuMemcpyHtoDAsync",
+               self._api.cuMemcpyHtoDAsync(int(dst), int(src), int(nbytes), cu.CUstream(int(stream))))
+
+    def copy_to_host_async(self, dst: int, src: int, nbytes: int, stream: int = 0) -> None:
+        """Copy `nbytes` of device memory at `src` to page-locked host memory at `dst` (`alloc_host`),
+        ordered on `stream` (cuMemcpyDtoHAsync); the bytes are there once the stream has run it."""
+        self.make_current()
+        _check("cuMemcpyDtoHAsync",
+               self._api.cuMemcpyDtoHAsync(int(dst), int(src), int(nbytes), cu.CUstream(int(stream))))
+
+    def synchronize_stream(self, stream: int = 0) -> None:
+        """Wait until `stream` has finished its queued work (cuStreamSynchronize)."""
+        self.make_current()
+        _check("cuStreamSynchronize", self._api.cuStreamSynchronize(cu.CUstream(int(stream))))
+
+    # ------------------------------------------------------------ device memory for kernels' tables
+    def alloc(self, nbytes: int) -> int:
+        """`nbytes` of device memory outside the pool's VMM pages (cuMemAlloc); returns its address."""
+        self.make_current()
+        return int(_check("cuMemAlloc", self._api.cuMemAlloc(int(nbytes))))
+
+    def free(self, ptr: int) -> None:
+        """Free memory from `alloc` (cuMemFree). Work that may still use it must be finished first."""
+        self.make_current()
+        _check("cuMemFree", self._api.cuMemFree(int(ptr)))
+
+    # ------------------------------------------------------------ events
+    def create_event(self):
+        """A new event without timing (cuEventCreate, CU_EVENT_DISABLE_TIMING); an opaque handle."""
+        self.make_current()
+        return _check("cuEventCreate", self._api.cuEventCreate(int(cu.CUevent_flags.CU_EVENT_DISABLE_TIMING)))
+
+    def record_event(self, event, stream: int = 0) -> None:
+        """Mark the point of `stream`'s queue the event completes at (cuEventRecord)."""
+        self.make_current()
+        _check("cuEventRecord", self._api.cuEventRecord(event, cu.CUstream(int(stream))))
+
+    def wait_event(self, event) -> None:
+        """Wait until the event has completed (cuEventSynchronize)."""
+        self.make_current()
+        _check("cuEventSynchronize", self._api.cuEventSynchronize(event))
+
+    def destroy_event(self, event) -> None:
+        self.make_current()
+        _check("cuEventDestroy", self._api.cuEventDestroy(event))
+
+    # ------------------------------------------------------------ modules and kernel launches
+    def attribute(self, attribute) -> int:
+        """The device's value of a `CUdevice_attribute` (cuDeviceGetAttribute)."""
+        return int(_check("cuDeviceGetAttribute", self._api.cuDeviceGetAttribute(attribute, self.device)))
+
+    def multiprocessors(self) -> int:
+        """How many SMs the device has."""
+        return self.attribute(cu.CUdevice_attribute.CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
+
+    def compute_capability(self) -> tuple[int, int]:
+        """The device's (major, minor) compute capability."""
+        a = cu.CUdevice_attribute
+        return (self.attribute(a.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR),
+                self.attribute(a.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR))
+
+    def load_module(self, image: bytes):
+        """Load a module image (a cubin; on the emulated device, host twins) into this device's primary
+        context (cuModuleLoadData); an opaque module handle."""
+        self.make_current()
+        return _check("cuModuleLoadData", self._api.cuModuleLoadData(image))
+
+    def unload_module(self, module) -> None:
+        self.make_current()
+        _check("cuModuleUnload", self._api.cuModuleUnload(module))
+
+    def get_function(self, module, name: str):
+        """The kernel `name` (its entry symbol) of a loaded module (cuModuleGetFunction); an opaque handle."""
+        self.make_current()
+        return _check("cuModuleGetFunction", self._api.cuModuleGetFunction(module, name.encode()))
+
+    def function_registers(self, function) -> int:
+        """Registers per thread the kernel's code uses (CU_FUNC_ATTRIBUTE_NUM_REGS)."""
+        self.make_current()
+        return int(_check("cuFuncGetAttribute", self._api.cuFuncGetAttribute(
+            cu.CUfunction_attribute.CU_FUNC_ATTRIBUTE_NUM_REGS, function)))
+
+    def occupancy(self, function, block: int, dynamic_shared: int = 0) -> int:
+        """How many blocks of `block` threads of the kernel fit one SM at once
+        (cuOccupancyMaxActiveBlocksPerMultiprocessor)."""
+        self.make_current()
+        return int(_check("cuOccupancyMaxActiveBlocksPerMultiprocessor",
+                          self._api.cuOccupancyMaxActiveBlocksPerMultiprocessor(function, int(block),
+                                                                                int(dynamic_shared))))
+
+    def launch(self, function, grid: int, block: int, params: int, stream: int = 0) -> None:
+        """Launch a 1-D grid of the kernel on `stream` (cuLaunchKernel). `params` is the address of an
+        array of pointers to the kernel's parameters, read by the driver during this call."""
+        self.make_current()
+        _check("cuLaunchKernel", self._api.cuLaunchKernel(function, int(grid), 1, 1, int(block), 1, 1, 0,
+                                                          cu.CUstream(int(stream)), int(params), None))
 
     # ------------------------------------------------------------ teardown
     def close(self) -> None:

@@ -23,6 +23,13 @@ It is an emulation of the mechanism, not a mock of the results:
   that only a device-wide `cuCtxSynchronize` waits for (a kernel still in
   flight on another stream). Queued work whose target was unmapped meanwhile
   makes that synchronize return CUDA_ERROR_ILLEGAL_ADDRESS, as a GPU does;
+- kernels: a module image names *host twins* (`host_kernels`: Python
+  functions registered under a kernel's name) instead of GPU code;
+  cuLaunchKernel reads the launch's 8-byte parameters and calls the twin
+  with them (queued like a copy under `async_work`); occupancy follows an
+  sm_90 SM's register file; `cuMemAlloc` buffers (kernels' tables) are
+  anonymous host mappings, counted in `kernel_state()`, not in `capacity`;
+  events complete when their stream reaches them;
 - the current context is per thread, as in the driver: `cuCtxSetCurrent` /
   `cuCtxGetCurrent`; mapping, unmapping, access, copies, memsets, stream
   queries and synchronization fail with CUDA_ERROR_INVALID_CONTEXT on a
@@ -85,6 +92,7 @@ from dataclasses import dataclass
 
 from cuda.bindings import driver as cu
 
+from . import host_kernels
 from .address_books import AddressBooks
 from .host_memory import MEMFD_NAME, TOMBSTONE_NAME  # noqa: F401  (still named from here: the memfds' names)
 from .host_memory import PROT_NONE, PROT_READ, PROT_RW, HostMemory
@@ -97,6 +105,8 @@ DEFAULT_GRANULARITY = 2 * MiB  # what H100/H200 report for CU_MEM_ALLOC_GRANULAR
 DEFAULT_CAPACITY = 16 * GiB
 DEFAULT_HOST_CAPACITY = 64 * GiB  # host-located pages and pinned buffers (memfd/mmap pages cost nothing until written)
 HOST_NUMA_NODE = 0  # the one host NUMA node the emulated device offers
+DEFAULT_SM_COUNT = 132  # an H200's, the GPU the rehearsals stand in for
+COMPUTE_CAPABILITY = (9, 0)
 
 
 @dataclass
@@ -135,7 +145,7 @@ class EmulatedCuda:
     def __init__(self, *, capacity: int = DEFAULT_CAPACITY, granularity: int = DEFAULT_GRANULARITY,
                  device_count: int = 1, name: str = "defrag emulated device",
                  host_capacity: int = DEFAULT_HOST_CAPACITY, host_pages: bool = True,
-                 host_numa_attributes: bool = True):
+                 host_numa_attributes: bool = True, sm_count: int = DEFAULT_SM_COUNT):
         page = mmap.PAGESIZE
         if granularity <= 0 or granularity % page:
             raise ValueError(f"granularity must be a positive multiple of the host page size ({page}), got {granularity}")
@@ -155,6 +165,12 @@ class EmulatedCuda:
         # 12.x drivers older than those attributes, whatever `host_pages` says.
         self.host_numa_attributes = bool(host_numa_attributes)
         self._pinned: dict[int, int] = {}  # cuMemAllocHost base -> size
+        self.sm_count = int(sm_count)  # CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT
+        self._linear: dict[int, int] = {}  # cuMemAlloc base -> size (kernels' tables; outside `capacity`)
+        self._modules: dict[int, dict] = {}  # module id -> {name: HostKernel} (see host_kernels)
+        self._functions: dict[int, tuple[int, object]] = {}  # function id -> (module id, HostKernel)
+        self._events: dict[int, list] = {}  # event id -> [done, stream recorded on]
+        self._next_id = itertools.count(0x100)
         self.capturing = False  # tests flip this to emulate CUDA graph capture
         self._lock = threading.RLock()
         self._initialized = False
@@ -246,7 +262,8 @@ class EmulatedCuda:
         return (R.CUDA_SUCCESS, 0)
 
     def cuDeviceGetAttribute(self, attrib, dev):
-        """Only the attributes defrag asks about (host NUMA VMM support); others: CUDA_ERROR_INVALID_VALUE."""
+        """Only the attributes defrag asks about (SM count, compute capability, host NUMA VMM support);
+        others: CUDA_ERROR_INVALID_VALUE."""
         self._count("cuDeviceGetAttribute")
         if not isinstance(attrib, cu.CUdevice_attribute):
             raise TypeError(f"attrib must be a CUdevice_attribute, got {type(attrib).__name__}")
@@ -255,6 +272,12 @@ class EmulatedCuda:
         if not 0 <= int(dev) < self.device_count:
             return (R.CUDA_ERROR_INVALID_DEVICE, 0)
         a = cu.CUdevice_attribute
+        if attrib == a.CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT:
+            return (R.CUDA_SUCCESS, self.sm_count)
+        if attrib == a.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR:
+            return (R.CUDA_SUCCESS, COMPUTE_CAPABILITY[0])
+        if attrib == a.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR:
+            return (R.CUDA_SUCCESS, COMPUTE_CAPABILITY[1])
         if not self.host_numa_attributes:
             return (R.CUDA_ERROR_INVALID_VALUE, 0)
         if attrib == a.CU_DEVICE_ATTRIBUTE_HOST_NUMA_ID:
@@ -547,7 +570,7 @@ class EmulatedCuda:
         if nbytes == 0:
             return (R.CUDA_SUCCESS,)
         with self._lock:
-            accessible = self._addresses.accessible
+            accessible = self._device_accessible
             if nbytes < 0 or not accessible(src, nbytes, False) or not accessible(dst, nbytes, True):
                 return (R.CUDA_ERROR_INVALID_VALUE,)
 
@@ -639,11 +662,235 @@ class EmulatedCuda:
             return (R.CUDA_SUCCESS,)
         device, host = (dst, src) if to_device else (src, dst)
         with self._lock:
-            if (nbytes < 0 or not self._addresses.accessible(device, nbytes, to_device)
+            if (nbytes < 0 or not self._device_accessible(device, nbytes, to_device)
                     or not self._in_pinned(host, nbytes)):
                 return (R.CUDA_ERROR_INVALID_VALUE,)
             self.host_memory.copy(dst, src, nbytes)
             return (R.CUDA_SUCCESS,)
+
+    def cuMemcpyHtoDAsync(self, dstDevice, srcHost, ByteCount, hStream):
+        self._count("cuMemcpyHtoDAsync")
+        return self._pinned_copy_async(int(dstDevice), int(srcHost), int(ByteCount), int(hStream), to_device=True)
+
+    def cuMemcpyDtoHAsync(self, dstHost, srcDevice, ByteCount, hStream):
+        self._count("cuMemcpyDtoHAsync")
+        return self._pinned_copy_async(int(dstHost), int(srcDevice), int(ByteCount), int(hStream), to_device=False)
+
+    def _pinned_copy_async(self, dst: int, src: int, nbytes: int, stream: int, *, to_device: bool):
+        """A copy between device memory and a pinned host buffer ordered on `stream`: checked now, run
+        now or (under `async_work`) at the stream's turn, reading its source then, as a DMA from pinned
+        memory does (a host write to the buffer before the copy runs is what the copy sees)."""
+        current = self._current_device()
+        if current is None:
+            return (R.CUDA_ERROR_INVALID_CONTEXT,)
+        if nbytes == 0:
+            return (R.CUDA_SUCCESS,)
+        device, host = (dst, src) if to_device else (src, dst)
+        with self._lock:
+            if (nbytes < 0 or not self._device_accessible(device, nbytes, to_device)
+                    or not self._in_pinned(host, nbytes)):
+                return (R.CUDA_ERROR_INVALID_VALUE,)
+
+            def run() -> bool:
+                if not (self._device_accessible(device, nbytes, to_device) and self._in_pinned(host, nbytes)):
+                    return False
+                self.host_memory.copy(dst, src, nbytes)
+                return True
+            return self._issue(current, stream, run)
+
+    # ---------------------------------------------------------------- linear device memory (cuMemAlloc)
+    def cuMemAlloc(self, bytesize):
+        """Device memory outside the VMM calls, for kernels' tables: counted apart from `capacity` (in
+        `kernel_state`), freed by cuMemFree or at close."""
+        self._count("cuMemAlloc")
+        size = int(bytesize)
+        if self._current_device() is None:
+            return (R.CUDA_ERROR_INVALID_CONTEXT, cu.CUdeviceptr(0))
+        with self._lock:
+            if size <= 0:
+                return (R.CUDA_ERROR_INVALID_VALUE, cu.CUdeviceptr(0))
+            ptr = self.host_memory.alloc_linear(size)
+            if ptr is None:
+                return (R.CUDA_ERROR_OUT_OF_MEMORY, cu.CUdeviceptr(0))
+            self._linear[ptr] = size
+            return (R.CUDA_SUCCESS, cu.CUdeviceptr(ptr))
+
+    def cuMemFree(self, dptr):
+        self._count("cuMemFree")
+        ptr = int(dptr)
+        with self._lock:
+            size = self._linear.pop(ptr, None)
+            if size is None:
+                return (R.CUDA_ERROR_INVALID_VALUE,)
+            self.host_memory.free_linear(ptr, size)
+            return (R.CUDA_SUCCESS,)
+
+    def _device_accessible(self, ptr: int, nbytes: int, write: bool) -> bool:
+        """Whether [ptr, ptr+nbytes) is device memory a copy or kernel may touch: mapped with (write)
+        access, or inside one cuMemAlloc buffer (lock held)."""
+        if self._addresses.accessible(ptr, nbytes, write):
+            return True
+        return any(base <= ptr and ptr + nbytes <= base + size for base, size in self._linear.items())
+
+    # ---------------------------------------------------------------- events
+    def cuEventCreate(self, Flags):
+        self._count("cuEventCreate")
+        if self._current_device() is None:
+            return (R.CUDA_ERROR_INVALID_CONTEXT, cu.CUevent(0))
+        with self._lock:
+            eid = next(self._next_id)
+            self._events[eid] = [True, 0]  # a fresh event counts as complete (cuEventQuery: CUDA_SUCCESS)
+            return (R.CUDA_SUCCESS, cu.CUevent(eid))
+
+    def cuEventRecord(self, hEvent, hStream):
+        """The event completes when the work queued on the stream before it has run (at once unless
+        `async_work`)."""
+        self._count("cuEventRecord")
+        device = self._current_device()
+        if device is None:
+            return (R.CUDA_ERROR_INVALID_CONTEXT,)
+        with self._lock:
+            event = self._events.get(int(hEvent))
+            if event is None:
+                return (R.CUDA_ERROR_INVALID_HANDLE,)
+            event[1] = int(hStream)
+            if not self.async_work:
+                event[0] = True
+                return (R.CUDA_SUCCESS,)
+            event[0] = False
+
+            def run() -> bool:
+                event[0] = True
+                return True
+            self._queued.append(_Queued(device, int(hStream), run))
+            return (R.CUDA_SUCCESS,)
+
+    def cuEventSynchronize(self, hEvent):
+        self._count("cuEventSynchronize")
+        device = self._current_device()
+        if device is None:
+            return (R.CUDA_ERROR_INVALID_CONTEXT,)
+        with self._lock:
+            event = self._events.get(int(hEvent))
+            if event is None:
+                return (R.CUDA_ERROR_INVALID_HANDLE,)
+            if event[0]:
+                return (R.CUDA_SUCCESS,)
+            stream = event[1]
+        # Everything queued on that stream runs (the event's predecessors among it).
+        return self._run_queued(lambda q: q.device == device and q.stream == stream)
+
+    def cuEventQuery(self, hEvent):
+        self._count("cuEventQuery")
+        with self._lock:
+            event = self._events.get(int(hEvent))
+            if event is None:
+                return (R.CUDA_ERROR_INVALID_HANDLE,)
+            return (R.CUDA_SUCCESS,) if event[0] else (R.CUDA_ERROR_NOT_READY,)
+
+    def cuEventDestroy(self, hEvent):
+        self._count("cuEventDestroy")
+        with self._lock:
+            if self._events.pop(int(hEvent), None) is None:
+                return (R.CUDA_ERROR_INVALID_HANDLE,)
+            return (R.CUDA_SUCCESS,)
+
+    # ---------------------------------------------------------------- modules and launches (host twins)
+    def cuModuleLoadData(self, image):
+        """Load a module whose image names registered host twins (`host_kernels.module_image`); any
+        other image (a cubin, PTX) is CUDA_ERROR_INVALID_IMAGE: this device has no SMs to run it."""
+        self._count("cuModuleLoadData")
+        if self._current_device() is None:
+            return (R.CUDA_ERROR_INVALID_CONTEXT, cu.CUmodule(0))
+        kernels = host_kernels.load(image)
+        if kernels is None:
+            return (R.CUDA_ERROR_INVALID_IMAGE, cu.CUmodule(0))
+        with self._lock:
+            mid = next(self._next_id)
+            self._modules[mid] = kernels
+            return (R.CUDA_SUCCESS, cu.CUmodule(mid))
+
+    def cuModuleUnload(self, hmod):
+        self._count("cuModuleUnload")
+        with self._lock:
+            mid = int(hmod)
+            if self._modules.pop(mid, None) is None:
+                return (R.CUDA_ERROR_INVALID_HANDLE,)
+            for fid in [f for f, (m, _) in self._functions.items() if m == mid]:
+                del self._functions[fid]
+            return (R.CUDA_SUCCESS,)
+
+    def cuModuleGetFunction(self, hmod, name):
+        self._count("cuModuleGetFunction")
+        if not isinstance(name, bytes):
+            raise TypeError(f"name must be bytes, as cuda-python takes it, got {type(name).__name__}")
+        with self._lock:
+            kernels = self._modules.get(int(hmod))
+            if kernels is None:
+                return (R.CUDA_ERROR_INVALID_HANDLE, cu.CUfunction(0))
+            kernel = kernels.get(name.decode(errors="replace"))
+            if kernel is None:
+                return (R.CUDA_ERROR_NOT_FOUND, cu.CUfunction(0))
+            fid = next(self._next_id)
+            self._functions[fid] = (int(hmod), kernel)
+            return (R.CUDA_SUCCESS, cu.CUfunction(fid))
+
+    def cuFuncGetAttribute(self, attrib, hfunc):
+        self._count("cuFuncGetAttribute")
+        if not isinstance(attrib, cu.CUfunction_attribute):
+            raise TypeError(f"attrib must be a CUfunction_attribute, got {type(attrib).__name__}")
+        with self._lock:
+            entry = self._functions.get(int(hfunc))
+        if entry is None:
+            return (R.CUDA_ERROR_INVALID_HANDLE, 0)
+        a = cu.CUfunction_attribute
+        if attrib == a.CU_FUNC_ATTRIBUTE_NUM_REGS:
+            return (R.CUDA_SUCCESS, entry[1].registers)
+        if attrib == a.CU_FUNC_ATTRIBUTE_MAX_THREADS_PER_BLOCK:
+            return (R.CUDA_SUCCESS, host_kernels.MAX_BLOCK)
+        return (R.CUDA_ERROR_INVALID_VALUE, 0)
+
+    def cuOccupancyMaxActiveBlocksPerMultiprocessor(self, func, blockSize, dynamicSMemSize):
+        self._count("cuOccupancyMaxActiveBlocksPerMultiprocessor")
+        with self._lock:
+            entry = self._functions.get(int(func))
+        if entry is None:
+            return (R.CUDA_ERROR_INVALID_HANDLE, 0)
+        if int(dynamicSMemSize) < 0:
+            return (R.CUDA_ERROR_INVALID_VALUE, 0)
+        return (R.CUDA_SUCCESS, host_kernels.occupancy(entry[1].registers, int(blockSize)))
+
+    def cuLaunchKernel(self, f, gridDimX, gridDimY, gridDimZ, blockDimX, blockDimY, blockDimZ, sharedMemBytes,
+                       hStream, kernelParams, extra):
+        """Run a host twin with the launch's parameters, now or (under `async_work`) at its stream's
+        turn. `kernelParams` must be the address of an array of pointers to the 8-byte parameters (the
+        form defrag passes); their values are read now, as the driver copies them at the launch."""
+        self._count("cuLaunchKernel")
+        device = self._current_device()
+        if device is None:
+            return (R.CUDA_ERROR_INVALID_CONTEXT,)
+        with self._lock:
+            entry = self._functions.get(int(f))
+        if entry is None:
+            return (R.CUDA_ERROR_INVALID_HANDLE,)
+        kernel = entry[1]
+        grid = (int(gridDimX), int(gridDimY), int(gridDimZ))
+        block = (int(blockDimX), int(blockDimY), int(blockDimZ))
+        if (min(grid + block) < 1 or block[0] * block[1] * block[2] > host_kernels.MAX_BLOCK
+                or int(sharedMemBytes) < 0 or extra is not None
+                or not isinstance(kernelParams, int) or not kernelParams):
+            return (R.CUDA_ERROR_INVALID_VALUE,)
+        pointers = (ctypes.c_void_p * kernel.params).from_address(kernelParams)
+        params = tuple(ctypes.c_uint64.from_address(p).value for p in pointers)
+        memory = host_kernels.KernelMemory(self._device_accessible, self.host_memory.copy, self.host_memory.view)
+
+        def run() -> bool:
+            if not self.host_memory.runs_kernels:
+                return True
+            with self._lock:
+                return bool(kernel.run(memory, params))
+        with self._lock:
+            return self._issue(device, int(hStream), run)
 
     # ---------------------------------------------------------------- stale accesses
     def stale_probe_fd(self) -> int:
@@ -675,11 +922,23 @@ class EmulatedCuda:
             return {"handles": len(self._handles), "mappings": len(self._addresses.mappings),
                     "reservations": len(self._addresses.reservations), "used_bytes": self.used}
 
+    def kernel_state(self) -> dict:
+        """Counts of what kernels use and a close releases (cuMemAlloc buffers and their bytes, loaded
+        modules, events): the leak check of kernel launches."""
+        with self._lock:
+            return {"linear_buffers": len(self._linear), "linear_bytes": sum(self._linear.values()),
+                    "modules": len(self._modules), "events": len(self._events)}
+
     def close(self) -> None:
         """Tear down everything still held (a process exit for this device), from any thread."""
         with self._lock:
             self._closing = True  # a process exit needs no current context
             self._queued.clear()
+            for ptr in list(self._linear):
+                self.cuMemFree(ptr)
+            self._modules.clear()
+            self._functions.clear()
+            self._events.clear()
             mappings, _ = self._addresses.in_address_order()
             for m in mappings:
                 self.cuMemUnmap(m.va, m.size)

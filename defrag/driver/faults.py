@@ -93,6 +93,8 @@ _OUTPUTS = {
     "cuDriverGetVersion": 1, "cuDevicePrimaryCtxRetain": 1, "cuStreamIsCapturing": 1,
     "cuMemGetInfo": 2, "cuMemGetAllocationGranularity": 1, "cuMemCreate": 1,
     "cuMemAddressReserve": 1, "cuCtxGetCurrent": 1, "cuDeviceGetAttribute": 1, "cuMemAllocHost": 1,
+    "cuMemAlloc": 1, "cuEventCreate": 1, "cuModuleLoadData": 1, "cuModuleGetFunction": 1, "cuFuncGetAttribute": 1,
+    "cuOccupancyMaxActiveBlocksPerMultiprocessor": 1,
 }
 
 

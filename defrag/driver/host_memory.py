@@ -124,6 +124,26 @@ class HostMemory:
         """Free a buffer from `alloc_pinned`."""
         _os_check(_libc.munmap(ptr, size), "munmap")
 
+    # ---------------------------------------------------------------- linear device memory (cuMemAlloc)
+    def alloc_linear(self, size: int) -> int | None:
+        """Device memory outside the VMM calls (cuMemAlloc: a kernel's tables): an anonymous read/write
+        mapping, touched only when written; its address, or None."""
+        try:
+            return _os_mmap(0, size, PROT_RW, _MAP_PRIVATE | _MAP_ANONYMOUS | _MAP_NORESERVE)
+        except OSError:
+            return None
+
+    def free_linear(self, ptr: int, size: int) -> None:
+        """Free a buffer from `alloc_linear`."""
+        _os_check(_libc.munmap(ptr, size), "munmap")
+
+    #: Whether device addresses have bytes behind them that a kernel's host twin may read and write.
+    runs_kernels = True
+
+    def view(self, ptr: int, nbytes: int):
+        """A writable memoryview of `nbytes` at `ptr` (accessible device memory)."""
+        return memoryview((ctypes.c_uint8 * nbytes).from_address(ptr)).cast("B")
+
     # ---------------------------------------------------------------- address space
     def reserve(self, size: int, alignment: int) -> int | None:
         """Reserve `size` bytes of address space aligned to `alignment`; the base, or None if exhausted."""

@@ -22,7 +22,8 @@ machine's RAM (80 GB-class workloads):
   counter, and host-located pages count in `host_used`, as on the emulated
   device;
 - copies and memsets check that their ranges are mapped with access, exactly
-  as on the emulated device, and then do nothing; synchronization is a no-op
+  as on the emulated device, and then do nothing; a kernel launch checks its
+  function and arguments and runs nothing; synchronization is a no-op
   and `touched_unmapped()` is always 0 (no host access can reach the device).
 
 Nothing here may be read or written through its addresses: a face over this
@@ -68,6 +69,17 @@ class AddressCounter(HostMemory):
 
     def free_pinned(self, ptr: int, size: int) -> None:
         pass
+
+    def alloc_linear(self, size: int) -> int | None:
+        return self.alloc_pinned(size)  # an address from the counter, never touched
+
+    def free_linear(self, ptr: int, size: int) -> None:
+        pass
+
+    runs_kernels = False  # no bytes: a launch checks its function and arguments, then does nothing
+
+    def view(self, ptr: int, nbytes: int):
+        return None
 
     def reserve(self, size: int, alignment: int) -> int | None:
         """The counter's next `alignment`-aligned base for `size` bytes; None once VA_LIMIT is reached."""

@@ -1,6 +1,8 @@
 """defrag's native module: the pool's books (`books.h` over `heap.h`), the allocation fast path
 (`module.cpp`), PyTorch's CPU allocator and its pluggable CUDA allocator's entry points over the books
-(`cpu_allocator.cpp`, `cuda_allocator.cpp`, sharing `pool_allocator.h`), the planner's best fit
+(`cpu_allocator.cpp`, `cuda_allocator.cpp`, sharing `pool_allocator.h`), the pool's C ABI for PyTorch's
+CUDA allocator backend (`pool_abi.h`, `pool_abi.cpp`; the backend itself is `defrag.cuda_backend`), the
+planner's best fit
 (`planner.h`) and its attempts (`plan_attempt.h`).
 
 Every pool keeps its books here (`defrag.core.Core.books`), so the module is
@@ -25,8 +27,8 @@ import threading
 from ..errors import NativeBuildError
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
-SOURCES = ("heap.h", "planner.h", "plan_attempt.h", "books.h", "module.cpp", "pool_allocator.h", "cpu_allocator.cpp",
-           "cuda_allocator.cpp")  # in dependency order
+SOURCES = ("heap.h", "planner.h", "plan_attempt.h", "streams.h", "books.h", "module.cpp", "pool_allocator.h",
+           "cpu_allocator.cpp", "cuda_allocator.cpp", "pool_abi.h", "pool_abi.cpp")  # in dependency order
 _LOCAL_INCLUDE = re.compile(r'^\s*(#pragma once|#include "[^"]+")\s*$')
 
 

@@ -71,7 +71,7 @@ c10::DataPtr PoolCpuAllocator::allocate(size_t n) {
 }
 
 c10::DataPtr PoolCpuAllocator::from_pool(Installed* in, int64_t nbytes) {
-  Placement placed = place_from_pool(in, g_current, nbytes, /*may_ask=*/true, g_cpu_counters);
+  Placement placed = place_from_pool(in, g_current, nbytes, /*stream=*/0, /*may_ask=*/true, g_cpu_counters);
   if (placed.address != 0) {
     void* data = reinterpret_cast<void*>(placed.address);
     return c10::DataPtr(data, data, &free_pooled, c10::Device(c10::DeviceType::CPU));
@@ -114,14 +114,14 @@ void install(py::object fast_object) {
   c10::Allocator* previous = c10::GetCPUAllocator();
   if (previous == g_allocator) throw std::runtime_error("defrag.install: defrag's CPU allocator is current already");
   ensure_fork_handler();
-  take_lease(in->fast->state());
+  in->fast->take_lease();
   in->previous = previous;
   g_previous.store(previous, std::memory_order_release);
   g_current.store(in, std::memory_order_release);
   c10::SetCPUAllocator(g_allocator, kAllocatorPriority);
   if (c10::GetCPUAllocator() != g_allocator) {  // someone set one with a higher priority
     g_current.store(nullptr);
-    drop_lease(in->fast->state());
+    in->fast->drop_lease();
     throw std::runtime_error("defrag.install: PyTorch kept its current CPU allocator (set with a higher priority "
                              "than the default's)");
   }
@@ -134,7 +134,7 @@ bool uninstall() {
   if (in == nullptr) return false;
   if (!g_forked_child.load()) c10::SetCPUAllocator(in->previous, kAllocatorPriority);
   g_current.store(nullptr, std::memory_order_release);
-  if (!g_forked_child.load()) drop_lease(in->fast->state());  // a child leaves the parent's pool alone
+  if (!g_forked_child.load()) in->fast->drop_lease();  // a child leaves the parent's pool alone
   return true;
 }
 
@@ -147,12 +147,7 @@ py::dict counters() {
   out["declined"] = g_cpu_counters.declined.load();
   out["asked"] = g_cpu_counters.asked.load();
   out["ooms"] = g_cpu_counters.ooms.load();
-  int64_t blocks = 0;
-  if (in != nullptr) {
-    std::lock_guard<std::mutex> guard(in->fast->state().books->mu);
-    blocks = in->fast->state().allocator_blocks;
-  }
-  out["blocks"] = blocks;
+  out["blocks"] = in != nullptr ? in->fast->allocator_blocks.load() : 0;
   return out;
 }
 

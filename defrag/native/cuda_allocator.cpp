@@ -25,13 +25,13 @@
 // line for the first few) and ignored: never a crash. A forked child forgets every free.
 //
 // Lifetime: one install per device index, for the life of the process (PyTorch cannot swap its CUDA
-// allocator back): the route, its install record, State and FastPath are never destroyed, and the
+// allocator back): the route, its install record, books and FastPath are never destroyed, and the
 // install's lease keeps its pool alive. The routes are leaked on purpose (frees may come after
 // static destructors ran).
 //
-// Streams: blocks are reused in the order PyTorch frees them, whatever stream they were made for (the
-// books know no streams): exact for a program on one stream per device, as PyTorch's default stream.
-// Allocations for another stream are counted (`other_stream_allocs`).
+// Streams: each block is placed for the stream PyTorch names, and the books order its reuse across
+// streams (streams.h: a range freed by one stream is placed for another only after a fence on the
+// device). Allocations for another stream than the default are counted (`other_stream_allocs`).
 #include <sys/types.h>
 
 #include <cstdio>
@@ -96,7 +96,8 @@ void* cuda_alloc(ssize_t size, int device, void* stream) {
     // The pool's own code (inside its gate, or inside the Python call an entry made) never asks the
     // pool again: a native placement only.
     const bool may_ask = t_pool_code == 0 && defrag_native::books_held_here == 0;
-    placed = place_from_pool(in, route->in, static_cast<int64_t>(size), may_ask, route->counters);
+    placed = place_from_pool(in, route->in, static_cast<int64_t>(size), reinterpret_cast<uintptr_t>(stream), may_ask,
+                             route->counters);
     if (placed.address != 0) {
       route->allocs += 1;
       if (stream != nullptr) route->other_stream_allocs += 1;
@@ -149,7 +150,7 @@ void register_cuda_pool(py::object fast_object, int device) {
   }
   Installed* in = record_for(fast_object);
   ensure_fork_handler();
-  take_lease(in->fast->state());  // never dropped: the route lives as long as the process
+  in->fast->take_lease();  // never dropped: the route lives as long as the process
   route->in.store(in, std::memory_order_release);
 }
 

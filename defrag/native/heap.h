@@ -38,9 +38,9 @@
 
 namespace defrag_native {
 
-constexpr int64_t kAlignment = 512;  // defrag.heap.ALIGNMENT
+constexpr int64_t kAlignment = 512;  // defrag.units.ALIGNMENT
 
-// A misuse of a Heap; reaches Python as defrag.heap.HeapError with this message.
+// A misuse of a Heap; reaches Python as defrag.errors.HeapError with this message.
 struct HeapFailure : std::invalid_argument {
   using std::invalid_argument::invalid_argument;
 };
@@ -548,7 +548,7 @@ class Heap {
   }
 };
 
-// -- Python bindings: the API of the Python model, defrag.heap.Heap ------------------------
+// -- Python bindings: the API of the Python model, tests/cpu/heap_model.py ------------------------
 
 namespace heap_py {
 namespace py = pybind11;
@@ -587,8 +587,8 @@ inline std::vector<Heap::Range> ranges_of(py::handle iterable) {
 }
 }  // namespace heap_py
 
-// Binds class Heap into `m`. HeapFailure becomes defrag.heap.HeapError, looked up when raised (not
-// at import), so defrag.heap may load this module before or after it defines HeapError.
+// Binds class Heap into `m`. HeapFailure becomes defrag.errors.HeapError, looked up when raised (not
+// at import), so defrag.errors may load before or after this module.
 inline void bind_heap(pybind11::module_& m) {
   namespace py = pybind11;
   using heap_py::as_index;
@@ -598,13 +598,13 @@ inline void bind_heap(pybind11::module_& m) {
     try {
       if (p) std::rethrow_exception(p);
     } catch (const HeapFailure& e) {
-      PyObject* heap_module = PyImport_ImportModule("defrag.heap");
+      PyObject* heap_module = PyImport_ImportModule("defrag.errors");
       PyObject* cls = heap_module ? PyObject_GetAttrString(heap_module, "HeapError") : nullptr;
       Py_XDECREF(heap_module);
       if (cls) {
         PyErr_SetString(cls, e.what());
         Py_DECREF(cls);
-      } else {  // defrag.heap unimportable: still a ValueError, as HeapError is, chained to why
+      } else {  // defrag.errors unimportable: still a ValueError, as HeapError is, chained to why
         py::raise_from(PyExc_ValueError, e.what());
       }
     }

@@ -271,3 +271,58 @@ def checkerboard(*, seed: int = 0, total_bytes: int = 128 * MiB, page_size: int 
     trace.meta = {"generator": "checkerboard", "seed": seed, "total_bytes": total_bytes, "page_size": page_size,
                   "rounds": rounds, "large_pages": large_pages}
     return trace.validate()
+
+
+GiB = 1 << 30
+
+
+def random_serving(*, seed: int = 0, steps: int = 60000, free_probability: float = 0.45,
+                   live_limit: int = 60 * GiB) -> Trace:
+    """A server's allocations at three scales, freed in random order: the page policy's stress test.
+
+    Each of ``steps`` steps frees a random live block with probability
+    ``free_probability``, or whenever more than ``live_limit`` bytes are live;
+    otherwise it allocates a size drawn evenly from one of three scales (each
+    chosen with probability 1/3): a multiple of 512 B under 32 KiB (metadata,
+    small activations), a multiple of 256 KiB under 128 MiB (KV-cache buffers)
+    or a multiple of 64 MiB under 1 GiB (batches of prefill activations). The
+    live bytes climb to ``live_limit`` and hover there, every size class
+    freed out of order, so a pool keeps meeting large requests that no free
+    range fits while empty pages lie scattered. With the defaults the peak
+    live is about 61 GiB: replay it dry at an 80 GiB capacity. No phase
+    markers. ``meta`` records the parameters and the allocation count per
+    scale.
+    """
+    rng = np.random.default_rng(seed)
+    trace = Trace(name="random-serving")
+    live: dict[int, int] = {}  # id -> size
+    keys: list[int] = []  # live ids, in an order that makes a random pick O(1)
+    total = 0
+    scales = [0, 0, 0]
+    next_id = 0
+    for _ in range(steps):
+        if keys and (rng.random() < free_probability or total > live_limit):
+            i = int(rng.integers(len(keys)))
+            id_ = keys[i]
+            keys[i] = keys[-1]
+            keys.pop()
+            total -= live.pop(id_)
+            trace.free(id_)
+            continue
+        scale = int(rng.integers(3))
+        if scale == 0:
+            size = 512 * int(rng.integers(1, 32 * KiB // 512))
+        elif scale == 1:
+            size = 256 * KiB * int(rng.integers(1, 128 * MiB // (256 * KiB)))
+        else:
+            size = 64 * MiB * int(rng.integers(1, GiB // (64 * MiB)))
+        scales[scale] += 1
+        id_, next_id = next_id, next_id + 1
+        live[id_] = size
+        keys.append(id_)
+        total += size
+        trace.alloc(id_, size)
+    trace.meta = {"generator": "random_serving", "seed": seed, "steps": steps,
+                  "free_probability": free_probability, "live_limit": live_limit,
+                  "allocs_small": scales[0], "allocs_medium": scales[1], "allocs_large": scales[2]}
+    return trace.validate()

@@ -198,6 +198,9 @@ class SnapshotDevice:
     trace: Trace
     recorded: RecordedReserved | None  # None: the trace has no segment entries
     ooms: list
+    # The capacity of the defrag pool(s) that recorded this device (`defrag run --record`,
+    # `pool.snapshot()`): the device's limit, as the GPU's memory is PyTorch's. None for PyTorch's own.
+    pool_capacity: int | None = None
 
 
 def load_snapshot_devices(source, *, device: int | None = None, name: str | None = None,
@@ -273,6 +276,14 @@ class _Parsed:
                              f"{type(segments).__name__} and {type(traces).__name__}")
         self.has_segments = "segments" in data
         self.traces = traces
+        # Snapshots a defrag pool wrote carry each pool's capacity: per device, their sum.
+        self.pool_capacity: dict[int, int] = {}
+        extra = data.get("defrag")
+        for pool in (extra.get("pools") if isinstance(extra, dict) else None) or []:
+            cap = _as_int(pool.get("capacity")) if isinstance(pool, dict) else None
+            if cap:
+                dev = _as_int(pool.get("device_index")) or 0
+                self.pool_capacity[dev] = self.pool_capacity.get(dev, 0) + cap
         self.skipped = 0
         # Blocks live at the end, per device: address -> requested size; reserved bytes at the end.
         self.end_blocks: dict[int, dict[int, int]] = {}
@@ -415,7 +426,8 @@ class _Parsed:
             raise TraceError("the snapshot holds no allocations to replay: no recorded alloc/free actions and no "
                              "live blocks in 'segments' (was _record_memory_history enabled?)")
         trace.validate()
-        return SnapshotDevice(device, trace, recorded, self._ooms(trace, ooms, n0, recorded))
+        cap = self.pool_capacity.get(device)
+        return SnapshotDevice(device, trace, recorded, self._ooms(trace, ooms, n0, recorded, cap), cap)
 
     def _recorded(self, device: int, changes: list, n0: int) -> RecordedReserved | None:
         if not changes:
@@ -436,12 +448,21 @@ class _Parsed:
         return RecordedReserved(start, max(reserved), reserved[-1], event, reserved, from_segments)
 
     @staticmethod
-    def _ooms(trace: Trace, ooms: list, n0: int, recorded: RecordedReserved | None) -> list[RecordedOOM]:
+    def _ooms(trace: Trace, ooms: list, n0: int, recorded: RecordedReserved | None,
+              pool_capacity: int | None = None) -> list[RecordedOOM]:
+        """The recorded OOMs. For a defrag pool's snapshot, free is at most its capacity minus its reserved
+        bytes: older defrag versions recorded capacity minus live bytes, which counted the space stranded
+        inside mapped pages as the device's free memory."""
         if not ooms:
             return []
         live_at = live_bytes_at(trace, [n0 + pos for pos, _, _ in ooms])
-        return [RecordedOOM(n0 + pos, size, live, None if recorded is None else recorded.at(n0 + pos), free)
-                for (pos, size, free), live in zip(ooms, live_at)]
+        out = []
+        for (pos, size, free), live in zip(ooms, live_at):
+            reserved = None if recorded is None else recorded.at(n0 + pos)
+            if pool_capacity is not None and reserved is not None and free is not None:
+                free = max(min(free, pool_capacity - reserved), 0)
+            out.append(RecordedOOM(n0 + pos, size, live, reserved, free))
+        return out
 
 
 def live_bytes_at(trace: Trace, events: list[int]) -> list[int]:

@@ -12,7 +12,8 @@ from operator import add, eq, index, itemgetter
 
 from sortedcontainers import SortedDict, SortedList
 
-from defrag.heap import ALIGNMENT, HeapError
+from defrag.errors import HeapError
+from defrag.units import ALIGNMENT
 
 __all__ = ["ALIGNMENT", "Heap", "HeapError"]
 

@@ -23,7 +23,7 @@ import pytest
 import torch
 
 import defrag
-from defrag import capture as cap
+from defrag import allocator_install, capture as cap
 from defrag.driver import Driver
 
 from .conftest import KiB, MiB, check_pattern, fill_pattern
@@ -490,7 +490,7 @@ def test_capture_refuses_the_emulated_device(make_pool):
         with pytest.raises(RuntimeError, match="emulated device"):
             with pool.capture():
                 pass
-    assert cap.installed() is None
+    assert allocator_install.installed() is None
     assert cap.release_cached(pool) == 0  # nothing was ever routed
     assert defrag.TorchAllocator.for_pool(pool).release_cached() == 0  # no CUDA: nothing cached
     assert defrag.TorchAllocator.for_pool(pool).mempools() == {"open": 0, "busy": 0, "retired": 0}
@@ -536,3 +536,30 @@ def test_a_thread_that_is_not_python_s_own(make_pool):
     assert done.wait(30), "the native thread did not finish"
     assert result["ptr"] and result["owned"]
     assert pool.segments() == [] and allocator.counters()["frees"] == 1
+
+
+def test_release_cached_finds_every_allocator_the_pool_was_captured_with(make_pool, monkeypatch):
+    """A `TorchAllocator` built by the user and passed to `capture()` caches PyTorch's segments in its own
+    MemPools: `release_cached(pool)` (and `pool.release_cached()`) must reach it, not only the pool's
+    default allocator (`TorchAllocator.for_pool`). CUDA's routing is stood in for: this checks which
+    allocators are asked, which needs no GPU (tests/gpu/test_capture_gpu.py checks the segments)."""
+    import contextlib
+
+    pool = make_pool()
+    monkeypatch.setattr(cap, "require_cuda", lambda pool, what: None)
+    monkeypatch.setattr(cap.TorchAllocator, "_take_mempool", lambda self: object())
+    monkeypatch.setattr(cap.TorchAllocator, "_give_mempool", lambda self, mempool: None)
+    monkeypatch.setattr(cap.torch.cuda, "use_mem_pool", lambda mempool, device=None: contextlib.nullcontext(),
+                        raising=False)
+    asked = []
+    monkeypatch.setattr(cap.TorchAllocator, "release_cached", lambda self: asked.append(self) or 3 << 20)
+    own = defrag.TorchAllocator(pool, compact_in_callback=True)
+    with cap.capture(pool, allocator=own) as routed:
+        assert routed is own
+    assert cap.release_cached(pool) == 3 << 20 and asked == [own]
+    with cap.capture(pool):  # the pool's default allocator too, from now on
+        pass
+    assert pool.release_cached() == 6 << 20
+    assert asked[1:] == [own, defrag.TorchAllocator.for_pool(pool, create=False)]
+    other = make_pool()
+    assert cap.release_cached(other) == 0 and len(asked) == 3  # another pool's allocators are not asked

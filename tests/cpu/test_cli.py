@@ -25,6 +25,11 @@ def test_doctor_says_what_works(capsys):
     out = capsys.readouterr().out
     assert "_swap_data_ptr_" in out and "numba-cuda" in out and "emulated device" in out
     assert "GPU:" in out
+    # Which route defrag.install takes on CUDA here, and what PyTorch's memory APIs do on it.
+    assert "defrag run / install on CUDA:" in out
+    import torch
+    if torch.version.cuda is None:
+        assert "pluggable allocator route" in out and "built without CUDA" in out and "backend source:" in out
 
 
 @pytest.mark.parametrize("command", [[], ["run"], ["demo"], ["doctor"], ["bench"], ["replay"]])

@@ -267,8 +267,7 @@ class Boom(RuntimeError):
 def test_an_exception_mid_compaction_rolls_back(make_pool, monkeypatch, where):
     """A failure anywhere before the commit (the copy, its verification, making the temporaries'
     storages, the in-place rebase) leaves every tensor where and as it was, and the books as before."""
-    from defrag import fastpath
-    from defrag.pool import _TorchMover
+    from defrag.pool_context import _TorchMover
 
     pool = make_pool("1MiB", auto_compact=False)
     survivors = fragment(pool)
@@ -294,17 +293,17 @@ def test_an_exception_mid_compaction_rolls_back(make_pool, monkeypatch, where):
     elif where == "rebase":
         def failing_rebase(self, users, addresses, olds):
             raise Boom("rebase failed")  # as the C++ call would on running out of memory, before any change
-        monkeypatch.setattr(fastpath.FastPath, "rebase", failing_rebase)
+        monkeypatch.setattr(_TorchMover, "rebase_all", failing_rebase)
         expected = Boom
     else:
         monkeypatch.setattr(_TorchMover, "_rebases", lambda self: False)  # through temporaries
-        real = pool._mover.destinations
+        real = pool._context.mover.destinations
 
         def failing_storages(blocks):
             made = real(blocks[:4])  # some destinations exist (and die with the wave) when the next fails
             assert len(made) == 4
             raise Boom("storage creation failed")
-        monkeypatch.setattr(pool._mover, "destinations", failing_storages)
+        monkeypatch.setattr(pool._context.mover, "destinations", failing_storages)
         expected = Boom
     with pytest.raises(expected):
         pool.compact(verify=True)
@@ -324,7 +323,7 @@ def test_a_storage_changed_during_the_copy_stops_the_wave(make_pool, monkeypatch
     temporaries in one C++ call, or move by move): an owner whose memory changed meanwhile makes the
     wave roll back, every tensor where and as it was."""
     from defrag import fastpath
-    from defrag.pool import _TorchMover
+    from defrag.pool_context import _TorchMover
 
     if commit.endswith("swap_storages") and getattr(fastpath.module, "swap_storages", None) is None:
         pytest.skip("no batched storage swap here (needs the fast path built against torch >= 2.13)")
@@ -356,8 +355,8 @@ def test_a_storage_changed_during_the_copy_stops_the_wave(make_pool, monkeypatch
 
     monkeypatch.setattr(compactor, "_copy", copy_then_meddle)
     rebased = []
-    real_rebase = fastpath.FastPath.rebase
-    monkeypatch.setattr(fastpath.FastPath, "rebase", lambda self, *a: rebased.append(real_rebase(self, *a)) or rebased[-1])
+    real_rebase = _TorchMover.rebase_all
+    monkeypatch.setattr(_TorchMover, "rebase_all", lambda self, *a: rebased.append(real_rebase(self, *a)) or rebased[-1])
     with pytest.raises(defrag.CompactionError, match="changed during compaction; nothing was moved"):
         pool.compact()
     monkeypatch.undo()
@@ -540,17 +539,17 @@ def test_a_compaction_leaves_the_collector_as_it_found_it(make_pool):
 def test_rebased_owners_release_their_new_blocks_and_nothing_else(make_pool):
     """A wave committed by rebasing (no temporaries): nothing is queued for the old ranges, and each
     moved tensor's death frees exactly its new block."""
-    from defrag import fastpath
+    from defrag.pool_context import _TorchMover
 
     pool = make_pool("1MiB", auto_compact=False)
     survivors = fragment(pool)
     calls = []
-    real_rebase = fastpath.FastPath.rebase
-    fastpath.FastPath.rebase = lambda self, *a: calls.append(real_rebase(self, *a)) or calls[-1]
+    real_rebase = _TorchMover.rebase_all
+    _TorchMover.rebase_all = lambda self, *a: calls.append(real_rebase(self, *a)) or calls[-1]
     try:
         report = pool.compact()
     finally:
-        fastpath.FastPath.rebase = real_rebase
+        _TorchMover.rebase_all = real_rebase
     assert report.moved_tensors > 0 and calls and all(c == -1 for c in calls)
     assert not pool.core.has_backlog()
     pool.check_invariants()

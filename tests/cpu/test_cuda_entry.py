@@ -1,7 +1,7 @@
 """`defrag.install(pool)` on CUDA, rehearsed on the emulated device: the native entry points
 `defrag_cuda_alloc` / `defrag_cuda_free` (native/cuda_allocator.cpp) over an emulated pool.
 
-The pool is registered for device 0 through `defrag.capture.register_native`, the registration
+The pool is registered for device 0 through `defrag.allocator_install.register_native`, the registration
 `install_cuda` makes before it hands the entry points to PyTorch (`change_current_allocator`, which
 needs CUDA torch, is the one step left out). ctypes cannot carry a C++ exception, so the entry points
 are called through the native module's test hooks (`cuda_allocator_call` / `cuda_allocator_free`),
@@ -30,7 +30,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 PRELUDE = r"""
 import ctypes, threading, torch, defrag
-from defrag import capture as cap, fastpath
+from defrag import allocator_install as cap, fastpath
 MiB = 1 << 20
 pool = defrag.Pool("emulated", capacity="64MiB", auto_compact=False)
 route = cap.register_native(pool, device=0)

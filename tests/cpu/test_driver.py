@@ -995,3 +995,207 @@ def test_is_capturing_follows_the_emulated_flag(drv):
     assert drv.is_capturing(stream=7) is True
     drv.api.capturing = False
     assert drv.is_capturing() is False
+
+
+# ---------------------------------------------------------------- kernels: modules, launches, tables, events
+# The emulated device runs a kernel by calling its registered host twin with the launch's parameters.
+from defrag.driver import host_kernels  # noqa: E402
+
+COPY_TWIN = "test_copy_twin"  # params: (dst, src, nbytes), all 8 bytes
+
+
+def _copy_twin(memory, params) -> bool:
+    dst, src, n = params
+    if not (memory.accessible(src, n, False) and memory.accessible(dst, n, True)):
+        return False
+    memory.copy(dst, src, n)
+    return True
+
+
+host_kernels.register(host_kernels.HostKernel(COPY_TWIN, _copy_twin, params=3, registers=56))
+
+
+class Params:
+    """An array of pointers to 8-byte values, as cuLaunchKernel takes it."""
+
+    def __init__(self, *values):
+        self.values = (ctypes.c_uint64 * len(values))(*values)
+        base = ctypes.addressof(self.values)
+        self.pointers = (ctypes.c_void_p * len(values))(*(base + 8 * i for i in range(len(values))))
+        self.address = ctypes.addressof(self.pointers)
+
+
+def _loaded(d: Driver):
+    module = d.load_module(host_kernels.module_image(COPY_TWIN))
+    return module, d.get_function(module, COPY_TWIN)
+
+
+def _exercise_kernels(d: Driver) -> None:
+    _, va = mapped_rw(d, 2 * G)
+    module, fn = _loaded(d)
+    d.function_registers(fn)
+    d.occupancy(fn, 256)
+    d.multiprocessors()
+    d.compute_capability()
+    table = d.alloc(4096)
+    staging = d.alloc_host(4096)
+    event = d.create_event()
+    d.copy_from_host_async(table, staging, 4096, stream=0)
+    d.copy_to_host_async(staging, va, 4096, stream=0)
+    p = Params(va + G, va, 4096)
+    d.launch(fn, 2, 256, p.address, stream=0)
+    d.record_event(event, stream=0)
+    d.wait_event(event)
+    d.synchronize_stream(0)
+    d.destroy_event(event)
+    d.free(table)
+    d.free_host(staging)
+    d.unload_module(module)
+
+
+def test_kernel_calls_match_the_cuda_python_signature(recorded):
+    d, rec = recorded
+    _exercise_kernels(d)
+    names = {n for n, _ in rec.log}
+    assert {"cuModuleLoadData", "cuModuleGetFunction", "cuFuncGetAttribute", "cuLaunchKernel",
+            "cuOccupancyMaxActiveBlocksPerMultiprocessor", "cuMemAlloc", "cuMemFree", "cuMemcpyHtoDAsync",
+            "cuMemcpyDtoHAsync", "cuEventCreate", "cuEventRecord", "cuEventSynchronize", "cuEventDestroy",
+            "cuStreamSynchronize", "cuModuleUnload"} <= names
+    for name, args in rec.log:
+        sig = inspect.signature(getattr(cu, name))
+        sig.bind(*args)
+        for param, value in zip(sig.parameters.values(), args):
+            if isinstance(param.annotation, str):
+                types = {getattr(cu, t) for t in re.findall(r"CU\w+", param.annotation)}
+                items = value if isinstance(value, (list, tuple)) else [value]
+                assert items and all(type(v) in types for v in items), (name, param.name, value)
+    (f, gx, gy, gz, bx, by, bz, shared, stream, params, extra), = rec.args("cuLaunchKernel")
+    assert type(f) is cu.CUfunction and type(stream) is cu.CUstream and extra is None
+    assert (gx, gy, gz, bx, by, bz, shared) == (2, 1, 1, 256, 1, 1, 0) and isinstance(params, int)
+    (attrib, _), = rec.args("cuFuncGetAttribute")
+    assert attrib == cu.CUfunction_attribute.CU_FUNC_ATTRIBUTE_NUM_REGS
+    (flags,), = rec.args("cuEventCreate")
+    assert flags == int(cu.CUevent_flags.CU_EVENT_DISABLE_TIMING)
+    (_, name), = rec.args("cuModuleGetFunction")
+    assert name == COPY_TWIN.encode()
+
+
+def test_a_launch_runs_its_host_twin_with_the_packed_parameters(drv):
+    _, va = mapped_rw(drv, 2 * G)
+    data = pattern(G, seed=3)
+    write(va, data)
+    module, fn = _loaded(drv)
+    p = Params(va + G, va, G)
+    drv.launch(fn, 1, 32, p.address)
+    assert read(va + G, G) == data
+    assert drv.function_registers(fn) == 56 and drv.multiprocessors() == 132 and drv.compute_capability() == (9, 0)
+    bad = Params(va + 2 * G, va, G)  # past the mapping: the twin refuses, as an illegal address
+    expect_error(drv, drv.launch, fn, 1, 32, bad.address, call="cuLaunchKernel",
+                 name="CUDA_ERROR_ILLEGAL_ADDRESS")
+    drv.unload_module(module)
+
+
+def test_occupancy_follows_an_sm90_register_file():
+    # 55-56 registers at 256 threads: 4 blocks (the move kernel on an H200); fewer registers, more blocks.
+    assert host_kernels.occupancy(56, 256) == 4
+    assert host_kernels.occupancy(55, 256) == 4
+    assert host_kernels.occupancy(32, 256) == 8  # the thread limit: 2048 / 256
+    assert host_kernels.occupancy(16, 64) == 32  # the block limit
+    assert host_kernels.occupancy(255, 1024) == 0  # more registers than an SM has
+    assert host_kernels.occupancy(32, 1025) == 0 and host_kernels.occupancy(32, 0) == 0
+
+
+def test_module_and_function_errors_are_the_drivers(drv):
+    expect_error(drv, drv.load_module, b"\x7fELF not a host module", call="cuModuleLoadData",
+                 name="CUDA_ERROR_INVALID_IMAGE")
+    expect_error(drv, drv.load_module, host_kernels.module_image("no_such_twin"), call="cuModuleLoadData",
+                 name="CUDA_ERROR_INVALID_IMAGE")
+    module, fn = _loaded(drv)
+    expect_error(drv, drv.get_function, module, "other", call="cuModuleGetFunction", name="CUDA_ERROR_NOT_FOUND")
+    p = Params(0, 0, 0)
+    expect_error(drv, drv.launch, fn, 0, 32, p.address, call="cuLaunchKernel")  # an empty grid
+    expect_error(drv, drv.launch, fn, 1, 2048, p.address, call="cuLaunchKernel")  # too many threads
+    drv.unload_module(module)
+    expect_error(drv, drv.launch, fn, 1, 32, p.address, call="cuLaunchKernel", name="CUDA_ERROR_INVALID_HANDLE")
+    expect_error(drv, drv.occupancy, fn, 256, call="cuOccupancyMaxActiveBlocksPerMultiprocessor",
+                 name="CUDA_ERROR_INVALID_HANDLE")
+    assert drv.api.kernel_state()["modules"] == 0
+
+
+def test_async_work_runs_launches_and_table_copies_in_stream_order():
+    """Under `async_work` a table copied from pinned staging is read when the copy runs (a DMA), and the
+    launch after it on the same stream sees it; an event completes only when the stream reaches it."""
+    api = EmulatedCuda(capacity=CAP, granularity=G)
+    d = new_driver(api=api)
+    _, va = mapped_rw(d, 2 * G)
+    write(va, pattern(G, 5))
+    _, fn = _loaded(d)
+    staging = d.alloc_host(64)
+    table = d.alloc(64)
+    event = d.create_event()
+    api.async_work = True
+    ctypes.memmove(staging, b"A" * 64, 64)
+    d.copy_from_host_async(table, staging, 64, stream=7)
+    ctypes.memmove(staging, b"B" * 64, 64)  # before the copy ran: the copy reads this
+    p = Params(va + G, va, G)
+    d.launch(fn, 1, 32, p.address, stream=7)
+    d.record_event(event, stream=7)
+    assert api.cuEventQuery(event) == (R.CUDA_ERROR_NOT_READY,)
+    assert read(va + G, 16) != pattern(G, 5)[:16]  # queued, not run
+    d.wait_event(event)
+    assert api.cuEventQuery(event) == (R.CUDA_SUCCESS,)
+    assert read(table, 64) == b"B" * 64 and read(va + G, G) == pattern(G, 5)
+    assert api.late_faults == 0
+    api.close()
+    d.close()
+
+
+def test_linear_memory_events_and_modules_leak_nothing_and_close_frees_them():
+    api = EmulatedCuda(capacity=CAP, granularity=G)
+    d = new_driver(api=api)
+    _loaded(d)
+    ptr = d.alloc(3 * 4096)
+    d.create_event()
+    assert api.kernel_state() == {"linear_buffers": 1, "linear_bytes": 3 * 4096, "modules": 1, "events": 1}
+    assert state(d)["used_bytes"] == 0  # outside the VMM capacity
+    write(ptr, b"x" * 16)
+    d.free(ptr)
+    expect_error(d, d.free, ptr, call="cuMemFree")
+    api.close()
+    assert api.kernel_state() == {"linear_buffers": 0, "linear_bytes": 0, "modules": 0, "events": 0}
+    d.close()
+
+
+@pytest.mark.parametrize("call, run", [
+    ("cuModuleLoadData", lambda d: d.load_module(host_kernels.module_image(COPY_TWIN))),
+    ("cuMemAlloc", lambda d: d.alloc(4096)),
+    ("cuEventCreate", lambda d: d.create_event()),
+])
+def test_faults_on_kernel_calls_with_outputs_raise_cuda_error(drv, call, run):
+    drv.faults.inject(call, R.CUDA_ERROR_LAUNCH_FAILED)
+    expect_error(drv, run, drv, call=call, name="CUDA_ERROR_LAUNCH_FAILED")
+    assert drv.api.kernel_state() == {"linear_buffers": 0, "linear_bytes": 0, "modules": 0, "events": 0}
+    run(drv)  # the next call succeeds
+
+
+def test_the_memoryless_device_checks_launches_and_runs_nothing():
+    d = Driver.memoryless(capacity=CAP, granularity=G)
+    h = d.create(2 * G)
+    va = d.reserve(2 * G)
+    d.map(va, 2 * G, h)
+    d.set_access(va, 2 * G)
+    module, fn = _loaded(d)
+    assert d.occupancy(fn, 256) == 4
+    table = d.alloc(4096)
+    staging = d.alloc_host(4096)
+    d.copy_from_host_async(table, staging, 4096)
+    p = Params(va + G, va, G)
+    d.launch(fn, 1, 32, p.address)  # no bytes behind the addresses: checked, nothing run
+    expect_error(d, d.copy_from_host_async, table, staging, 8192, call="cuMemcpyHtoDAsync")
+    expect_error(d, d.load_module, b"cubin", call="cuModuleLoadData", name="CUDA_ERROR_INVALID_IMAGE")
+    d.free(table)
+    d.free_host(staging)
+    d.unload_module(module)
+    assert d.api.kernel_state() == {"linear_buffers": 0, "linear_bytes": 0, "modules": 0, "events": 0}
+    d.api.close()
+    d.close()

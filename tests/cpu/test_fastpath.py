@@ -33,7 +33,7 @@ def test_the_fast_path_builds_wherever_a_compiler_is():
 @needs_fast_path
 def test_a_freed_size_is_served_again_without_the_python_allocator(make_pool):
     pool = make_pool("2MiB")
-    fast = pool._fast
+    fast = pool.core.fast
     assert fast is not None and fast.enabled
     t = pool.empty(1000, dtype=torch.uint8)
     address = t.data_ptr()
@@ -91,7 +91,7 @@ def test_the_fast_path_places_and_counts_exactly_as_the_python_path(make_pool, m
     monkeypatch.setenv("DEFRAG_FASTPATH", "0")
     slow_pool = make_pool("4MiB", auto_compact=False)
     monkeypatch.undo()
-    assert fast_pool._fast is not None and slow_pool._fast is None
+    assert fast_pool.core.fast is not None and slow_pool.core.fast is None
     base_fast, base_slow = fast_pool.core.regions[0].base, slow_pool.core.regions[0].base
 
     def relative(seen, base):
@@ -99,7 +99,7 @@ def test_the_fast_path_places_and_counts_exactly_as_the_python_path(make_pool, m
 
     fast_seen = relative(_script(fast_pool, seed), base_fast)
     slow_seen = relative(_script(slow_pool, seed), base_slow)
-    assert fast_pool._fast.hits > 50  # the comparison is worth something only if the fast path served
+    assert fast_pool.core.fast.hits > 50  # the comparison is worth something only if the fast path served
     assert fast_seen == slow_seen
 
 
@@ -112,7 +112,7 @@ def test_compaction_moves_fast_tensors_and_their_views(make_pool):
     del ts[::2]
     ts = [pool.empty(8 * KiB, dtype=torch.uint8) for _ in range(32)] + ts  # half of them fast-path blocks
     del ts[:32:2]
-    assert pool._fast.hits >= 32
+    assert pool.core.fast.hits >= 32
     for i, t in enumerate(ts):
         fill_pattern(t, i)
     views = [t[100:] for t in ts]
@@ -132,10 +132,10 @@ def test_peaks_count_fast_blocks_freed_between_two_reads(make_pool):
     del warm
     pool.reset_peak_stats()
     pool.stats()
-    hits = pool._fast.hits
+    hits = pool.core.fast.hits
     ts = [pool.empty(10 * KiB, dtype=torch.uint8) for _ in range(3)]
     del ts
-    assert pool._fast.hits == hits + 3
+    assert pool.core.fast.hits == hits + 3
     st = pool.stats()
     assert st["allocated_bytes.all.current"] == 0 and st["allocated_bytes.all.peak"] == 3 * 10 * KiB
     assert st["live_blocks"] == 0
@@ -146,7 +146,7 @@ def test_a_view_keeps_a_fast_block_alive(make_pool):
     pool = make_pool("2MiB")
     pool.empty(300)  # dropped at once: its size is kept
     t = pool.empty(300)
-    assert pool._fast.hits >= 1
+    assert pool.core.fast.hits >= 1
     v = t[10:20]
     v.fill_(3.0)
     del t
@@ -165,7 +165,7 @@ def _pool_with_a_fast_tensor(value: float):
     pool = defrag.Pool(device=drv, capacity="2MiB")
     pool.empty(5000)
     t = pool.empty(5000)
-    assert pool._fast.hits >= 1
+    assert pool.core.fast.hits >= 1
     t.fill_(value)
     return drv, pool, t
 
@@ -196,8 +196,8 @@ def test_the_fast_path_declines_while_any_thread_is_at_the_gate(make_pool):
     pool = make_pool("2MiB")
     pool.empty(100)
     with pool.core.gate:
-        assert pool._fast.empty((100,), None) is None
-    t = pool._fast.empty((100,), None)
+        assert pool.core.fast.empty((100,), None) is None
+    t = pool.core.fast.empty((100,), None)
     assert t is not None and t.shape == (100,) and t.dtype == torch.get_default_dtype()
 
 
@@ -223,18 +223,18 @@ def test_recording_history_and_sleeping_turn_it_off(make_pool):
     pool = make_pool("2MiB")
     pool.empty(100)
     pool.record_history(True, stacks=False)
-    assert not pool._fast.enabled
+    assert not pool.core.fast.enabled
     t = pool.empty(100)
     assert any(e["action"] == "alloc" for e in pool.snapshot()["device_traces"][0])
     pool.record_history(False)
-    assert pool._fast.enabled
+    assert pool.core.fast.enabled
     del t
     pool.sleep()
-    assert not pool._fast.enabled
+    assert not pool.core.fast.enabled
     with pytest.raises(defrag.PoolAsleepError):
         pool.empty(100)
     pool.wake()
-    assert pool._fast.enabled
+    assert pool.core.fast.enabled
 
 
 @needs_fast_path
@@ -300,7 +300,7 @@ pool = defrag.Pool("emulated", capacity="8MiB")
 fastpath.wait()
 for _ in range(3):
     t = pool.empty(100); t.fill_(1.0); del t
-print(fastpath.status(), pool._fast is not None)
+print(fastpath.status(), pool.core.fast is not None)
 """
 
 
@@ -336,7 +336,7 @@ ths = [threading.Thread(target=work, args=(s,)) for s in range(4)]
 for t in ths: t.start()
 for t in ths: t.join()
 pool.check_invariants()
-print("hits", pool._fast.hits, "errors", len(errors))
+print("hits", pool.core.fast.hits, "errors", len(errors))
 """
 
 

@@ -42,11 +42,11 @@ def test_making_a_cuda_pool_never_initializes_torchs_cuda_allocator(monkeypatch)
     drv = Driver(EmulatedCuda(capacity=64 * MiB, granularity=G), 0, kind="cuda")
     pool = defrag.Pool(device=drv, capacity="4MiB")
     try:
-        assert pool._current_stream() == 0
+        assert pool._context.current_stream() == 0
         pool.stats(), pool.summary()
         assert calls == []
         if fastpath.status() == "ready":
-            assert pool._fast is not None, "the fast path must attach without asking torch for a stream"
+            assert pool.core.fast is not None, "the fast path must attach without asking torch for a stream"
     finally:
         pool.close()
     assert calls == []

@@ -11,7 +11,8 @@ import pytest
 from hypothesis import HealthCheck, settings, strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from defrag.heap import ALIGNMENT, HeapError
+from defrag.errors import HeapError
+from defrag.units import ALIGNMENT
 
 from .heap_model import Heap as ModelHeap
 from .test_native_heap import native_heap_class

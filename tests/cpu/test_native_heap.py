@@ -13,7 +13,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
-from defrag.heap import HeapError
+from defrag.errors import HeapError
 
 from .heap_model import Heap as ModelHeap
 

@@ -20,16 +20,15 @@ SCRIPT = r"""
 import sys, threading, time, torch, defrag
 pin_foreign = sys.argv[1] == "pin"
 iterations = int(sys.argv[2])
-if not pin_foreign:  # the control run: blocks of C++ threads recorded like any other (must break the contract)
-    from defrag import fastpath
-    sync = fastpath.FastPath.sync
-    def unpinned(self, core, **kw):
-        sync(self, core, **kw)
-        for b in core.blocks():
-            b.pins = 0
-    fastpath.FastPath.sync = unpinned
 pool = defrag.Pool("emulated", capacity="64MiB")
-fast = pool._fast
+if not pin_foreign:  # the control run: blocks of C++ threads seen like any other (must break the contract)
+    make_face = pool.core.make_face
+    def unpinned(*record):
+        block = make_face(*record)
+        block.pins = 0
+        return block
+    pool.core.make_face = unpinned
+fast = pool.core.fast
 installed = sys.argv[3:] == ["install"]  # the C++ threads' at::empty reach the pool as PyTorch's CPU allocator
 if installed:
     defrag.install(pool)

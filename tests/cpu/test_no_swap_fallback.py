@@ -165,7 +165,7 @@ def test_old_torch_rebases_the_fast_paths_storages_without_a_swap(make_pool, mon
     views and all, without the extension's swap: their DataPtr is replaced in C++ (`FastPath.rebase`)."""
     swaps = _torch_without_native_swap(monkeypatch)
     pool = make_pool("1MiB", auto_compact=False)
-    if pool._fast is None:
+    if pool.core.fast is None:
         pytest.skip("the fast path is off here")
     survivors = _quarter_filled(pool)
     viewed = survivors[61]

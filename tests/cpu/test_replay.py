@@ -92,11 +92,12 @@ def test_checkerboard_needs_compaction(workloads):
 _TAILS = ("blocks of a page or more move only by the conveyor, which needs empty pages for its zone and "
           "packs them only where that frees a page, so tails between them remain for sub-page blocks")
 _GOAL_MISSES = {
-    "llm_serving": "KV caches are multi-page blocks in 512 KiB steps: " + _TAILS + " (this size: 1.032; "
-                   "the default size meets the goal: 286 MiB, where a KV cache is placed by evacuating a window; "
-                   "so does the defrag-mesh row, test_meshing_meets_the_goal_the_tails_miss)",
+    "llm_serving": "KV caches are multi-page blocks in 512 KiB steps: " + _TAILS + " (this size: 1.041, 1.032 "
+                   "before blocks of 4 pages or more were packed end to end, core.PACK_PAGES; the default size "
+                   "meets the goal: 286 MiB, where a KV cache is placed by evacuating a window; so does the "
+                   "defrag-mesh row, test_meshing_meets_the_goal_the_tails_miss)",
     "training_from_model": "attention activations span a few pages each: " + _TAILS + " (this size: 1.092, "
-                           "1.119 without compaction; the default size meets the goal: 1.019)",
+                           "with or without compaction; the default size meets the goal: 1.019)",
 }
 
 
@@ -180,7 +181,11 @@ def test_cli_replays_a_trace_and_writes_json(tmp_path, capsys):
     out = tmp_path / "result.json"
     assert cli_main(["replay", str(path), "--capacity", "64MiB", "--json", str(out)]) == 0
     text = capsys.readouterr().out
-    assert "defrag-no-compaction" in text and "goal, compaction on" in text
+    assert "defrag-no-compaction" in text and "goal" not in text  # the benchmarks' language, not the user's
+    # One sentence before the table says what happened and what would have helped.
+    sentence = text.splitlines()[3]
+    assert sentence.startswith("The trace peaks at 31.99 MiB live. The smallest capacity that runs the trace: "
+                               "defrag 32.00 MiB, PyTorch with expandable_segments "), sentence
     data = json.loads(out.read_text())
     assert data["capacity"] == 64 * MiB and data["trace"]["kind"] == "trace"
     rows = {r["allocator"]: r for r in data["results"]}

@@ -238,3 +238,20 @@ def test_a_program_that_fragments_pytorchs_allocator_completes_under_defrag_run(
     assert rows["defrag"]["completed"] and rows["defrag"]["ooms"] == 0
     # PyTorch's caching allocator, modelled: every 20 MiB segment keeps one tensor, so no segment can go.
     assert rows["torch (model)"]["ooms"] > 0 and not rows["torch (model)"]["completed"], rows["torch (model)"]
+
+
+def test_a_tiny_programs_overhead_is_in_bytes_not_thousands_of_percent():
+    """Less than a page live (a 10-float program): one 2 MiB page reserved is the whole overhead, said in
+    bytes; a program with pages of live data keeps its percentage."""
+    from defrag.run import summary_line
+
+    base = {"exit_code": 0, "seconds": 0.1, "device": "emulated", "capacity_bytes": 1 << 30, "page_size_bytes": 2 << 20,
+            "fragmentation_at_exit": 0.0, "ooms": 0, "compactions": 0, "allocations": 2}
+    tiny = summary_line({**base, "peak_live_bytes": 1024, "peak_reserved_bytes": 2 << 20,
+                         "reserved_over_live": (2 << 20) / 1024})
+    assert "%  over" not in tiny and "% over live" not in tiny
+    assert "peak reserved 2.00 MiB (+2.00 MiB over live, which is under one 2.00 MiB page)" in tiny
+    big = summary_line({**base, "peak_live_bytes": 100 << 20, "peak_reserved_bytes": 102 << 20,
+                        "reserved_over_live": 1.02})
+    assert "peak reserved 102.00 MiB (+2.0% over live)" in big
+    assert SUMMARY.match(tiny) and SUMMARY.match(big)

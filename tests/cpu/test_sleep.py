@@ -50,6 +50,37 @@ SIZES = [3000, 70_000, 512, 20_000, 150_000, 9000, 40_000, 1024, 64 * 1024, 5000
 
 
 # ---------------------------------------------------------------------- sleep / wake
+def test_neighbouring_tensors_sleep_and_wake_in_one_queued_copy_per_run(make_pool):
+    """Blocks next to each other go out and back in one copy per run (a dropped block splits a run),
+    all queued on the stream before one synchronize: with the device's work queued (as a GPU runs it),
+    every byte is still in place after wake."""
+    pool = make_pool("2MiB", auto_compact=False)
+    ts = _fill(pool, [4096] * 48)
+    ts.sort(key=lambda t: t.data_ptr())
+    assert all(a.data_ptr() + 4096 == b.data_ptr() for a, b in zip(ts, ts[1:]))
+    gaps = [8, 9, 30]  # dropped: runs 0-7, 10-29, 31-47
+    kept = {i: t for i, t in enumerate(ts) if i not in gaps}
+    expected = {i: t.clone() for i, t in kept.items()}
+    for i in gaps:
+        ts[i] = None
+    calls, api = pool.driver.faults.calls, pool.driver.api
+    out_before, in_before = calls.get("cuMemcpyDtoHAsync", 0), calls.get("cuMemcpyHtoDAsync", 0)
+    api.async_work = True
+    pool.sleep()
+    pool.wake()
+    api.async_work = False
+    assert calls["cuMemcpyDtoHAsync"] - out_before == 3 and calls["cuMemcpyHtoDAsync"] - in_before == 3
+    assert api.queued() == 0 and api.late_faults == 0
+    assert all(torch.equal(t, expected[i]) for i, t in kept.items())
+    pool.check_invariants()
+
+
+def test_runs_merge_only_what_continues_in_memory_and_in_the_buffer():
+    saved = [(100, 10, 0), (110, 5, 10), (120, 4, 15), (124, 4, 19), (128, 4, 30)]
+    assert residency.runs(saved) == [(100, 15, 0), (120, 8, 15), (128, 4, 30)]
+    assert residency.runs([]) == []
+
+
 def test_sleep_releases_every_device_page_and_wake_restores_bytes_pointers_and_views(make_pool):
     pool = make_pool("2MiB", auto_compact=False)
     ts = _fill(pool, SIZES)
@@ -407,7 +438,7 @@ def test_a_fault_at_any_driver_call_of_sleep_loses_nothing(make_pool):
         assert _intact(ts)
 
     positions = _every_position(make_pool, _sleep_setup, lambda pool, ts: pool.sleep(), after)
-    assert {"cuMemAllocHost", "cuMemcpyDtoH", "cuMemUnmap", "cuMemRelease"} <= {n for n, _ in positions}
+    assert {"cuMemAllocHost", "cuMemcpyDtoHAsync", "cuMemUnmap", "cuMemRelease"} <= {n for n, _ in positions}
 
 
 def test_a_fault_at_any_driver_call_of_wake_keeps_the_pool_asleep_with_its_bytes(make_pool):
@@ -424,7 +455,7 @@ def test_a_fault_at_any_driver_call_of_wake_keeps_the_pool_asleep_with_its_bytes
         assert _intact(ts)
 
     positions = _every_position(make_pool, setup, lambda pool, ts: pool.wake(), after)
-    assert {"cuMemCreate", "cuMemMap", "cuMemSetAccess", "cuMemcpyHtoD", "cuMemFreeHost"} <= {n for n, _ in positions}
+    assert {"cuMemCreate", "cuMemMap", "cuMemSetAccess", "cuMemcpyHtoDAsync", "cuMemFreeHost"} <= {n for n, _ in positions}
 
 
 def test_wake_with_a_refused_unmap_in_its_undo_still_keeps_the_pool_asleep_with_its_bytes(make_pool):

@@ -334,5 +334,5 @@ def test_a_driver_fault_in_the_slow_path_is_a_clean_oom_and_the_pool_serves_agai
     assert run_ok, f"rc={proc.returncode}\nstdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
     assert "ok" in proc.stdout
     if plan[0][0] != "cuMemCreate":  # the original traceback is kept in the log
-        assert "stocking a range for a native allocation failed" in proc.stderr, proc.stderr
+        assert "placing a block for native code failed" in proc.stderr, proc.stderr
         assert f"CudaError: {plan[0][0]} failed: CUDA_ERROR_UNKNOWN" in proc.stderr, proc.stderr

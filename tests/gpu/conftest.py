@@ -55,6 +55,7 @@ _bootstrap()
 import torch  # noqa: E402
 
 import defrag  # noqa: E402
+from defrag import settings  # noqa: E402
 from defrag.driver import Driver, cuda_driver_usable  # noqa: E402
 
 MiB = 1 << 20
@@ -68,13 +69,15 @@ def _decide() -> tuple[str | None, str]:
                                  "(torch.cuda.is_available() is False)")
     if usable:
         return "cuda", reason
-    if os.environ.get("DEFRAG_GPU_REHEARSAL") == "1":
+    if settings.gpu_rehearsal():
         return "rehearsal", reason
     return None, reason
 
 
 MODE, WHY = _decide()
 REHEARSAL = MODE == "rehearsal"
+# A skip reason is one short line: the cause without the driver's own explanation in parentheses.
+SHORT_WHY = WHY.split(" (", 1)[0]
 
 
 def pytest_configure(config):
@@ -90,8 +93,8 @@ def pytest_collection_modifyitems(config, items):
         if not _in_here(item):
             continue  # this hook sees the whole session's items
         if MODE is None:
-            item.add_marker(pytest.mark.skip(
-                reason=f"needs a CUDA GPU: {WHY} (DEFRAG_GPU_REHEARSAL=1 rehearses them on the emulated device)"))
+            item.add_marker(pytest.mark.skip(reason=f"needs a CUDA GPU, none here ({SHORT_WHY}); "
+                                                    f"DEFRAG_GPU_REHEARSAL=1 rehearses it on the emulated device"))
         elif REHEARSAL:
             mark = item.get_closest_marker("needs_cuda")
             if mark is not None:
@@ -226,7 +229,7 @@ class Figures:
         row = {"test": self.nodeid.split("::")[-1], "name": name, "value": value, "unit": unit,
                "backend": self.backend, **extra}
         _FIGURES.append(row)
-        path = os.environ.get("DEFRAG_GPU_FIGURES")
+        path = settings.gpu_figures()
         if path:
             with open(path, "a") as f:
                 f.write(json.dumps(row, default=str) + "\n")

@@ -25,7 +25,7 @@ import pytest
 import torch
 
 import defrag
-from defrag import capture as cap
+from defrag import allocator_install, capture as cap
 
 from .conftest import fresh_process, last_json, sync
 
@@ -73,7 +73,7 @@ def test_capture_routes_the_blocks_allocations_into_pool_segments(make_pool):
         x = torch.randn(1024, 1024, device="cuda")  # 4 MiB: a 20 MiB segment
         y = x @ x
         small = torch.ones(10, device="cuda")  # a 2 MiB small segment
-        assert cap.installed() is None
+        assert allocator_install.installed() is None
     after = torch.randn(256, 256, device="cuda")
     sync()
     assert isinstance(allocator, defrag.TorchAllocator) and allocator.pool is pool
@@ -288,7 +288,7 @@ INSTALL = """
     import json, torch, defrag
     from defrag import fastpath
     pool = defrag.Pool(device="cuda:0", capacity="1GiB")
-    fast = pool._fast is not None
+    fast = pool.core.fast is not None
     allocator = defrag.install(pool)  # a pool must not have initialized torch's allocator
     assert defrag.install(pool) is allocator
     x = torch.randn(1024, 1024, device="cuda")

@@ -50,9 +50,9 @@ def result(proc) -> dict:
 
 ROUTES = """
     import json, torch, defrag
-    from defrag import capture as cap, fastpath
+    from defrag import allocator_install as cap, fastpath
     pool = defrag.Pool(device="cuda:0", capacity="1GiB")
-    assert pool._fast is not None, fastpath.status()  # the native route needs the fast path
+    assert pool.core.fast is not None, fastpath.status()  # the native route needs the fast path
     route = defrag.install(pool)  # must come before PyTorch's first CUDA allocation
     out = {"route": type(route).__name__, "again": defrag.install(pool) is route,
            "installed": cap.installed() is route, "library": cap.native_library()}

@@ -22,7 +22,7 @@ import pytest
 import torch
 
 import defrag
-from defrag.heap import ALIGNMENT
+from defrag.units import ALIGNMENT
 
 from .conftest import MODE, REHEARSAL, sync
 
@@ -327,18 +327,18 @@ def test_fast_path_on_cuda(make_pool):
     if fastpath.wait() is None:
         pytest.skip(f"the fast path is unavailable here: {fastpath.status()}")
     pool = make_pool("256MiB", auto_compact=False)
-    assert pool._fast is not None and pool._fast.enabled
+    assert pool.core.fast is not None and pool.core.fast.enabled
     t = pool.full((MiB,), 3, dtype=torch.uint8)
     ptr = t.data_ptr()
     del t
-    hits = pool._fast.hits
+    hits = pool.core.fast.hits
     t = pool.empty(MiB, dtype=torch.uint8)
-    assert pool._fast.hits == hits + 1 and t.data_ptr() == ptr and t.device == pool.device
+    assert pool.core.fast.hits == hits + 1 and t.data_ptr() == ptr and t.device == pool.device
     t.fill_(5)
     side = torch.cuda.Stream()
     with torch.cuda.stream(side):
         u = pool.empty(MiB, dtype=torch.uint8)  # another stream: declined, made by the Python path
-    assert pool._fast.hits == hits + 1
+    assert pool.core.fast.hits == hits + 1
     del u
     ts = [pool.empty(64 * 1024, dtype=torch.uint8) for _ in range(64)]
     del ts[::2]

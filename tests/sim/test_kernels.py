@@ -21,7 +21,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import defrag.kernels as dk
-from defrag.kernels import _device, _tables
+from defrag.kernels import _device, _tables, abi
 
 pytestmark = pytest.mark.skipif(
     not dk.is_simulator(),
@@ -489,6 +489,10 @@ for name, sig in sigs.items():
     ptx = tm.emit_assembly(mod)
     ops = sorted(set(re.findall(r"\b((?:ld|st|atom|red)\.global\.[\w.]+)", ptx)))
     print(name, " ".join(ops), "f64" if ".f64" in ptx else "")
+    if name == "move_kernel":
+        from defrag.kernels.image import entry_params
+        entry = re.search(r"\.entry\s+([\w$.]+)\s*\(", ptx).group(1)
+        print("move_params", ",".join(entry_params(ptx, entry)))
 """
 
 
@@ -508,6 +512,9 @@ def test_gpu_kernels_compile_to_128_bit_accesses():
         pytest.skip(f"cannot lower to PTX here: {out.stdout.strip()}")
     assert out.returncode == 0, out.stderr[-3000:]
     lines = dict(line.split(" ", 1) for line in out.stdout.strip().splitlines())
+    # The launcher packs the move kernel's parameters itself (kernels/abi.py): 19 of 8 bytes each.
+    params = lines.pop("move_params").split(",")
+    assert len(params) == abi.PARAMS and set(params) <= {"u64", "b64", "s64"}, params
     assert set(lines) == {"move_kernel", "fill_kernel", "checksum_kernel"}
     for name, ops in lines.items():
         assert "f64" not in ops, f"{name}: integer index math fell back to float64"

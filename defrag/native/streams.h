@@ -1,0 +1,208 @@
+// Stream-ordered reuse for the books (`books.h`): the events a release waits on, and the fences that
+// order a reuse across streams. PyTorch's caching allocator's rules, over one set of books:
+//
+// - A block freed on the stream it was allocated on is reusable at once by that stream: the
+//   stream's own order keeps its later kernels after the ones that used the block.
+// - A block that other streams used (`record_stream`) waits, after its free, for an event on each
+//   of those streams (`pending`); its range is free once they all completed.
+// - The books have no pool per stream: a range one stream freed may be placed for another stream.
+//   That placement first makes the other stream wait (stream-ordered, on the device: no host wait)
+//   for an event recorded on every stream that freed ranges into the books since that stream last
+//   waited for it (`fence`). A program on one stream never records an event.
+//
+// `EventOps` is how the books record, query and wait on events: the CUDA driver's (libcuda, found
+// with dlsym; no CUDA headers or runtime needed: the module is built once for CPU and GPU torch
+// alike), or a fake that tests drive on a machine without a GPU. No ops (the emulated and memory-less
+// devices): the device is always done, every release is immediate and no fence is needed.
+#pragma once
+
+#include <dlfcn.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <stdexcept>
+#include <string>
+#include <utility>
+#include <vector>
+
+namespace defrag_native {
+
+class EventOps {
+ public:
+  virtual ~EventOps() = default;
+  // An event recorded on `stream` now, or nullptr when it could not be (the caller then treats the
+  // work as unfinished until the device is synchronized).
+  virtual void* record(uintptr_t stream) noexcept = 0;
+  // Whether the work before `event` has finished.
+  virtual bool done(void* event) noexcept = 0;
+  // `stream` waits (on the device) for `event`; false when it could not be made to.
+  virtual bool wait(uintptr_t stream, void* event) noexcept = 0;
+  virtual void destroy(void* event) noexcept = 0;
+};
+
+// The CUDA driver's events, through libcuda's C entry points (the process has libcuda loaded: torch
+// and cuda-python use it). The calling thread needs a current context; where it has none the
+// device's primary context (`context`) is made current first.
+class CudaEventOps final : public EventOps {
+ public:
+  explicit CudaEventOps(uintptr_t context) : context_(reinterpret_cast<void*>(context)) {
+    void* lib = dlopen("libcuda.so.1", RTLD_LAZY | RTLD_NOLOAD);
+    if (lib == nullptr) lib = dlopen("libcuda.so.1", RTLD_LAZY);
+    if (lib == nullptr) throw std::runtime_error("stream events need libcuda.so.1, which cannot be loaded");
+    auto find = [&](const char* name) {
+      void* f = dlsym(lib, name);
+      if (f == nullptr) throw std::runtime_error(std::string("libcuda has no ") + name);
+      return f;
+    };
+    create_ = reinterpret_cast<int (*)(void**, unsigned)>(find("cuEventCreate"));
+    record_ = reinterpret_cast<int (*)(void*, void*)>(find("cuEventRecord"));
+    query_ = reinterpret_cast<int (*)(void*)>(find("cuEventQuery"));
+    destroy_ = reinterpret_cast<int (*)(void*)>(find("cuEventDestroy_v2"));
+    wait_ = reinterpret_cast<int (*)(void*, void*, unsigned)>(find("cuStreamWaitEvent"));
+    get_current_ = reinterpret_cast<int (*)(void**)>(find("cuCtxGetCurrent"));
+    set_current_ = reinterpret_cast<int (*)(void*)>(find("cuCtxSetCurrent"));
+  }
+
+  void* record(uintptr_t stream) noexcept override {
+    if (!has_context()) return nullptr;
+    void* event = nullptr;
+    if (create_(&event, kDisableTiming) != 0) return nullptr;
+    if (record_(event, reinterpret_cast<void*>(stream)) != 0) {
+      destroy_(event);
+      return nullptr;
+    }
+    return event;
+  }
+
+  bool done(void* event) noexcept override {
+    if (!has_context()) return false;
+    return query_(event) == 0;  // CUDA_SUCCESS; CUDA_ERROR_NOT_READY (600) otherwise
+  }
+
+  bool wait(uintptr_t stream, void* event) noexcept override {
+    return has_context() && wait_(reinterpret_cast<void*>(stream), event, 0) == 0;
+  }
+
+  void destroy(void* event) noexcept override {
+    if (has_context()) destroy_(event);  // legal while a stream still waits for it
+  }
+
+ private:
+  static constexpr unsigned kDisableTiming = 0x2;  // CU_EVENT_DISABLE_TIMING
+
+  bool has_context() noexcept {
+    void* current = nullptr;
+    if (get_current_(&current) != 0) return false;
+    if (current != nullptr) return true;
+    return context_ != nullptr && set_current_(context_) == 0;
+  }
+
+  void* context_;
+  int (*create_)(void**, unsigned) = nullptr;
+  int (*record_)(void*, void*) = nullptr;
+  int (*query_)(void*) = nullptr;
+  int (*destroy_)(void*) = nullptr;
+  int (*wait_)(void*, void*, unsigned) = nullptr;
+  int (*get_current_)(void**) = nullptr;
+  int (*set_current_)(void*) = nullptr;
+};
+
+// Events a test drives (no GPU): an event recorded on a stream completes once the test says that
+// stream has finished everything recorded on it so far (`finish`). Every wait is logged as
+// (waiting stream, stream waited for).
+class FakeEventOps final : public EventOps {
+ public:
+  void* record(uintptr_t stream) noexcept override {
+    std::lock_guard<std::mutex> guard(mu_);
+    auto* e = new (std::nothrow) Event{stream, ++serial_[stream]};
+    if (e != nullptr) recorded_ += 1;
+    return e;
+  }
+  bool done(void* event) noexcept override {
+    std::lock_guard<std::mutex> guard(mu_);
+    auto* e = static_cast<Event*>(event);
+    return finished_[e->stream] >= e->serial;
+  }
+  bool wait(uintptr_t stream, void* event) noexcept override {
+    std::lock_guard<std::mutex> guard(mu_);
+    try {
+      waits_.emplace_back(stream, static_cast<Event*>(event)->stream);
+    } catch (...) {
+      return false;
+    }
+    return true;
+  }
+  void destroy(void* event) noexcept override {
+    std::lock_guard<std::mutex> guard(mu_);
+    delete static_cast<Event*>(event);
+    destroyed_ += 1;
+  }
+
+  // Everything recorded on `stream` so far has finished.
+  void finish(uintptr_t stream) {
+    std::lock_guard<std::mutex> guard(mu_);
+    finished_[stream] = serial_[stream];
+  }
+  int64_t recorded() {
+    std::lock_guard<std::mutex> guard(mu_);
+    return recorded_;
+  }
+  int64_t destroyed() {
+    std::lock_guard<std::mutex> guard(mu_);
+    return destroyed_;
+  }
+  std::vector<std::pair<uintptr_t, uintptr_t>> waits() {
+    std::lock_guard<std::mutex> guard(mu_);
+    return waits_;
+  }
+
+ private:
+  struct Event {
+    uintptr_t stream;
+    int64_t serial;
+  };
+  std::mutex mu_;
+  std::map<uintptr_t, int64_t> serial_, finished_;
+  std::vector<std::pair<uintptr_t, uintptr_t>> waits_;
+  int64_t recorded_ = 0, destroyed_ = 0;
+};
+
+// Which streams freed ranges into the books since each other stream last waited for them.
+class StreamFences {
+ public:
+  // `stream` freed a range into the books just now.
+  void freed(uintptr_t stream) { epoch_[stream] += 1; }
+
+  // Before placing for `stream`: make it wait for every other stream that freed ranges since it last
+  // waited for that stream (an event there, a wait here). False when an event or wait failed (the
+  // caller then treats the books' free ranges as unsafe for `stream` until a synchronize).
+  bool fence(EventOps& ops, uintptr_t stream) noexcept {
+    bool ok = true;
+    for (auto& [producer, epoch] : epoch_) {
+      if (producer == stream) continue;
+      int64_t& seen = seen_[{stream, producer}];
+      seen = std::max(seen, safe_[producer]);
+      if (seen >= epoch) continue;
+      void* event = ops.record(producer);
+      if (event == nullptr || !ops.wait(stream, event)) ok = false;
+      if (event != nullptr) ops.destroy(event);
+      if (ok) seen = epoch;
+    }
+    return ok;
+  }
+
+  // The device was synchronized: every stream's frees are done for everyone.
+  void synchronized() {
+    for (auto& [producer, epoch] : epoch_) safe_[producer] = epoch;
+  }
+
+ private:
+  std::map<uintptr_t, int64_t> epoch_;  // frees into the books, per stream, ever
+  std::map<uintptr_t, int64_t> safe_;   // per stream: the epoch the last device synchronize covered
+  std::map<std::pair<uintptr_t, uintptr_t>, int64_t> seen_;
+};
+
+}  // namespace defrag_native

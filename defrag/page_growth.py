@@ -1,0 +1,128 @@
+"""The page growth policy: when a placement maps new physical pages and when it stitches. Pure: no torch, no driver.
+
+A request whose window has unmapped pages needs a physical page under each.
+There are three sources, which cost different things:
+
+- *cached* handles (unmapped pages the pool still holds): one cuMemMap each;
+- *new* handles, up to the pool's capacity: cuMemCreate + cuMemMap each, and
+  device memory the pool did not hold before;
+- *donors*, empty mapped pages elsewhere, unmapped first (stitching): a
+  cuMemMap each and a cuMemUnmap per run of them, and the device must be done
+  with them before they are unmapped (invariant 5: a synchronize, unless the
+  backing knows it already is, see `Backing.idle`).
+
+Stitching keeps reserved bytes down; growing keeps the driver quiet (on an
+H200, per 2 MiB page: create 19 us, map 7.5 us, unmap 30 us, and a stitch
+stalls the whole device). So the pool grows while it is within a slack
+*budget* of what is live, and stitches only beyond it:
+
+    budget = floor(SLACK x (live bytes + the request's bytes) / page size) pages
+
+`GrowthPolicy.supply` splits a request's new pages between the sources:
+cached handles first (pages the pool already holds), new ones while mapped
+pages stay within the budget, donors for the rest, and new ones again where
+donors run out (the budget is a target: only the capacity fails a request).
+Growth also stops at the capacity over the slack: a pool whose capacity its
+live bytes nearly fill needs every page it has, and blocks spread over new
+pages strand more of them than stitching does (without that stop a
+snapshot's smallest capacity grew by two pages).
+
+Giving back is lazy and batched: nothing is unmapped when blocks are freed
+(the next training step or decode wave reuses the pages in place, with no
+driver call); a request that stitches also gives back, in the same batch of
+unmaps and under the same synchronize, up to `BATCH_PAGES` empty pages beyond
+the budget (`Supply.give_back`), which wait in the store's cache for the
+next request that maps pages.
+
+`SLACK` = 1.10: what the issue's serving trace (`traces.random_serving`,
+docs/benchmarks.md) allows peak reserved over peak live, below the 1.22x of
+PyTorch's expandable segments there. Its driver calls fall about tenfold
+against stitching whenever cached pages fall short; a smaller slack stitches
+more (1.08: 20% more maps), a larger one reserves more (1.15: a third fewer
+maps) for a pool that never gives pages back on its own.
+
+What it does not decide: which window a block takes (`Core._place_large`),
+which empty pages are donors (`Backing.donors`), or anything about
+compaction, which never grows the pool beyond its mapped pages
+(`Backing.make_room`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+SLACK = 1.10
+BATCH_PAGES = 64  # the most empty pages beyond the budget given back with one stitch (128 MiB of 2 MiB pages)
+
+
+@dataclass(frozen=True, slots=True)
+class Supply:
+    """Where a request's new pages come from: `cached` handles, `created` ones and `stitched` empty mapped
+    pages elsewhere, unmapped first; `give_back`: how many more empty pages, beyond the budget, to unmap
+    in the same batch (they wait in the store's cache)."""
+
+    cached: int
+    created: int
+    stitched: int
+    give_back: int
+
+
+@dataclass(frozen=True, slots=True)
+class GrowthPolicy:
+    """The pool's page growth policy (see the module docstring): a slack over what is live, and the most
+    empty pages beyond the budget that one stitch gives back."""
+
+    slack: float = SLACK
+    batch_pages: int = BATCH_PAGES
+
+    def __post_init__(self):
+        if not self.slack >= 1.0:
+            raise ValueError(f"slack must be at least 1.0 (mapped pages cannot be fewer than the live ones), "
+                             f"got {self.slack!r}")
+        if self.batch_pages < 1:
+            raise ValueError(f"batch_pages must be at least 1, got {self.batch_pages!r}")
+
+    def budget(self, live_bytes: int, request_bytes: int, page_size: int) -> int:
+        """The most pages the pool maps without stitching, once `request_bytes` are placed beside the
+        `live_bytes` already live (rounded down: mapped bytes never pass the slack)."""
+        return int(self.slack * (live_bytes + request_bytes) // page_size)
+
+    def supply(self, need: int, *, mapped: int, live_bytes: int, request_bytes: int, page_size: int,
+               cached: int, creatable: int, donors: int, capacity: int) -> Supply:
+        """Split `need` new pages of a request between the store and donors.
+
+        `mapped`: pages mapped now; `cached`, `creatable`: the store's
+        handles; `donors`: empty mapped pages outside the request's window;
+        `capacity`: the pool's, in pages. Cached handles serve first (pages
+        the pool already holds, unmapped by an earlier batch or a
+        compaction); new ones while mapped pages stay within the budget and
+        the capacity over the slack; donors the rest; new ones again where
+        donors run out (the budget is a target: the capacity alone fails a
+        request). With donors, up to `batch_pages` of the empty pages beyond
+        the budget go back too. The caller has checked `cached + creatable +
+        donors >= need`; the split never asks a source for more than it has.
+        """
+        cached_used = min(need, cached)
+        rest = need - cached_used
+        budget = self.budget(live_bytes, request_bytes, page_size)
+        # Growth stops at the budget, and at the capacity over the slack: a pool whose capacity its
+        # live bytes nearly fill needs every page it maps, and blocks spread over new pages strand
+        # more of them than stitching does.
+        room = min(budget, int(capacity / self.slack)) - mapped - cached_used
+        created = min(rest, creatable, max(0, room))
+        stitched = min(rest - created, donors)
+        created += rest - created - stitched
+        excess = mapped + need - stitched - budget  # pages beyond the budget once the request is mapped
+        give_back = max(0, min(donors - stitched, self.batch_pages, excess)) if stitched else 0
+        return Supply(cached_used, created, stitched, give_back)
+
+
+class StitchFirst(GrowthPolicy):
+    """The growth rule before the budget, for comparisons (tests, `defrag bench --only page_calls`): empty
+    mapped pages elsewhere back a request whenever cached pages fall short, and new pages only once no
+    empty page is left, so mapped pages grow only when they must. Gives nothing back beyond a request."""
+
+    def supply(self, need: int, *, cached: int, donors: int, **_) -> Supply:
+        cached_used = min(need, cached)
+        stitched = min(need - cached_used, donors)
+        return Supply(cached_used, need - cached_used - stitched, stitched, 0)

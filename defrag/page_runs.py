@@ -1,0 +1,33 @@
+"""Runs of consecutive page indices: how the vmm maps, unmaps and grants access (one call per run), how
+the history names mapped ranges, and how the planner turns pages into byte intervals. Pure: numpy only."""
+
+from __future__ import annotations
+
+import numpy as np
+
+
+def page_run_arrays(pages: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """A sorted array of distinct page indices -> (first page, page count) of each run of consecutive
+    pages, in order, as int64 arrays."""
+    pages = np.asarray(pages, dtype=np.int64)
+    if pages.size == 0:
+        return np.empty(0, np.int64), np.empty(0, np.int64)
+    breaks = np.flatnonzero(pages[1:] - pages[:-1] != 1)
+    starts = np.concatenate(([0], breaks + 1))
+    ends = np.concatenate((breaks + 1, [pages.size]))
+    return pages[starts], ends - starts
+
+
+def page_runs(pages) -> list[tuple[int, int]]:
+    """Page indices (any order, repeats allowed) -> sorted (first, count) runs of consecutive pages."""
+    ordered = sorted(set(pages))
+    if len(ordered) < 8:  # the common case (a few pages): no numpy round trip
+        runs: list[tuple[int, int]] = []
+        for p in ordered:
+            if runs and runs[-1][0] + runs[-1][1] == p:
+                runs[-1] = (runs[-1][0], runs[-1][1] + 1)
+            else:
+                runs.append((int(p), 1))
+        return runs
+    first, count = page_run_arrays(np.array(ordered, dtype=np.int64))
+    return list(zip(first.tolist(), count.tolist()))
