@@ -12,22 +12,18 @@ from __future__ import annotations
 
 import os
 import subprocess
-import sys
 
 import pytest
 
 from defrag import fastpath
 
-pytestmark = pytest.mark.skipif(fastpath.setting() == "off", reason="DEFRAG_FASTPATH=0: no native allocator")
+from ..forked import run_python
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+pytestmark = pytest.mark.skipif(fastpath.setting() == "off", reason="DEFRAG_FASTPATH=0: no native allocator")
 
 
 def run(script: str, *args: str, timeout: float = 240) -> subprocess.CompletedProcess:
-    env = dict(os.environ)
-    env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
-    proc = subprocess.run([sys.executable, "-c", script, *args], capture_output=True, text=True, timeout=timeout,
-                          env=env, cwd=ROOT)
+    proc = run_python(script, *args, timeout=timeout)  # a process of its own, forked (tests/forked.py)
     assert proc.returncode == 0, f"rc={proc.returncode}\nstdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
     assert "terminate called" not in proc.stderr and "Exception ignored" not in proc.stderr, proc.stderr
     return proc

@@ -6,13 +6,11 @@ Each run is a subprocess, so that a crash fails the test instead of killing pyte
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-
 import pytest
 
 from defrag import fastpath
+
+from ..forked import run_python
 
 pytestmark = pytest.mark.skipif(fastpath.setting() == "off", reason="DEFRAG_FASTPATH=0: no native allocation")
 
@@ -84,9 +82,7 @@ print("RESULT", failed, corrupted, result.get("moved", 0), hits, st["allocated_b
 
 
 def _run(mode: str, iterations: int, *extra: str) -> list[str]:
-    proc = subprocess.run([sys.executable, "-c", SCRIPT, mode, str(iterations), *extra], capture_output=True, text=True,
-                          timeout=300,
-                          env={**os.environ})
+    proc = run_python(SCRIPT, mode, str(iterations), *extra, timeout=300)  # a process of its own, forked
     assert proc.returncode == 0, proc.stderr[-3000:]
     line = next(ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT"))
     return line.split(maxsplit=7)[1:]

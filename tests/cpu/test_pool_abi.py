@@ -11,17 +11,15 @@ scenario runs in a subprocess (a crash fails the test instead of killing pytest)
 
 from __future__ import annotations
 
-import os
 import subprocess
-import sys
 
 import pytest
 
 from defrag import fastpath
 
-pytestmark = pytest.mark.skipif(fastpath.setting() == "off", reason="DEFRAG_FASTPATH=0: no native entry points")
+from ..forked import run_python
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+pytestmark = pytest.mark.skipif(fastpath.setting() == "off", reason="DEFRAG_FASTPATH=0: no native entry points")
 
 PRELUDE = r"""
 import ctypes, threading, torch, defrag
@@ -54,10 +52,7 @@ def free(ptr, device=0):
 
 
 def run(body: str, timeout: float = 240) -> subprocess.CompletedProcess:
-    env = dict(os.environ)
-    env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
-    proc = subprocess.run([sys.executable, "-c", PRELUDE + body + "\nprint('ok')\n"], capture_output=True,
-                          text=True, timeout=timeout, env=env, cwd=ROOT)
+    proc = run_python(PRELUDE + body + "\nprint('ok')\n", timeout=timeout)  # a process of its own, forked
     assert proc.returncode == 0, f"rc={proc.returncode}\nstdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
     assert "terminate called" not in proc.stderr and "Exception ignored" not in proc.stderr, proc.stderr
     assert proc.stdout.rstrip().endswith("ok"), proc.stdout

@@ -9,15 +9,13 @@ the device (a fence, no host wait). A program on one stream never records an eve
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-
 import pytest
 
 from defrag import fastpath
 from defrag.core import Core
 from defrag.driver import Driver
+
+from ..forked import run_python
 
 MiB = 1 << 20
 PAGE = 64 * 1024
@@ -129,9 +127,6 @@ def test_streams_cannot_change_once_the_books_hold_blocks():
              page_size=PAGE).books.set_streams("maybe")
 
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-
 @pytest.mark.skipif(fastpath.setting() == "off", reason="DEFRAG_FASTPATH=0: no native entry points")
 def test_the_cuda_entry_points_keep_the_stream_rules_natively():
     """PyTorch's allocation entry (`defrag_cuda_alloc`, here through its test hook over an emulated pool
@@ -163,7 +158,5 @@ pool.check_invariants()
 assert pool.stats()["allocated_bytes.all.current"] == 0
 print("ok")
 """
-    env = dict(os.environ)
-    env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
-    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=240, env=env, cwd=ROOT)
+    proc = run_python(script, timeout=240)  # a process of its own, forked (tests/forked.py)
     assert proc.returncode == 0 and proc.stdout.rstrip().endswith("ok"), proc.stderr[-3000:]

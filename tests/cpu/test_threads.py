@@ -20,6 +20,8 @@ import torch
 import defrag
 from defrag import threads as th
 
+from ..forked import run_python
+
 KiB = 1 << 10
 
 
@@ -247,7 +249,7 @@ print("ok", seen)
 
 
 def test_stale_access_to_an_unmapped_page_is_an_error_not_a_segfault():
-    proc = subprocess.run([sys.executable, "-c", STALE_SCRIPT], capture_output=True, text=True, timeout=120)
+    proc = run_python(STALE_SCRIPT, timeout=120)  # a process of its own, forked (tests/forked.py)
     assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout}\n{proc.stderr[-3000:]}"
     assert "raised:" in proc.stdout and "pool.claim(t)" in proc.stdout
     assert proc.stdout.strip().endswith("ok 0")  # the stale read saw zeros

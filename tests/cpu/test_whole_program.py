@@ -20,6 +20,8 @@ import pytest
 
 from defrag import fastpath
 
+from ..forked import run_python
+
 pytestmark = pytest.mark.skipif(fastpath.setting() == "off", reason="DEFRAG_FASTPATH=0: no native allocator")
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -37,8 +39,11 @@ def run(script: str, *args: str, root_first: bool = True, cwd: str = ROOT, ok: b
              if p and os.path.realpath(p) != os.path.realpath(ROOT)]
     env["PYTHONPATH"] = os.pathsep.join(([ROOT] if root_first else []) + paths)
     env["HF_HUB_OFFLINE"] = "1"  # transformers: never a download
-    proc = subprocess.run([sys.executable, "-c", script, *args], capture_output=True, text=True, timeout=timeout,
-                          env=env, cwd=cwd)
+    if root_first:  # a process of its own, forked from one that imported torch (tests/forked.py)
+        proc = run_python(script, *args, env=env, cwd=cwd, timeout=timeout)
+    else:  # the import order is the point: a fresh interpreter
+        proc = subprocess.run([sys.executable, "-c", script, *args], capture_output=True, text=True,
+                              timeout=timeout, env=env, cwd=cwd)
     if ok:
         assert proc.returncode == 0, f"rc={proc.returncode}\nstdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
         assert "terminate called" not in proc.stderr and "Exception ignored" not in proc.stderr, proc.stderr

@@ -1,0 +1,165 @@
+"""`python -c script args...` for tests, forked from a process that has already imported torch and defrag.
+
+Many tests run a scenario in a process of its own (a registration that lasts
+as long as the process, PyTorch's allocator swapped for the rest of it, a
+crash that must fail the test instead of killing pytest). Each such process
+spent most of its ~2 s importing torch. `run_python` gets the same process
+from a *zygote*: a `python` started once per environment, which imports
+torch and defrag (and loads defrag's native module), then forks one child per
+scenario. The child is a fresh `python -c` in every way a scenario can see:
+its own `__main__`, `sys.argv`, working folder, stdin from /dev/null, stdout
+and stderr of its own, an exit through the interpreter's normal shutdown
+(atexit handlers, finalizers), its exit status, or the signal that killed it,
+as `subprocess` reports them. What it does not have: a first `import torch`
+of its own (a scenario about import order, or about what importing does,
+must use `subprocess` itself), and an environment other than the zygote's
+(a call whose environment differs gets a zygote of its own).
+
+`DEFRAG_TEST_NO_ZYGOTE=1` makes every call a plain `subprocess.run`.
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import os
+import select
+import signal
+import subprocess
+import sys
+import tempfile
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+_SERVER = r"""
+import json, os, sys, types
+
+def _preload():
+    import torch  # noqa: F401
+    import defrag  # noqa: F401
+    try:
+        from defrag import fastpath
+        fastpath.wait()  # the native module, loaded (built on first use) once for every child
+    except Exception:  # noqa: BLE001 - a child that needs it reports why itself
+        pass
+
+def _serve():
+    replies = os.fdopen(int(sys.argv[1]), "w", buffering=1)
+    sys.argv = sys.argv[:1]
+    for line in sys.stdin:
+        req = json.loads(line)
+        sys.stdout.flush(); sys.stderr.flush()
+        pid = os.fork()
+        if pid == 0:
+            replies.close()
+            os.dup2(os.open(os.devnull, os.O_RDONLY), 0)
+            os.dup2(os.open(req["stdout"], os.O_WRONLY | os.O_TRUNC), 1)
+            os.dup2(os.open(req["stderr"], os.O_WRONLY | os.O_TRUNC), 2)
+            os.setpgid(0, 0)
+            os.chdir(req["cwd"])
+            sys.stdin = open(os.devnull)
+            return req
+        replies.write(json.dumps({"pid": pid}) + "\n")
+        _, status = os.waitpid(pid, 0)
+        replies.write(json.dumps({"rc": os.waitstatus_to_exitcode(status)}) + "\n")
+    return None
+
+_preload()
+_req = _serve()
+if _req is None:
+    sys.exit(0)
+sys.argv = ["-c", *_req["args"]]
+_main = types.ModuleType("__main__")
+_main.__builtins__ = __builtins__
+sys.modules["__main__"] = _main
+del _preload, _serve
+exec(compile(_req["code"], "<string>", "exec"), _main.__dict__)
+"""
+
+
+class _Zygote:
+    """One server process for one environment; `run` forks a child of it per call."""
+
+    def __init__(self, env: dict):
+        read_fd, write_fd = os.pipe()
+        self.proc = subprocess.Popen([sys.executable, "-c", _SERVER, str(write_fd)], stdin=subprocess.PIPE,
+                                     env=env, cwd=ROOT, pass_fds=(write_fd,), text=True)
+        os.close(write_fd)
+        self.replies = os.fdopen(read_fd, "r")
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def _reply(self, timeout: float | None) -> dict | None:
+        ready, _, _ = select.select([self.replies], [], [], timeout)
+        if not ready:
+            return None
+        line = self.replies.readline()
+        if not line:
+            raise RuntimeError(f"the test zygote exited (rc={self.proc.poll()})")
+        return json.loads(line)
+
+    def run(self, code: str, args: list[str], cwd: str, timeout: float) -> subprocess.CompletedProcess:
+        with tempfile.NamedTemporaryFile("w+", prefix="zygote-out-") as out, \
+                tempfile.NamedTemporaryFile("w+", prefix="zygote-err-") as err:
+            self.proc.stdin.write(json.dumps({"code": code, "args": args, "cwd": cwd, "stdout": out.name,
+                                              "stderr": err.name}) + "\n")
+            self.proc.stdin.flush()
+            pid = self._reply(60)
+            if pid is None:
+                raise RuntimeError("the test zygote did not fork within 60 s")
+            pid = pid["pid"]
+            done = self._reply(timeout)
+            if done is None:
+                os.killpg(pid, signal.SIGKILL)
+                self._reply(None)
+                raise subprocess.TimeoutExpired(["python", "-c", "...", *args], timeout,
+                                                output=open(out.name).read(), stderr=open(err.name).read())
+            return subprocess.CompletedProcess(["python", "-c", code, *args], done["rc"], open(out.name).read(),
+                                               open(err.name).read())
+
+    def close(self) -> None:
+        if self.alive():
+            self.proc.stdin.close()
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+        self.replies.close()
+
+
+_zygotes: dict[tuple, _Zygote] = {}
+_PER_TEST = {"PYTEST_CURRENT_TEST"}  # set by pytest for each test: left out, or every test would start a zygote
+
+
+def _close_all() -> None:
+    for zygote in _zygotes.values():
+        zygote.close()
+    _zygotes.clear()
+
+
+atexit.register(_close_all)
+
+
+def checkout_env(**extra: str) -> dict:
+    """os.environ with the checkout first on PYTHONPATH, plus `extra`: what a scenario's process gets."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
+    env.update(extra)
+    return env
+
+
+def run_python(code: str, *args: str, env: dict | None = None, cwd: str = ROOT,
+               timeout: float = 240) -> subprocess.CompletedProcess:
+    """What `subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, env=env,
+    cwd=cwd, timeout=timeout)` returns, from a child of the zygote for `env` (`checkout_env()` by default)."""
+    env = checkout_env() if env is None else env
+    env = {k: v for k, v in env.items() if k not in _PER_TEST}
+    if os.environ.get("DEFRAG_TEST_NO_ZYGOTE") == "1":
+        return subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, env=env,
+                              cwd=cwd, timeout=timeout)
+    key = tuple(sorted(env.items()))
+    zygote = _zygotes.get(key)
+    if zygote is None or not zygote.alive():
+        zygote = _zygotes[key] = _Zygote(env)
+    return zygote.run(code, list(args), cwd, timeout)
