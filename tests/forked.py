@@ -15,7 +15,7 @@ of its own (a scenario about import order, or about what importing does,
 must use `subprocess` itself), and an environment other than the zygote's
 (a call whose environment differs gets a zygote of its own).
 
-`DEFRAG_TEST_NO_ZYGOTE=1` makes every call a plain `subprocess.run`.
+`NO_TEST_ZYGOTE=1` makes every call a plain `subprocess.run`.
 """
 
 from __future__ import annotations
@@ -68,12 +68,15 @@ _preload()
 _req = _serve()
 if _req is None:
     sys.exit(0)
-sys.argv = ["-c", *_req["args"]]
+_path = _req["path"]
+sys.argv = [_path or "-c", *_req["args"]]
 _main = types.ModuleType("__main__")
 _main.__builtins__ = __builtins__
+if _path:
+    _main.__file__ = _path
 sys.modules["__main__"] = _main
 del _preload, _serve
-exec(compile(_req["code"], "<string>", "exec"), _main.__dict__)
+exec(compile(_req["code"], _path or "<string>", "exec"), _main.__dict__)
 """
 
 
@@ -99,10 +102,10 @@ class _Zygote:
             raise RuntimeError(f"the test zygote exited (rc={self.proc.poll()})")
         return json.loads(line)
 
-    def run(self, code: str, args: list[str], cwd: str, timeout: float) -> subprocess.CompletedProcess:
+    def run(self, code: str, args: list[str], cwd: str, timeout: float, path: str | None) -> subprocess.CompletedProcess:
         with tempfile.NamedTemporaryFile("w+", prefix="zygote-out-") as out, \
                 tempfile.NamedTemporaryFile("w+", prefix="zygote-err-") as err:
-            self.proc.stdin.write(json.dumps({"code": code, "args": args, "cwd": cwd, "stdout": out.name,
+            self.proc.stdin.write(json.dumps({"code": code, "path": path, "args": args, "cwd": cwd, "stdout": out.name,
                                               "stderr": err.name}) + "\n")
             self.proc.stdin.flush()
             pid = self._reply(60)
@@ -115,7 +118,7 @@ class _Zygote:
                 self._reply(None)
                 raise subprocess.TimeoutExpired(["python", "-c", "...", *args], timeout,
                                                 output=open(out.name).read(), stderr=open(err.name).read())
-            return subprocess.CompletedProcess(["python", "-c", code, *args], done["rc"], open(out.name).read(),
+            return subprocess.CompletedProcess(["python", path or "-c", *args], done["rc"], open(out.name).read(),
                                                open(err.name).read())
 
     def close(self) -> None:
@@ -149,17 +152,21 @@ def checkout_env(**extra: str) -> dict:
     return env
 
 
-def run_python(code: str, *args: str, env: dict | None = None, cwd: str = ROOT,
-               timeout: float = 240) -> subprocess.CompletedProcess:
+def run_python(code: str, *args: str, env: dict | None = None, cwd: str = ROOT, timeout: float = 240,
+               path: str | None = None) -> subprocess.CompletedProcess:
     """What `subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, env=env,
-    cwd=cwd, timeout=timeout)` returns, from a child of the zygote for `env` (`checkout_env()` by default)."""
+    cwd=cwd, timeout=timeout)` returns, from a child of the zygote for `env` (`checkout_env()` by default).
+
+    `path`: the file `code` was read from, run as `python path args...` would run it (`sys.argv[0]`,
+    `__file__`, tracebacks); the script's folder is on `sys.path` only when it is `cwd`."""
     env = checkout_env() if env is None else env
     env = {k: v for k, v in env.items() if k not in _PER_TEST}
-    if os.environ.get("DEFRAG_TEST_NO_ZYGOTE") == "1":
-        return subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, env=env,
-                              cwd=cwd, timeout=timeout)
+    if os.environ.get("NO_TEST_ZYGOTE") == "1":
+        argv = [path] if path else ["-c", code]
+        return subprocess.run([sys.executable, *argv, *args], capture_output=True, text=True, env=env, cwd=cwd,
+                              timeout=timeout, stdin=subprocess.DEVNULL)
     key = tuple(sorted(env.items()))
     zygote = _zygotes.get(key)
     if zygote is None or not zygote.alive():
         zygote = _zygotes[key] = _Zygote(env)
-    return zygote.run(code, list(args), cwd, timeout)
+    return zygote.run(code, list(args), cwd, timeout, path)

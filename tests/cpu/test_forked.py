@@ -39,3 +39,12 @@ def test_a_killed_child_and_a_timeout_are_reported_as_subprocess_does(tmp_path):
     after = run_python("import sys; print(sys.argv[1])", "still serving", cwd=str(tmp_path))
     assert after.returncode == 0 and after.stdout == "still serving\n"
     assert run_python("import os; print(os.getcwd())", cwd=str(tmp_path)).stdout.strip() == str(tmp_path)
+
+
+def test_a_script_file_runs_as_python_file_would(tmp_path):
+    script = tmp_path / "example.py"
+    code = "import sys\nprint(sys.argv, __file__ == sys.argv[0])\nraise SystemExit(sys.argv[1])\n"
+    script.write_text(code)
+    forked = run_python(code, "7", path=str(script), cwd=str(tmp_path))
+    assert forked.returncode == 1 and forked.stderr == "7\n"  # SystemExit("7"): printed, exit 1, as python does
+    assert forked.stdout == f"{[str(script), '7']} True\n"

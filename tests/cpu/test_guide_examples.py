@@ -26,10 +26,10 @@ import difflib
 import os
 import pathlib
 import re
-import subprocess
-import sys
 
 import pytest
+
+from ..forked import run_python
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 GUIDE = ROOT / "docs" / "guide.md"
@@ -126,8 +126,8 @@ def test_guide_example_prints_what_the_guide_shows(example, tmp_path):
            "PYTHONUNBUFFERED": "1"}
     for name in RESET:
         env.pop(name, None)
-    proc = subprocess.run([sys.executable, str(script)], cwd=tmp_path, capture_output=True, text=True,
-                          timeout=300, env=env, stdin=subprocess.DEVNULL)
+    # `python example.py` in tmp_path, forked from a zygote that imported torch and defrag (tests/forked.py)
+    proc = run_python(example.code, path=str(script), cwd=str(tmp_path), env=env, timeout=300)
     where = f"docs/guide.md line {example.line} ({example.section})"
     assert proc.returncode == 0, f"{where} failed (exit {proc.returncode}):\n{proc.stdout}{proc.stderr}"
     assert proc.stderr == "", f"{where} wrote to stderr:\n{proc.stderr}"
