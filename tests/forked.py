@@ -170,3 +170,14 @@ def run_python(code: str, *args: str, env: dict | None = None, cwd: str = ROOT, 
     if zygote is None or not zygote.alive():
         zygote = _zygotes[key] = _Zygote(env)
     return zygote.run(code, list(args), cwd, timeout, path)
+
+
+def run_clean(code: str, *args: str, ends_with: str | None = None, **kwargs) -> subprocess.CompletedProcess:
+    """`run_python`, failing the test unless the process exited 0 without a C++ `terminate` or an exception
+    Python ignored (at exit, in a destructor), and, given `ends_with`, its stdout ends with that."""
+    proc = run_python(code, *args, **kwargs)
+    assert proc.returncode == 0, f"rc={proc.returncode}\nstdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
+    assert "terminate called" not in proc.stderr and "Exception ignored" not in proc.stderr, proc.stderr
+    if ends_with is not None:
+        assert proc.stdout.rstrip().endswith(ends_with), proc.stdout
+    return proc

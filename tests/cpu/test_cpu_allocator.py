@@ -17,16 +17,13 @@ import pytest
 
 from defrag import fastpath
 
-from ..forked import run_python
+from ..forked import run_clean
 
 pytestmark = pytest.mark.skipif(fastpath.setting() == "off", reason="DEFRAG_FASTPATH=0: no native allocator")
 
 
 def run(script: str, *args: str, timeout: float = 240) -> subprocess.CompletedProcess:
-    proc = run_python(script, *args, timeout=timeout)  # a process of its own, forked (tests/forked.py)
-    assert proc.returncode == 0, f"rc={proc.returncode}\nstdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
-    assert "terminate called" not in proc.stderr and "Exception ignored" not in proc.stderr, proc.stderr
-    return proc
+    return run_clean(script, *args, timeout=timeout)  # a process of its own, forked (tests/forked.py)
 
 
 TRAIN = r"""

@@ -22,7 +22,7 @@ import pytest
 
 from defrag import fastpath
 
-from ..forked import run_python
+from ..forked import run_clean
 
 pytestmark = pytest.mark.skipif(fastpath.setting() == "off", reason="DEFRAG_FASTPATH=0: no native entry points")
 
@@ -44,11 +44,7 @@ def block_at(address):
 
 
 def run(body: str, timeout: float = 240) -> subprocess.CompletedProcess:
-    proc = run_python(PRELUDE + body + "\nprint('ok')\n", timeout=timeout)  # a process of its own, forked
-    assert proc.returncode == 0, f"rc={proc.returncode}\nstdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
-    assert "terminate called" not in proc.stderr and "Exception ignored" not in proc.stderr, proc.stderr
-    assert proc.stdout.rstrip().endswith("ok"), proc.stdout
-    return proc
+    return run_clean(PRELUDE + body + "\nprint('ok')\n", ends_with="ok", timeout=timeout)  # its own process
 
 
 def test_a_block_lives_in_the_pool_pinned_and_its_bytes_are_usable():

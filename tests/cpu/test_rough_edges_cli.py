@@ -8,14 +8,9 @@ log lines and the progress bar do not interleave.
 
 from __future__ import annotations
 
-import fcntl
-import os
 import pathlib
-import pty
-import struct
 import subprocess
 import sys
-import termios
 
 import pytest
 
@@ -26,6 +21,8 @@ from defrag.driver import cuda_driver_usable, default_emulated_driver
 from defrag.pool import Pool
 from defrag.traces.format import ALLOC, FREE, PHASE, Trace
 from defrag.units import format_bytes
+
+from ..terminal import on_a_terminal
 
 NO_GPU = pytest.mark.skipif(cuda_driver_usable()[0], reason="a GPU is present: this checks the no-GPU behaviour")
 README = pathlib.Path(__file__).resolve().parents[2] / "README.md"
@@ -259,22 +256,9 @@ def test_demo_log_has_no_progress_bar_mixed_into_it(tmp_path):
 
 
 def test_demo_on_a_terminal_draws_the_bar_on_its_own_line(tmp_path):
-    master, slave = pty.openpty()
-    fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 50, 120, 0, 0))
-    proc = subprocess.Popen(_demo_argv(tmp_path), stdin=slave, stdout=slave, stderr=slave, close_fds=True)
-    os.close(slave)
-    chunks = []
-    while True:
-        try:
-            data = os.read(master, 65536)
-        except OSError:  # EIO: the child closed the terminal
-            break
-        if not data:
-            break
-        chunks.append(data)
-    os.close(master)
-    assert proc.wait(timeout=300) == 0
-    screen = b"".join(chunks).decode(errors="replace").replace("\r\n", "\n")
+    screen, rc = on_a_terminal(_demo_argv(tmp_path), columns=120)
+    assert rc == 0
+    screen = screen.replace("\r\n", "\n")
     head, _, rest = screen.partition("== 3.")
     headline, _, rest = rest.partition("\n")
     bar, _, rest = rest.partition("\n")

@@ -11,16 +11,12 @@ the docs name every option.
 
 from __future__ import annotations
 
-import fcntl
 import json
 import os
 import pathlib
 import pickle
-import pty
-import struct
 import subprocess
 import sys
-import termios
 import textwrap
 
 import pytest
@@ -31,6 +27,8 @@ from defrag.replay import RECORDED, load_input, replay_devices
 from defrag.traces import checkerboard, llm_serving
 from defrag.traces.format import ALLOC, FREE, Trace
 from defrag.traces.snapshot import to_snapshot
+
+from ..terminal import on_a_terminal
 
 MiB = 1 << 20
 ROOT = pathlib.Path(__file__).resolve().parents[2]
@@ -184,23 +182,11 @@ def test_an_older_defrag_history_with_the_stranded_space_as_free_is_read_right(r
 
 # ---------------------------------------------------------------------- progress and size
 def _on_a_terminal(argv: list[str], cwd) -> str:
-    master, slave = pty.openpty()
-    fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 50, 160, 0, 0))
-    proc = subprocess.Popen([sys.executable, "-m", "defrag", *argv], stdin=slave, stdout=subprocess.DEVNULL,
-                            stderr=slave, close_fds=True, cwd=cwd, env=_env())
-    os.close(slave)
-    chunks = []
-    while True:
-        try:
-            data = os.read(master, 65536)
-        except OSError:  # EIO: the child closed the terminal
-            break
-        if not data:
-            break
-        chunks.append(data)
-    os.close(master)
-    assert proc.wait(timeout=300) in (0, 1)
-    return b"".join(chunks).decode(errors="replace")
+    """What `python -m defrag argv...` writes to stderr on a terminal of 160 columns (stdout elsewhere)."""
+    screen, rc = on_a_terminal([sys.executable, "-m", "defrag", *argv], columns=160, stdout=False, cwd=cwd,
+                               env=_env())
+    assert rc in (0, 1)
+    return screen
 
 
 def test_a_dry_replay_draws_a_progress_bar_on_a_terminal_only(tmp_path):
