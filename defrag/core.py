@@ -109,15 +109,18 @@ class Block:
 PACK_PAGES = 4
 
 
-def _spill_window(regions, heaps, page_size: int, size: int):
+def _spill_window(regions, heaps, page_size: int, size: int, roles=None):
     """Where a block of `size` (under a page) that needs one new page anyway can start in the free tail
     of the last mapped page before an unmapped one and spill into it: (region, start address, the two
     pages), the largest such tail, or None. The same one page is mapped, and the free space after the
-    block stays in one piece."""
+    block stays in one piece. Never the tail of a meshed page (`roles`: per region, a page's mesh role,
+    0 for none): meshed pages never join a run of pages."""
     best = None
     for region, heap in zip(regions, heaps):
         mapped = region.handles != 0
-        for q in np.flatnonzero(mapped[:-1] & ~mapped[1:]).tolist():
+        if roles is not None:
+            mapped = mapped & (roles[region.index] == 0)
+        for q in np.flatnonzero(mapped[:-1] & (region.handles[1:] == 0)).tolist():
             run = heap.free_range_ending_at(region.address(q + 1))
             if run is None or run[1] >= size or run[1] + page_size < size:
                 continue
@@ -127,7 +130,30 @@ def _spill_window(regions, heaps, page_size: int, size: int):
     return None if best is None else best[1:]
 
 
-def _cheapest_window(region, free_ranges, page_size: int, size: int):
+def _outside_pages(starts: np.ndarray, ends: np.ndarray, excluded: np.ndarray, base: int, P: int):
+    """The ranges [starts, ends) of a region at `base` with the pages marked in `excluded` cut out."""
+    before = np.concatenate(([0], np.cumsum(excluded)))
+    first, last = (starts - base) // P, (ends - 1 - base) // P
+    touched = before[last + 1] > before[first]
+    if not touched.any():
+        return starts, ends
+    out_s, out_e = starts[~touched].tolist(), ends[~touched].tolist()
+    for s, e, a, b in zip(starts[touched].tolist(), ends[touched].tolist(), first[touched].tolist(),
+                          last[touched].tolist()):
+        cursor = s
+        for page in (a + np.flatnonzero(excluded[a:b + 1])).tolist():
+            page_start = base + page * P
+            if cursor < page_start:
+                out_s.append(cursor)
+                out_e.append(page_start)
+            cursor = page_start + P
+        if cursor < e:
+            out_s.append(cursor)
+            out_e.append(e)
+    return np.asarray(out_s, dtype=np.int64), np.asarray(out_e, dtype=np.int64)
+
+
+def _cheapest_window(region, free_ranges, page_size: int, size: int, meshed=None):
     """Where in `region` a block of `size` bytes needs the fewest pages mapped: (key, address) with key =
     (unmapped pages, starts off a page boundary, address), or None when no window fits.
 
@@ -143,13 +169,22 @@ def _cheapest_window(region, free_ranges, page_size: int, size: int):
     blocks lie end to end, as in expandable segments; a smaller block
     starts on a page boundary when that costs no extra page, leaving the
     tail to sub-page blocks (see `PACK_PAGES`).
+
+    Never over a meshed page (`meshed`: a bool per page of the region):
+    meshed pages never join a run of pages, and a placement that stitches
+    may promote a mesh's twin and unmap the primary under the window
+    (`Backing.unmap_dormant`).
     """
     P = page_size
     unmapped = region.handles == 0
     pieces = []
     if free_ranges:
         fr = np.asarray(free_ranges, dtype=np.int64).reshape(-1, 2)
-        pieces.append(np.stack([fr[:, 0], fr[:, 0] + fr[:, 1]], axis=1))
+        starts, ends = fr[:, 0], fr[:, 0] + fr[:, 1]
+        if meshed is not None and meshed.any():
+            starts, ends = _outside_pages(starts, ends, meshed, region.base, P)
+        if starts.size:
+            pieces.append(np.stack([starts, ends], axis=1))
     edges = np.flatnonzero(np.diff(np.concatenate(([False], unmapped, [False])).astype(np.int8)))
     if edges.size:
         pieces.append(np.stack([region.base + edges[0::2] * P, region.base + edges[1::2] * P], axis=1))
@@ -461,7 +496,7 @@ class Core:
                 return self.carve(region, address, size, nbytes)
         if self.space.store.available < 1:
             raise NoSpace("no free space in mapped pages and no physical page left")
-        tail = _spill_window(self.space.regions, self._heaps, self.page_size, size)
+        tail = _spill_window(self.space.regions, self._heaps, self.page_size, size, self.backing.roles)
         if tail is not None:
             region, address, window = tail
             pages = [p for p in window if not region.handles[p]]
@@ -493,7 +528,8 @@ class Core:
             raise NoSpace(f"needs {k} free pages, {free_pages} can be had")
         best = None
         for region, heap in zip(self.space.regions, self._heaps):
-            found = _cheapest_window(region, heap.free_ranges(), self.page_size, size)
+            roles = self.backing.roles[region.index]
+            found = _cheapest_window(region, heap.free_ranges(), self.page_size, size, roles != 0)
             if found is not None and (best is None or found[0] < best[0]):
                 best = (*found, region)
         if best is None:

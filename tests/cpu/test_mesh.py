@@ -205,6 +205,35 @@ def test_a_large_request_goes_elsewhere_than_meshed_pages(make_pool):
     pool.check_invariants()
 
 
+def test_a_window_for_a_large_block_never_takes_a_meshed_pages_free_bytes():
+    """A block of pages may be placed over free bytes and unmapped pages side by side; never over a
+    meshed page's. On the serving trace at 60.98 GiB (`defrag replay`'s mesh search) such a window
+    began in a mesh primary's free tail: stitching for it promoted the twin, which held the mesh's last
+    live piece, and unmapped the primary under the window, so the placement raised HeapError."""
+    from types import SimpleNamespace
+
+    import numpy as np
+
+    from defrag.core import _cheapest_window
+
+    base = 1 << 30
+    region = SimpleNamespace(base=base, handles=np.array([1, 1, 1, 0, 0, 0, 0, 0], dtype=np.int64))
+    free = [(base + P + P // 8, 2 * P - P // 8)]  # the tail of page 1, then all of page 2; 3-7 unmapped
+    meshed = np.zeros(8, dtype=bool)
+    # Unmeshed: the block starts in page 1's tail, which saves one page of mapping.
+    key, address = _cheapest_window(region, free, P, 4 * P, meshed)
+    assert address == base + P + P // 8 and key[0] == 3
+    for page in (1, 2):  # page 1 or page 2 meshed: the block starts after it, never on it
+        meshed[:] = False
+        meshed[page] = True
+        key, address = _cheapest_window(region, free, P, 4 * P, meshed)
+        assert address == base + (page + 1) * P, (page, (address - base) / P)
+        assert key[0] == 4 - (2 - page)  # page 2 (free, unmeshed) still saves a page when page 1 is meshed
+    meshed[:] = True
+    meshed[3:] = False
+    assert _cheapest_window(region, free, P, 4 * P, meshed)[1] == base + 3 * P
+
+
 def test_splitting_meshes_restores_separate_pages(make_pool):
     pool = make_pool("1MiB", auto_compact=False)
     kept = _halves(pool, 6, 8 * KiB)
