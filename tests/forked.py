@@ -28,6 +28,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -88,18 +89,24 @@ class _Zygote:
         self.proc = subprocess.Popen([sys.executable, "-c", _SERVER, str(write_fd)], stdin=subprocess.PIPE,
                                      env=env, cwd=ROOT, pass_fds=(write_fd,), text=True)
         os.close(write_fd)
-        self.replies = os.fdopen(read_fd, "r")
+        self.replies, self._pending = read_fd, b""  # the server's reply lines, read unbuffered (select)
 
     def alive(self) -> bool:
         return self.proc.poll() is None
 
     def _reply(self, timeout: float | None) -> dict | None:
-        ready, _, _ = select.select([self.replies], [], [], timeout)
-        if not ready:
-            return None
-        line = self.replies.readline()
-        if not line:
-            raise RuntimeError(f"the test zygote exited (rc={self.proc.poll()})")
+        """The server's next reply line, or None after `timeout` seconds (None: wait as long as it takes)."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while b"\n" not in self._pending:
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            ready, _, _ = select.select([self.replies], [], [], left)
+            if not ready:
+                return None
+            chunk = os.read(self.replies, 65536)
+            if not chunk:
+                raise RuntimeError(f"the test zygote exited (rc={self.proc.poll()})")
+            self._pending += chunk
+        line, _, self._pending = self._pending.partition(b"\n")
         return json.loads(line)
 
     def run(self, code: str, args: list[str], cwd: str, timeout: float, path: str | None) -> subprocess.CompletedProcess:
@@ -108,13 +115,16 @@ class _Zygote:
             self.proc.stdin.write(json.dumps({"code": code, "path": path, "args": args, "cwd": cwd, "stdout": out.name,
                                               "stderr": err.name}) + "\n")
             self.proc.stdin.flush()
-            pid = self._reply(60)
+            pid = self._reply(600)  # a new zygote imports torch and defrag first
             if pid is None:
-                raise RuntimeError("the test zygote did not fork within 60 s")
+                raise RuntimeError("the test zygote did not fork within 600 s")
             pid = pid["pid"]
             done = self._reply(timeout)
             if done is None:
-                os.killpg(pid, signal.SIGKILL)
+                try:
+                    os.killpg(pid, signal.SIGKILL)
+                except ProcessLookupError:  # it ended meanwhile
+                    pass
                 self._reply(None)
                 raise subprocess.TimeoutExpired(["python", "-c", "...", *args], timeout,
                                                 output=open(out.name).read(), stderr=open(err.name).read())
@@ -128,7 +138,7 @@ class _Zygote:
                 self.proc.wait(10)
             except subprocess.TimeoutExpired:
                 self.proc.kill()
-        self.replies.close()
+        os.close(self.replies)
 
 
 _zygotes: dict[tuple, _Zygote] = {}
