@@ -38,8 +38,8 @@ import numpy as np
 from . import native
 from .driver import Driver
 from .errors import CudaError, CudaOutOfMemoryError
-from .units import ALIGNMENT
 from .page_runs import page_runs
+from .units import ALIGNMENT
 from .vmm import ASLEEP, ASLEEP_HANDLE, DEVICE, HOST, AddressSpace, Region, Transaction
 
 PRIMARY, TWIN = 1, 2  # a page's role in a mesh (`Backing.roles`; native/books.h MeshRole)

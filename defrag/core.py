@@ -71,11 +71,10 @@ from . import native, readout, threads
 from .backing import Backing, NoSpace
 from .driver import Driver
 from .errors import CudaOutOfMemoryError, PoolAsleepError, PoolClosedError, StaleAccessError
-from .units import ALIGNMENT
+from .movability import Scope, Users
 from .page_growth import GrowthPolicy
 from .readout import OutOfRoom
-from .movability import Scope, Users
-from .units import format_bytes
+from .units import ALIGNMENT, format_bytes
 from .vmm import Region, Transaction
 
 

@@ -11,8 +11,7 @@ from __future__ import annotations
 import numpy as np
 
 from .backing import PRIMARY, TWIN
-from .units import ALIGNMENT
-from .units import format_bytes
+from .units import ALIGNMENT, format_bytes
 from .vmm import ASLEEP, DEVICE, HOST
 
 
