@@ -20,8 +20,8 @@
   not check for NULL: a failed allocation there is a crash later, not an
   exception.
 
-What PyTorch is handed lives as long as the process (`_KEEP`: it keeps raw
-pointers), and a pool a route serves is kept alive by its `CudaInstall`.
+What PyTorch is handed lives as long as the process (`capture.keep_for_process`:
+it keeps raw pointers), and a pool a route serves is kept alive by its `CudaInstall`.
 The state here (which route serves which device, what PyTorch's CUDA
 allocator is now) is process-wide, under `_registry`. This module imports no
 `defrag.pool`: it sees a pool through its public attributes and its native
@@ -35,14 +35,13 @@ import threading
 
 import torch
 
-from .capture import TorchAllocator, require_cuda
+from .capture import TorchAllocator, keep_for_process, require_cuda
 from .errors import PoolClosedError
 
 __all__ = ["CudaInstall", "install", "install_cuda", "installed", "native_library", "register_native", "uninstall"]
 
 _log = logging.getLogger("defrag")
 
-_KEEP: list = []  # every allocator handle PyTorch was given: it keeps raw pointers, so none is ever freed
 _registry = threading.Lock()
 _installed: TorchAllocator | None = None  # the ctypes fallback, when it is PyTorch's CUDA allocator
 
@@ -311,7 +310,7 @@ def _change_allocator(handle) -> None:
     except RuntimeError as exc:
         raise RuntimeError(f"defrag.install(pool) must run before PyTorch's first CUDA allocation (PyTorch: {exc}); "
                            "call it first thing, or route a block with `with pool.capture():` instead") from None
-    _KEEP.append(handle)
+    keep_for_process(handle)
 
 
 def _install_fallback(pool) -> TorchAllocator:

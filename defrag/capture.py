@@ -73,7 +73,8 @@ import torch
 from .errors import PoolClosedError
 from .oom import OutOfMemoryError
 
-__all__ = ["TorchAllocator", "capture", "release_cached", "in_callback", "require_cuda", "ALLOC_FN", "FREE_FN"]
+__all__ = ["TorchAllocator", "capture", "release_cached", "in_callback", "require_cuda", "keep_for_process",
+           "ALLOC_FN", "FREE_FN"]
 
 _log = logging.getLogger("defrag")
 
@@ -82,7 +83,8 @@ ALLOC_FN = ctypes.CFUNCTYPE(ctypes.c_void_p, ctypes.c_ssize_t, ctypes.c_int, cty
 #: ``void free(void* ptr, ssize_t size, int device, cudaStream_t stream)``
 FREE_FN = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_ssize_t, ctypes.c_int, ctypes.c_void_p)
 
-# Every trampoline ever made, with its allocator: PyTorch keeps raw pointers, so none is ever freed.
+# Everything PyTorch was handed a raw pointer to (trampolines with their allocator, C++ allocators,
+# allocator handles): none is ever freed (`keep_for_process`).
 _KEEP: list = []
 _registry = threading.Lock()
 _by_pool: dict[int, "TorchAllocator"] = {}  # pool.id -> the allocator capture/install use
@@ -95,6 +97,11 @@ _is_finalizing = sys.is_finalizing  # bound now: `sys` may be half torn down whe
 _local = threading.local()
 _gc_lock = threading.Lock()
 _gc_state = {"depth": 0, "was_enabled": False}
+
+
+def keep_for_process(obj) -> None:
+    """Keep `obj` alive until the process ends: PyTorch holds a raw pointer into it and may call it late."""
+    _KEEP.append(obj)
 
 
 def in_callback() -> bool:
@@ -160,7 +167,7 @@ class TorchAllocator:
         self._busy: list = []  # MemPools a capture block is in now
         self._retired: list = []  # MemPools waiting to be destroyed (release_cached)
         alloc, free = ALLOC_FN(self._alloc), FREE_FN(self._free)
-        _KEEP.append((self, alloc, free))
+        keep_for_process((self, alloc, free))
         self._alloc_fn, self._free_fn = alloc, free
 
     @classmethod
@@ -294,7 +301,7 @@ class TorchAllocator:
                     raise RuntimeError(f"torch {torch.__version__} was built without CUDA: it has no pluggable "
                                        "CUDA allocator to route")
                 self._native = make(self.alloc_ptr, self.free_ptr)
-                _KEEP.append(self._native)  # a MemPool may hold only a raw pointer to it
+                keep_for_process(self._native)  # a MemPool may hold only a raw pointer to it
             return self._native
 
     def _take_mempool(self):
