@@ -14,11 +14,26 @@ namespace {
 
 // What the ABI keeps per device beside the route: the pool's geometry (fixed once the pool is made)
 // and the accumulated counters' baseline (`defrag_pool_reset_accumulated`). Leaked, as the routes.
+// The accumulated counters (`defrag_pool_reset_accumulated` zeroes them): each one's key in the pool's
+// stats and its field in DefragPoolStats.
+struct Accumulated {
+  const char* key;
+  int64_t DefragPoolStats::*field;
+};
+constexpr Accumulated kAccumulated[] = {
+    {"num_allocs", &DefragPoolStats::num_allocs},
+    {"num_frees", &DefragPoolStats::num_frees},
+    {"num_alloc_retries", &DefragPoolStats::num_alloc_retries},
+    {"num_ooms", &DefragPoolStats::num_ooms},
+    {"num_device_alloc", &DefragPoolStats::num_device_alloc},
+    {"num_device_free", &DefragPoolStats::num_device_free},
+};
+constexpr size_t kAccumulatedCount = sizeof(kAccumulated) / sizeof(kAccumulated[0]);
+
 struct AbiDevice {
   std::mutex mu;
   int64_t capacity = -1, device_total = -1;
-  int64_t base_allocs = 0, base_frees = 0, base_retries = 0, base_ooms = 0, base_device_alloc = 0,
-          base_device_free = 0;
+  int64_t base[kAccumulatedCount] = {};  // each accumulated counter at the last reset, in kAccumulated order
 };
 AbiDevice* const g_abi_devices = new AbiDevice[kMaxCudaDevices];
 
@@ -245,12 +260,7 @@ __attribute__((visibility("default"))) int32_t defrag_pool_stats(int32_t device,
   if (status != DEFRAG_POOL_OK) return status;
   {
     std::lock_guard<std::mutex> guard(d.mu);
-    s.num_allocs -= d.base_allocs;
-    s.num_frees -= d.base_frees;
-    s.num_alloc_retries -= d.base_retries;
-    s.num_ooms -= d.base_ooms;
-    s.num_device_alloc -= d.base_device_alloc;
-    s.num_device_free -= d.base_device_free;
+    for (size_t i = 0; i < kAccumulatedCount; ++i) s.*kAccumulated[i].field -= d.base[i];
   }
   s.capacity_bytes = capacity;
   s.device_total_bytes = total;
@@ -276,12 +286,7 @@ __attribute__((visibility("default"))) int32_t defrag_pool_reset_accumulated(int
     PyObject* st = pool_stats(pool);
     if (st == nullptr) return DEFRAG_POOL_ERROR;
     std::lock_guard<std::mutex> guard(d.mu);
-    d.base_allocs = figure(st, "num_allocs");
-    d.base_frees = figure(st, "num_frees");
-    d.base_retries = figure(st, "num_alloc_retries");
-    d.base_ooms = figure(st, "num_ooms");
-    d.base_device_alloc = figure(st, "num_device_alloc");
-    d.base_device_free = figure(st, "num_device_free");
+    for (size_t i = 0; i < kAccumulatedCount; ++i) d.base[i] = figure(st, kAccumulated[i].key);
     Py_DECREF(st);
     return DEFRAG_POOL_OK;
   });
