@@ -81,6 +81,12 @@ exec(compile(_req["code"], _path or "<string>", "exec"), _main.__dict__)
 """
 
 
+def _read(file) -> str:
+    """All a child wrote to `file` (a temporary file it was given by name)."""
+    file.seek(0)
+    return file.read()
+
+
 class _Zygote:
     """One server process for one environment; `run` forks a child of it per call."""
 
@@ -126,10 +132,9 @@ class _Zygote:
                 except ProcessLookupError:  # it ended meanwhile
                     pass
                 self._reply(None)
-                raise subprocess.TimeoutExpired(["python", "-c", "...", *args], timeout,
-                                                output=open(out.name).read(), stderr=open(err.name).read())
-            return subprocess.CompletedProcess(["python", path or "-c", *args], done["rc"], open(out.name).read(),
-                                               open(err.name).read())
+                raise subprocess.TimeoutExpired(["python", path or "-c", *args], timeout, output=_read(out),
+                                                stderr=_read(err))
+            return subprocess.CompletedProcess(["python", path or "-c", *args], done["rc"], _read(out), _read(err))
 
     def close(self) -> None:
         if self.alive():
@@ -185,7 +190,12 @@ def run_python(code: str, *args: str, env: dict | None = None, cwd: str = ROOT, 
 def run_clean(code: str, *args: str, ends_with: str | None = None, **kwargs) -> subprocess.CompletedProcess:
     """`run_python`, failing the test unless the process exited 0 without a C++ `terminate` or an exception
     Python ignored (at exit, in a destructor), and, given `ends_with`, its stdout ends with that."""
-    proc = run_python(code, *args, **kwargs)
+    return check_clean(run_python(code, *args, **kwargs), ends_with=ends_with)
+
+
+def check_clean(proc: subprocess.CompletedProcess, *, ends_with: str | None = None) -> subprocess.CompletedProcess:
+    """`proc`, after failing the test unless it exited 0 without a C++ `terminate` or an exception Python
+    ignored, and (given `ends_with`) its stdout ends with that."""
     assert proc.returncode == 0, f"rc={proc.returncode}\nstdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
     assert "terminate called" not in proc.stderr and "Exception ignored" not in proc.stderr, proc.stderr
     if ends_with is not None:

@@ -20,7 +20,7 @@ import pytest
 
 from defrag import fastpath
 
-from ..forked import run_python
+from ..forked import check_clean, run_python
 
 pytestmark = pytest.mark.skipif(fastpath.setting() == "off", reason="DEFRAG_FASTPATH=0: no native allocator")
 
@@ -44,10 +44,7 @@ def run(script: str, *args: str, root_first: bool = True, cwd: str = ROOT, ok: b
     else:  # the import order is the point: a fresh interpreter
         proc = subprocess.run([sys.executable, "-c", script, *args], capture_output=True, text=True,
                               timeout=timeout, env=env, cwd=cwd)
-    if ok:
-        assert proc.returncode == 0, f"rc={proc.returncode}\nstdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
-        assert "terminate called" not in proc.stderr and "Exception ignored" not in proc.stderr, proc.stderr
-    return proc
+    return check_clean(proc) if ok else proc
 
 
 # ---------------------------------------------------------------- a third-party model
