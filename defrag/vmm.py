@@ -270,19 +270,24 @@ class AddressSpace:
             handles = self.store.take(len(pages), inner)
             done: list[int] = []
             inner.on_rollback(self._undo_map, region, done, left)
-            for page in sorted(pages):
-                # Popped before mapping: from here on the page's undo, not the
-                # store's, gives this handle back (never both).
-                handle = handles.pop()
-                try:
-                    self.driver.map(region.address(page), self.page_size, handle)
-                except CudaError:
-                    self.store.put([handle])
-                    raise
-                self.map_calls += 1
-                region.handles[page] = handle
-                self.ref(handle)
-                done.append(page)
+            order = sorted(pages)
+            # Handed over before mapping: from here on a page's undo, not the store's, gives its handle
+            # back (never both); the handles of pages a failure left unmapped go back to the store.
+            mine = [handles.pop() for _ in order]
+            mapped = 0
+            try:
+                self.driver.map_each([region.address(page) for page in order], self.page_size, mine)
+                mapped = len(order)
+            except CudaError as exc:
+                mapped = getattr(exc, "mapped", 0)
+                self.store.put(mine[mapped:])
+                raise
+            finally:
+                for page, handle in zip(order[:mapped], mine):
+                    region.handles[page] = handle
+                    self.ref(handle)
+                    done.append(page)
+                self.map_calls += mapped
             for first, count in page_runs(pages):
                 self.driver.set_access(region.address(first), count * self.page_size)
 

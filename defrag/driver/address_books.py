@@ -126,6 +126,17 @@ class AddressBooks:
         self.mappings[va] = Mapping(va, size, handle, offset, bytearray(size // self.granularity))
         bisect.insort(self._map_starts, va)
 
+    def add_mappings(self, vas: list[int], size: int, handles: list[int]) -> None:
+        """`add_mapping` of `size` bytes of `handles[i]` at `vas[i]`, offset 0, for a run of addresses
+        `size` apart in ascending order that no mapping meets: one insertion into the sorted starts."""
+        if not vas:
+            return
+        granules = size // self.granularity
+        for va, handle in zip(vas, handles):
+            self.mappings[va] = Mapping(va, size, handle, 0, bytearray(granules))
+        i = bisect.bisect_left(self._map_starts, vas[0])
+        self._map_starts[i:i] = vas
+
     def remove_mappings(self, maps: list[Mapping]) -> None:
         """Forget `maps`, which `covering` returned: they tile one range, so their starts are adjacent."""
         first = bisect.bisect_left(self._map_starts, maps[0].va)

@@ -51,6 +51,16 @@ def _check(call: str, result):
     return result[1:]
 
 
+def _raise_mapped(call: str, result, mapped: int):
+    """`_check`'s error for a failed call of a batch, carrying `mapped`: how many of the batch's calls
+    succeeded before it."""
+    try:
+        _check(call, result)
+    except CudaError as exc:
+        exc.mapped = mapped
+        raise
+
+
 def cuda_driver_usable() -> tuple[bool, str]:
     """Probe whether a real CUDA driver with at least one GPU can be used.
 
@@ -352,6 +362,38 @@ class Driver:
         mapped by giving it a handle of its own), and every caller in defrag passes 0."""
         self.make_current()
         _check("cuMemMap", self._api.cuMemMap(int(va), int(size), int(offset), int(handle), 0))
+
+    def map_each(self, vas: list[int], size: int, handles: list[int]) -> None:
+        """`map(vas[i], size, handles[i])` for each i, in order: one cuMemMap each, as the driver
+        counts them. On the first failure the CudaError carries `mapped`, how many were mapped before
+        it (those stay mapped: the caller undoes them). Emulated devices take the batch under one
+        hold of their lock (`EmulatedCuda.map_each`), after the fault plan has said how many of the
+        calls pass; the real driver gets one call each without re-checking the context between them."""
+        n = len(vas)
+        if not n:
+            return
+        self.make_current()
+        batch = getattr(self.api, "map_each", None)
+        if batch is None:
+            call, ok = self._api.cuMemMap, R.CUDA_SUCCESS
+            for i in range(n):
+                result = call(int(vas[i]), int(size), 0, int(handles[i]), 0)
+                if result[0] != ok:
+                    _raise_mapped("cuMemMap", result, i)
+            return
+        start, ok = 0, R.CUDA_SUCCESS
+        while start < n:
+            passing = self.faults.passing("cuMemMap", n - start)
+            error, done = batch(vas[start:start + passing], size, handles[start:start + passing])
+            self.faults.count("cuMemMap", done + (error != ok))
+            if error != ok:
+                _raise_mapped("cuMemMap", (error,), start + done)
+            start += passing
+            if start < n:  # the call a planned fault stops: made alone, through the plan
+                result = self._api.cuMemMap(int(vas[start]), int(size), 0, int(handles[start]), 0)
+                if result[0] != ok:
+                    _raise_mapped("cuMemMap", result, start)
+                start += 1
 
     def unmap(self, va: int, size: int) -> None:
         """Unmap whole mappings covering exactly [va, va+size). Does not synchronize."""

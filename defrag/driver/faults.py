@@ -47,6 +47,23 @@ class FaultInjector:
         with self._lock:
             return sum(len(v) for v in self._plans.values())
 
+    def passing(self, name: str, n: int) -> int:
+        """How many of the next `n` calls of `name` no planned fault stops (the next one after them
+        fails, when fewer than `n`). Counts nothing: `count` records the calls a batch then made."""
+        with self._lock:
+            plans = self._plans.get(name)
+            return n if not plans else max(0, min(n, min(plan[0] for plan in plans) - 1))
+
+    def count(self, name: str, n: int) -> None:
+        """Record `n` calls of `name` that `passing` let through, as `n` single calls would have been:
+        every plan of `name` comes `n` calls closer (none fires: `passing` said so)."""
+        if n <= 0:
+            return
+        with self._lock:
+            self.calls[name] = self.calls.get(name, 0) + n
+            for plan in self._plans.get(name, ()):
+                plan[0] -= n
+
     def _take(self, name: str):
         with self._lock:
             self.calls[name] = self.calls.get(name, 0) + 1

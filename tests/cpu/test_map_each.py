@@ -1,0 +1,134 @@
+"""`Driver.map_each`: a batch of cuMemMap calls that is, to everyone who can look, those calls one by one.
+
+A batch on an emulated or memory-less device runs under one hold of the
+device's lock, checks a run of pages against the reservations once and records
+it with one insertion. What it must not change: which calls succeed, the error
+of the first that fails, how many calls the device and the fault plan count,
+when a planned fault fires, and what is mapped afterwards. Each test runs the
+same calls both ways on two fresh devices and compares them.
+"""
+from __future__ import annotations
+
+import pytest
+from cuda.bindings import driver as cu
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from defrag.driver import Driver
+from defrag.errors import CudaError
+
+G = 2 << 20
+CAP = 64 * G
+KINDS = ("emulated", "memoryless")
+
+
+def _device(kind: str) -> tuple[Driver, int, list[int]]:
+    """A device with one 32-page reservation, 24 handles (the last 4 released again) and pages 5 and 6
+    mapped already."""
+    d = getattr(Driver, kind)(capacity=CAP, granularity=G)
+    base = d.reserve(32 * G, G)
+    handles = [d.create(G) for _ in range(24)]
+    d.map(base + 5 * G, G, handles[0])
+    d.map(base + 6 * G, G, handles[1])
+    for h in handles[20:]:
+        d.release(h)
+    return d, base, handles
+
+
+def _close(d: Driver) -> None:
+    d.api.close()
+    d.close()
+
+
+def _mapped(d: Driver) -> list[tuple[int, int, int]]:
+    maps, _ = d.api._addresses.in_address_order()
+    return [(m.va, m.size, m.handle) for m in maps]
+
+
+def _one_by_one(d: Driver, vas, handles) -> tuple[int, str | None]:
+    for i, (va, h) in enumerate(zip(vas, handles)):
+        try:
+            d.map(va, G, h)
+        except CudaError as exc:
+            return i, exc.name
+    return len(vas), None
+
+
+def _batched(d: Driver, vas, handles) -> tuple[int, str | None]:
+    try:
+        d.map_each(vas, G, handles)
+    except CudaError as exc:
+        return exc.mapped, exc.name
+    return len(vas), None
+
+
+def _both(kind: str, pages: list[int], which: list[int], fault: int | None, outside: int | None = None):
+    """Map `pages` (page numbers of the reservation; -1: an address outside it) with handles `which`
+    (indices of the device's handles; -1: a handle that never existed) both ways, a fault planned on the
+    `fault`-th cuMemMap of the calls when given; returns what each way saw."""
+    seen = []
+    for way in (_one_by_one, _batched):
+        d, base, handles = _device(kind)
+        try:
+            vas = [base + p * G if p >= 0 else base + 40 * G for p in pages]
+            hs = [handles[w] if w >= 0 else 0xDEAD000 for w in which]
+            if fault is not None:
+                d.faults.inject("cuMemMap", cu.CUresult.CUDA_ERROR_OUT_OF_MEMORY, nth=fault)
+            before_dev = d.api.calls.get("cuMemMap", 0)
+            before_plan = d.faults.calls.get("cuMemMap", 0)
+            result = way(d, vas, hs)
+            seen.append((result, _mapped(d), d.api.calls.get("cuMemMap", 0) - before_dev,
+                         d.faults.calls.get("cuMemMap", 0) - before_plan, d.faults.pending(),
+                         list(d.faults.injected), d.api.state()))
+        finally:
+            _close(d)
+    return seen
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_clean_batch_maps_every_page_and_counts_one_call_each(kind):
+    (single, batched) = _both(kind, [8, 9, 10, 11, 20, 21, 0], [2, 3, 4, 5, 6, 7, 8], None)
+    assert single == batched
+    (mapped, error), maps, device_calls, plan_calls, *_ = batched
+    assert (mapped, error) == (7, None)
+    assert device_calls == plan_calls == 7
+    assert len(maps) == 2 + 7
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("nth", [1, 3, 7])
+def test_a_planned_fault_stops_the_batch_at_that_call_with_nothing_after_it_mapped(kind, nth):
+    pages = [8, 9, 10, 11, 12, 13, 14]
+    single, batched = _both(kind, pages, list(range(2, 9)), nth)
+    assert single == batched
+    (mapped, error), maps, device_calls, plan_calls, pending, injected, _ = batched
+    assert (mapped, error) == (nth - 1, "CUDA_ERROR_OUT_OF_MEMORY")
+    assert len(maps) == 2 + nth - 1  # nothing at or after the faulted call
+    assert (device_calls, plan_calls, pending) == (nth - 1, nth, 0)
+    assert injected == [("cuMemMap", "CUDA_ERROR_OUT_OF_MEMORY")]
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("pages, which, where", [
+    ([3, 4, 5, 7], [2, 3, 4, 5], 2),        # page 5 is mapped already: the third call fails
+    ([8, 9, 10], [2, 20, 4], 1),            # handle 20 was released
+    ([8, 9, 10], [2, 3, -1], 2),            # a handle that never existed
+    ([-1, 9], [2, 3], 0),                   # an address outside every reservation
+])
+def test_a_call_that_breaks_a_rule_fails_as_it_would_alone(kind, pages, which, where):
+    single, batched = _both(kind, pages, which, None)
+    assert single == batched
+    (mapped, error), _, device_calls, plan_calls, *_ = batched
+    assert (mapped, error) == (where, "CUDA_ERROR_INVALID_VALUE")
+    assert device_calls == plan_calls == where + 1
+
+
+@settings(max_examples=60, deadline=None)
+@given(pages=st.lists(st.integers(-1, 31), min_size=0, max_size=12),
+       picks=st.lists(st.integers(-1, 23), min_size=12, max_size=12),
+       fault=st.one_of(st.none(), st.integers(1, 13)))
+def test_a_batch_is_its_calls_one_by_one(pages, picks, fault):
+    """Any addresses (in or out of order, repeated, mapped, outside), any handles (released, unknown,
+    repeated), any planned fault: the same outcome, mappings, counts and fired faults."""
+    single, batched = _both("memoryless", pages, picks[:len(pages)], fault)
+    assert single == batched
