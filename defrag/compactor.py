@@ -769,16 +769,25 @@ def _verify(core: Core, mover: Mover, engine: str, moves: list[tuple[int, int, i
         raise CompactionError(f"verification failed for {bad.size} move(s), first {n} bytes {src:#x} -> {dst:#x}")
 
 
-def rescue(core: Core, mover: Mover, nbytes: int, tried: list[str], callbacks=()):
+def rescue(core: Core, mover: Mover, nbytes: int, tried: list[str], callbacks=(), ran: dict | None = None):
     """The ladder's rescue step (see `Core.allocate`): compact and retry when packing could cover the
     request, then mesh and retry (`_rescue_by_meshing`) before the ladder reports an OOM.
 
     Returns the placed Block, or None (with `tried` extended) when
     compaction is off, would not help, is rate-limited, or did not help.
+    ``ran`` (a dict, or None): counts under "rescues" each call and under
+    "meshing" each call that went on to meshing (moving did not place the
+    block). A pool without compaction fails at the first rescue; one without
+    meshing at the first that goes on to meshing: what a dry replay's
+    probes use to answer for those pools too.
     """
+    if ran is not None:
+        ran["rescues"] = ran.get("rescues", 0) + 1
     block = _rescue_by_moving(core, mover, nbytes, tried, callbacks)
     if block is None and core.auto_compact:
         if core.auto_mesh:
+            if ran is not None:
+                ran["meshing"] = ran.get("meshing", 0) + 1
             block = _rescue_by_meshing(core, mover, nbytes, tried)
         else:
             tried.append("automatic meshing is off (auto_mesh=False)")

@@ -90,6 +90,9 @@ class DryPool:
         self._blocks: dict = {}  # key -> Block
         self._mover = _KeyMover(self)
         self.peak_held_pages = 0  # the most pages that held blocks at once (see `peak_held_bytes`)
+        # The rescues the ladder ran ("rescues") and those that went on to meshing ("meshing"): see
+        # `defrag.compactor.rescue`.
+        self.rescue_steps = {"rescues": 0, "meshing": 0}
 
     @property
     def capacity(self) -> int:
@@ -118,7 +121,7 @@ class DryPool:
             return True
 
     def _rescue(self, nbytes: int, tried: list[str]):
-        return rescue(self.core, self._mover, nbytes, tried)
+        return rescue(self.core, self._mover, nbytes, tried, ran=self.rescue_steps)
 
     def free(self, key) -> None:
         """Free the block `key` (KeyError if it is not live). Its pages stay mapped."""
