@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import gzip
 import json
+import math
 import os
 import subprocess
 import sys
@@ -122,6 +123,9 @@ class ReplayResult:
     # Where a search for the smallest capacity should start (dry pools: `DryPool.peak_held_bytes`);
     # not in `as_dict`: it is the search's, not a figure of the replay.
     search_hint: int | None = field(default=None, repr=False)
+    # A dry pool's `DryPool.rescue_steps`: which pools' runs this one's was (`_answers_for`); not in
+    # `as_dict` either.
+    rescue_steps: dict | None = field(default=None, repr=False)
 
     @property
     def completed(self) -> bool:
@@ -148,6 +152,7 @@ class ReplayResult:
             self.series = series
         out.pop("series", None)
         out.pop("search_hint", None)
+        out.pop("rescue_steps", None)
         out["completed"] = self.completed
         out["reserved_over_live"] = self.reserved_over_live
         out["meets_goal_1_02"] = self.meets_goal()
@@ -344,7 +349,7 @@ def _replay_dry(trace, capacity, page, compaction, name, progress, stop_at_first
                         moved_bytes=st["compaction.moved_bytes"], moved_tensors=st["compaction.moved_tensors"],
                         seconds=time.perf_counter() - t0, error=error,
                         series=_window_max(run.reserved, run.i + 1) if series else None,
-                        search_hint=model.peak_held_bytes)
+                        search_hint=model.peak_held_bytes, rescue_steps=dict(model.rescue_steps))
 
 
 def _window_max(values, used: int) -> tuple[list, list]:
@@ -509,85 +514,129 @@ def _allocator_and_page(allocator: str | None, compaction: bool, page_size) -> t
     return allocator, page
 
 
-def _search_job(key, allocator: str, page: int, peak_live: int, *, known_good=None, known_bad=None, hint=None,
-                max_steps: int = MIN_CAPACITY_STEPS, tolerance: float = 0.0, budget_s=None, split: int = 1,
-                gallop: bool = False):
-    """A generator: yields rounds of probe tasks, receives whether each completed, returns a MinCapacity.
+class _Bracket:
+    """One smallest-capacity search's bracket, in pages: `lo` is known to fail, `hi` to complete (None:
+    no capacity known to complete yet; the search doubles from the peak live bytes until one does).
 
-    Rounds of ``split`` probes: the hint first, then (``gallop``) down from the
-    smallest capacity known to complete in steps of 1, 2, 4, ... pages until
-    one fails (up from the hint in the same steps when it fails), then
-    bisection; the rounds depend only on the answers.
+    `propose` gives a round's capacities, `learn` takes the answers of a whole
+    round (any capacities: a joint search's other brackets' too). The rounds
+    depend only on the answers. Rounds: the hint first, then (``gallop``)
+    down from the smallest capacity known to complete in steps of 1, 2, 4,
+    ... pages until one fails (up from the largest known to fail in the same
+    steps when the hint itself fails), then bisection.
     """
-    deadline = None if budget_s is None else time.perf_counter() + budget_s
-    steps = 0
 
-    def out_of_time() -> bool:
-        return steps >= max_steps or (deadline is not None and time.perf_counter() > deadline)
+    def __init__(self, lo: int, hi: int | None, hint: int | None, gallop: bool, floor: int):
+        self.lo, self.hi, self.hint = lo, hi, hint
+        self.start_hi = hi  # the smallest capacity known to complete before any probe of this bracket's
+        self.first = True  # the hint's round has not been proposed
+        self.mode, self.step = ("down" if gallop else None), 1
+        self.doubling = None if hi is not None else max(lo + 1, floor)  # the next capacity tried while hi is None
 
-    def probes(pages: list[int]) -> list:
-        return [("probe", key, allocator, q * page, page) for q in pages]
+    def open(self, tolerance: float) -> bool:
+        return self.hi is None or (self.hi - self.lo > 1 and (self.hi - self.lo) > tolerance * self.hi)
 
-    lo = max(1, -(-peak_live // page)) - 1  # fails: fewer pages than the live bytes need
+    def propose(self, k: int, taken=()) -> list[int]:
+        """Up to `k` capacities for the next round (none already in `taken`, the other brackets' points)."""
+        if self.hi is None:
+            return [] if self.doubling in taken else [self.doubling]
+        lo, hi = self.lo, self.hi
+        # The hint leads the first round, whoever proposes it (in a joint search another bracket may have).
+        anchor = self.hint if self.first and self.hint is not None and lo < self.hint < hi else None
+        points = [anchor] if anchor is not None and anchor not in taken else []
+        self.first = False
+        # Galloping (pools): a pool's peak reserved at a roomier capacity is usually within a few pages of
+        # its smallest capacity, on either side. Down from the smallest capacity known to complete in
+        # steps of 1, 2, 4, ... pages while they complete; up from the largest known to fail in the same
+        # steps when the hint itself fails; bisection once a round holds both answers.
+        if self.mode == "down":
+            top = hi if anchor is None else anchor
+            while len(points) < k and top - self.step > lo:
+                top, self.step = top - self.step, self.step * 2
+                if top not in taken:
+                    points.append(top)
+        elif self.mode == "up":
+            bottom = lo
+            while len(points) < k and bottom + self.step < hi:
+                bottom, self.step = bottom + self.step, self.step * 2
+                if bottom not in taken:
+                    points.append(bottom)
+        while len(points) < k:
+            # Fill the round by halving the widest gap left; below the hint when it is in the round
+            # (it usually completes, so what lies above it is unlikely to matter).
+            ceiling = hi if anchor is None else anchor
+            edges = sorted({lo, ceiling, *(q for q in (*points, *taken) if lo < q <= ceiling)})
+            gap, a = max((b - a, a) for a, b in zip(edges, edges[1:]))
+            if gap <= 1:
+                break
+            points.append(a + gap // 2)
+        return points
+
+    def learn(self, points: list[int], answers: list[bool]) -> None:
+        """A round's answers: `answers[i]` says whether `points[i]` pages completed."""
+        if self.hi is None:
+            good = [q for q, ok in zip(points, answers) if ok]
+            bad = [q for q, ok in zip(points, answers) if not ok]
+            if good:
+                self.hi = self.start_hi = min(good)
+                self.lo = max([self.lo, *(q for q in bad if q < self.hi)])
+            elif self.doubling in points:
+                self.lo = max(self.lo, *bad)
+                self.doubling *= 2
+            return
+        inside = sorted((q, ok) for q, ok in zip(points, answers) if self.lo < q < self.hi)
+        good = [q for q, ok in inside if ok]
+        if good:
+            self.hi = good[0]
+        # A failure above a completing capacity (allocators are not monotonic) says nothing of the bracket.
+        bad = [q for q, ok in inside if not ok and q < self.hi]
+        if bad:
+            self.lo = max(bad)
+        # Down to a failure: bisection between it and the last capacity that completed; up from it only
+        # when nothing below the first known to complete has (the hint itself failed).
+        if (self.mode == "down" and bad) or (self.mode == "up" and good):
+            self.mode = "up" if self.mode == "down" and self.hi == self.start_hi else None
+            self.step = 1
+
+    def result(self, page: int, steps: int) -> MinCapacity:
+        if self.hi is None:
+            return MinCapacity(None, self.lo * page if self.lo >= 1 else None, False, steps)
+        return MinCapacity(self.hi * page, self.lo * page if self.lo >= 1 else None, self.hi - self.lo <= 1, steps)
+
+
+def _start(page: int, peak_live: int, known_good, known_bad) -> tuple[int, int | None, int]:
+    """A search's first bracket (lo, hi or None, floor) in pages: fewer pages than the live bytes need
+    fail; `known_bad` fails; `known_good` completes (unless it is below what the live bytes need)."""
+    floor = max(1, -(-peak_live // page))
+    lo = floor - 1
     if known_bad is not None:
         lo = max(lo, known_bad // page)
     hi = known_good // page if known_good is not None else None
     if hi is not None and hi <= lo:
         hi = None  # a "good" capacity below what the live bytes need cannot be
-    if hi is None:
-        hi = max(lo + 1, -(-peak_live // page))
-        while True:
-            steps += 1
-            (ok,) = yield probes([hi])
-            if ok:
-                break
-            lo, hi = hi, hi * 2
-            if out_of_time():
-                return MinCapacity(None, lo * page if lo >= 1 else None, False, steps)
-    hint_pages = None if hint is None else -(-hint // page)
-    first = True
-    # Galloping (pools): a pool's peak reserved at a roomier capacity is usually within a few pages of
-    # its smallest capacity, on either side. Down from the smallest capacity known to complete in
-    # steps of 1, 2, 4, ... pages while they complete; up from the largest known to fail in the same
-    # steps when the hint itself fails; bisection once a round holds both answers.
-    mode, step = ("down" if gallop else None), 1
-    while hi - lo > 1 and (hi - lo) > tolerance * hi and not out_of_time():
-        points = [hint_pages] if first and hint_pages is not None and lo < hint_pages < hi else []
-        first = False
-        if mode == "down":
-            top = min(points, default=hi)
-            while len(points) < split and top - step > lo:
-                top, step = top - step, step * 2
-                points.append(top)
-        elif mode == "up":
-            bottom = lo
-            while len(points) < split and bottom + step < hi:
-                bottom, step = bottom + step, step * 2
-                points.append(bottom)
-        while len(points) < split:
-            # Fill the round by halving the widest gap left; below the hint when it is in the round
-            # (it usually completes, so what lies above it is unlikely to matter).
-            ceiling = hint_pages if hint_pages in points else hi
-            edges = sorted({lo, ceiling, *(q for q in points if q <= ceiling)})
-            gap, a = max((b - a, a) for a, b in zip(edges, edges[1:]))
-            if gap <= 1:
-                break
-            points.append(a + gap // 2)
+    return lo, hi, floor
+
+
+def _search_job(key, allocator: str, page: int, peak_live: int, *, known_good=None, known_bad=None, hint=None,
+                max_steps: int = MIN_CAPACITY_STEPS, tolerance: float = 0.0, budget_s=None, split: int = 1,
+                gallop: bool = False):
+    """A generator: yields rounds of probe tasks, receives whether each completed, returns a MinCapacity.
+
+    Rounds of ``split`` probes (a `_Bracket`'s); while no capacity is known
+    to complete, one probe per round, doubling from the peak live bytes.
+    """
+    deadline = None if budget_s is None else time.perf_counter() + budget_s
+    lo, hi, floor = _start(page, peak_live, known_good, known_bad)
+    bracket = _Bracket(lo, hi, None if hint is None else -(-hint // page), gallop, floor)
+    steps = 0
+    while bracket.open(tolerance) and steps < max_steps and (deadline is None or time.perf_counter() <= deadline):
+        points = sorted(bracket.propose(split))
         if not points:
             break
-        points.sort()
-        answers = yield probes(points)
+        answers = yield [("probe", key, allocator, q * page, page) for q in points]
         steps += len(points)
-        good = [q for q, ok in zip(points, answers) if ok]
-        if good:
-            hi = min(hi, good[0])
-        # A failure above a completing capacity (allocators are not monotonic) says nothing of the bracket.
-        bad = [q for q, ok in zip(points, answers) if not ok and q < hi]
-        if bad:
-            lo = max(lo, max(bad))
-        if (mode == "down" and bad) or (mode == "up" and good):
-            mode, step = ("up" if mode == "down" and not good else None), 1
-    return MinCapacity(hi * page, lo * page if lo >= 1 else None, hi - lo <= 1, steps)
+        bracket.learn(points, answers)
+    return bracket.result(page, steps)
 
 
 # ---------------------------------------------------------------------- work on both cores
@@ -618,6 +667,8 @@ def _task(spec: tuple):
     trace = _SHARED[key]
     if kind == "replay":
         return _run_dry(trace, allocator, capacity, page, stop=False, series=spec[5])
+    if kind == "ladder":
+        return _answers_for(_run_dry(trace, allocator, capacity, page, stop=True))
     if kind == "oom":
         event, size = spec[5], spec[6]
         # The refused request, served at the point PyTorch refused it and freed at once: what it
@@ -1019,38 +1070,98 @@ def _hint(r: ReplayResult) -> int | None:
     return r.search_hint if r.search_hint is not None else r.peak_reserved_bytes
 
 
-def _pools_without_phases_job(key, capacity: int, peak_live: int, *, page_size, series: bool, budget_s):
-    """Both pools on a trace without phase markers (dry); returns [defrag, defrag-no-compaction].
+def _answers_for(r: ReplayResult) -> dict:
+    """Whether each defrag pool completes, from one dry run `r` of the most capable pool asked for
+    (defrag-mesh, or defrag) on a trace without phase markers: {allocator: completed}.
 
-    Without phase markers the two run the same code until a placement
-    fails: compaction runs only in the rescue that follows. So a capacity at
-    which the pool without compaction completes is one at which the pool
-    with it completes, with the same figures: the no-compaction pool goes
-    first and the compacting pool's search starts from its answer. Each
-    round probes two capacities, one per core, since this chain is the
-    longest work of such a trace.
+    Without phase markers the three pools run the same code until a
+    placement fails and the ladder calls its rescue (`compactor.rescue`):
+    the pool without compaction fails at the first rescue, the pool without
+    meshing at the first rescue that goes on to meshing. So where `r` never
+    rescued its run is all three's, and where it never meshed it is
+    defrag's too; where it did, the weaker pool failed there. Exact for a
+    probe (which stops at its first failure) and for a whole replay alike.
     """
-    (plain,) = yield from _allocator_job(key, "defrag-no-compaction", capacity, peak_live, dry=True, device=None,
-                                         page_size=page_size, progress=False, series=series, budget_s=budget_s,
-                                         split=2)
-    _, page = _allocator_and_page("defrag", True, page_size)
-    if plain.completed:
-        r = ReplayResult(**{**{f: getattr(plain, f) for f in plain.__dataclass_fields__}, "allocator": "defrag",
-                            "notes": [], "min_capacity": None})
-        r.notes.append(f"at {format_bytes(capacity)} compaction never ran (no phase markers, no failed placement), "
-                       f"so this row's replay there is defrag-no-compaction's; its smallest capacity is its own, "
-                       f"searched where compaction does run")
-    else:
-        (r,) = yield [("replay", key, "defrag", capacity, page, series)]
-    good = r.capacity if r.completed else None
-    mc = plain.min_capacity
-    if mc is not None and mc.bytes is not None:
-        good = mc.bytes if good is None else min(good, mc.bytes)
-    r.min_capacity = yield from _search_job(
-        key, "defrag", page, peak_live, known_good=good, known_bad=None if r.completed else r.capacity,
-        hint=_hint(r), max_steps=MIN_CAPACITY_MAX_STEPS,
-        budget_s=budget_s, split=2, gallop=True)
-    return [r, plain]
+    steps = r.rescue_steps
+    out = {r.allocator: r.completed, "defrag-no-compaction": r.completed and not steps["rescues"]}
+    if r.allocator == "defrag-mesh":
+        out["defrag"] = r.completed and not steps["meshing"]
+    return out
+
+
+def _same_run(r: ReplayResult, allocator: str, capacity: int) -> ReplayResult:
+    """`r` as the row of `allocator`, whose replay at `capacity` was the same run (`_answers_for`)."""
+    row = ReplayResult(**{**{f: getattr(r, f) for f in r.__dataclass_fields__}, "allocator": allocator,
+                          "notes": [], "min_capacity": None})
+    what = "compaction never ran" if r.rescue_steps["rescues"] == 0 else "meshing never ran"
+    row.notes.append(f"at {format_bytes(capacity)} {what} (no phase markers, and no failed placement went "
+                     f"that far), so this row's replay there is {r.allocator}'s, the same run; its smallest "
+                     f"capacity is its own, searched jointly with the other defrag rows")
+    return row
+
+
+def _pools_without_phases_job(key, capacity: int, peak_live: int, *, page_size, series: bool, budget_s,
+                              mesh: bool, split: int = 2):
+    """Every defrag pool on a dry trace without phase markers; returns [defrag, defrag-no-compaction]
+    and, with ``mesh``, defrag-mesh after them.
+
+    Every replay runs the most capable pool asked for (defrag-mesh, else
+    defrag) and answers for the others where its run was theirs
+    (`_answers_for`): the replay at `capacity` is every row's when no
+    placement failed; the weaker rows get replays of their own only where
+    it was not. The smallest capacities come from one joint search: each
+    round probes ``split`` capacities (one per core), proposed by the
+    brackets still open (`_Bracket`, widest first), and every answer
+    narrows every bracket. Each row's `MinCapacity.steps` is the joint
+    search's probes; it has ``budget_s`` and `MIN_CAPACITY_MAX_STEPS` per row.
+    """
+    top = "defrag-mesh" if mesh else "defrag"
+    rows = ["defrag", "defrag-no-compaction"] + (["defrag-mesh"] if mesh else [])
+    _, page = _allocator_and_page(top, True, page_size)
+    (r,) = yield [("replay", key, top, capacity, page, series)]
+    answers = _answers_for(r)
+    results = {top: r}
+    for name in rows:
+        if name != top and answers[name] and r.completed:
+            results[name] = _same_run(r, name, capacity)
+    missing = [name for name in rows if name not in results]
+    if missing:
+        own = yield [("replay", key, name, capacity, page, series) for name in missing]
+        results.update(zip(missing, own))
+    brackets = {}
+    for name in rows:
+        done = results[name]
+        lo, hi, floor = _start(page, peak_live, done.capacity if done.completed else None,
+                               None if done.completed else done.capacity)
+        hint = _hint(done)
+        if name == "defrag-mesh":
+            # Meshing makes do with fewer pages than the hint (the peak held where pages were plenty)
+            # says, by as much as it finds to mesh: a bisection below the other rows' answers finds it
+            # in fewer probes than a gallop down from the hint would. Without a hint, every row bisects.
+            hint = None
+        hint = None if hint is None else -(-hint // page)
+        useful = hint is not None and lo < hint and (hi is None or hint < hi)
+        brackets[name] = _Bracket(lo, hi, hint if useful else None, useful, floor)
+    deadline = None if budget_s is None else time.perf_counter() + budget_s * len(rows)
+    steps = 0
+    while steps < MIN_CAPACITY_MAX_STEPS * len(rows) and (deadline is None or time.perf_counter() <= deadline):
+        open_ = sorted((b for b in brackets.values() if b.open(0.0)),
+                       key=lambda b: -(math.inf if b.hi is None else b.hi - b.lo))
+        points: list[int] = []
+        for b in open_ * split:  # widest first, one each, until the round is full
+            if len(points) >= split:
+                break
+            points += b.propose(1, points)
+        if not points:
+            break
+        points.sort()
+        said = yield [("ladder", key, top, q * page, page) for q in points]
+        steps += len(points)
+        for name, b in brackets.items():
+            b.learn(points, [a[name] for a in said])
+    for name in rows:
+        results[name].min_capacity = brackets[name].result(page, steps)
+    return [results[name] for name in rows]
 
 
 def replay_devices(items: list, capacity: int | None = None, *, dry: bool = False, device=None, page_size=None,
@@ -1086,10 +1197,11 @@ def replay_devices(items: list, capacity: int | None = None, *, dry: bool = Fals
             first = len(jobs)
             if dry and st.phases == 0:
                 jobs.append(((0, len(plans)), _pools_without_phases_job(
-                    key, cap, st.peak_live_bytes, page_size=page_size, series=series, budget_s=search_budget_s)))
+                    key, cap, st.peak_live_bytes, page_size=page_size, series=series, budget_s=search_budget_s,
+                    mesh=mesh)))
             for name in POOLS:
-                if (dry and st.phases == 0 and name != "defrag-mesh") or (name == "defrag-mesh" and not mesh):
-                    continue  # the two above, in one job; or no meshing row asked for
+                if (dry and st.phases == 0) or (name == "defrag-mesh" and not mesh):
+                    continue  # all of them in the job above; or no meshing row asked for
                 # The pool with compaction is the slowest replay: first in line, and its search probes
                 # two capacities per round so both cores can share it.
                 jobs.append(((0 if name == "defrag" else 1, len(plans)), _allocator_job(

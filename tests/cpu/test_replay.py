@@ -267,3 +267,62 @@ def test_the_search_finds_the_boundary_on_either_side_of_the_hint(answer, split,
     assert found.steps == sum(len(p) for p in probed)
     if gallop and abs(answer - 200) <= 1:
         assert len(probed) <= (3 if split == 2 else 4)  # a boundary next to the hint: found in a few rounds
+
+
+def test_one_probe_of_the_meshing_pool_answers_for_all_three_pools():
+    """Without phase markers the pools run alike until the ladder's rescue: a probe of defrag-mesh says
+    whether defrag and defrag-no-compaction complete too (`_answers_for`), exactly as probes of theirs
+    would, at capacities just above the peak live bytes, where the pools part ways."""
+    from defrag.replay import _answers_for
+    from defrag.traces.generators import random_serving
+
+    seen = set()
+    for seed in (0, 2):
+        trace = random_serving(seed=seed, steps=6000, live_limit=3 << 30)
+        assert trace.stats().phases == 0
+        floor = -(-trace.stats().peak_live_bytes // PAGE)
+        for pages in range(floor, floor + 3):
+            said = _answers_for(replay(trace, pages * PAGE, dry=True, mesh=True, stop_at_first_oom=True))
+            truth = {name: replay(trace, pages * PAGE, dry=True, compaction=name != "defrag-no-compaction",
+                                  mesh=name == "defrag-mesh", stop_at_first_oom=True).completed for name in said}
+            assert said == truth, (seed, pages)
+            seen.add(tuple(sorted(truth.items())))
+    assert len(seen) >= 3  # all fail; only meshing completes; meshing and compaction do; all do
+
+
+@pytest.mark.parametrize("mesh", [True, False])
+@pytest.mark.parametrize("m, d, n, hint", [
+    (31224, 31242, 31261, 31254),  # the serving trace's boundaries (80 GB, 2 MiB pages)
+    (31197, 31197, 31197, 31200),  # all at the peak live bytes
+    (31197, 31199, 31230, 31210),
+    (31300, 31300, 31400, 31254),  # above the hint
+    (31196, 31196, 31196, None),   # no hint
+])
+def test_the_joint_search_finds_every_defrag_rows_boundary(mesh, m, d, n, hint):
+    """The defrag rows of a trace without phase markers share one search whose every probe answers for all
+    of them: driven by monotone oracles (meshing completes from `m` pages on, compaction from `d`, no
+    compaction from `n`), each row's answer is exact, two probes a round, and fewer probes than three
+    searches of their own would take."""
+    from defrag.replay import ReplayResult, _pools_without_phases_job
+
+    floor, cap = 31196, 40960
+    job = _pools_without_phases_job(None, cap * PAGE, floor * PAGE - 1, page_size=None, series=False,
+                                    budget_s=None, mesh=mesh)
+    (spec,) = next(job)
+    assert spec[:4] == ("replay", None, "defrag-mesh" if mesh else "defrag", cap * PAGE)
+    done = ReplayResult(spec[2], "t", cap * PAGE, PAGE, True, "x", 1,
+                        search_hint=None if hint is None else hint * PAGE, rescue_steps={"rescues": 0, "meshing": 0})
+    specs, probes = job.send([done]), 0
+    try:
+        while True:
+            assert 1 <= len(specs) <= 2 and all(s[0] == "ladder" for s in specs)
+            probes += len(specs)
+            specs = job.send([{"defrag-mesh": q >= m, "defrag": q >= d, "defrag-no-compaction": q >= n}
+                              for q in (s[3] // PAGE for s in specs)])
+    except StopIteration as stop:
+        rows = {r.allocator: r.min_capacity for r in stop.value}
+    want = {"defrag": d, "defrag-no-compaction": n} | ({"defrag-mesh": m} if mesh else {})
+    assert {k: (v.bytes // PAGE, v.exact, v.failed_below // PAGE) for k, v in rows.items()} == {
+        k: (v, True, v - 1) for k, v in want.items()}
+    assert all(v.steps == probes for v in rows.values())
+    assert probes <= 13 * len(want)
