@@ -325,25 +325,28 @@ class AddressSpace:
             self.driver.synchronize()
         done: set[int] = set()
         try:
-            for page in pages:
-                if region.backing[page] == ASLEEP:  # nothing is mapped there (sleep released it): only the books
-                    region.handles[page], region.backing[page] = 0, DEVICE
-                    self.asleep -= 1
-                    done.add(page)
+            if self.asleep:
+                for page in pages:
+                    if region.backing[page] == ASLEEP:  # nothing mapped there (sleep released it): only the books
+                        region.handles[page], region.backing[page] = 0, DEVICE
+                        self.asleep -= 1
+                        done.add(page)
             for first, count in page_runs(p for p in pages if p not in done):
                 self.driver.unmap(region.address(first), count * self.page_size)
                 self.unmap_calls += 1
+                run = slice(first, first + count)
+                handles = region.handles[run].tolist()
+                host = region.backing[run] == HOST
+                region.handles[run] = 0
                 hosts = []
-                for page in range(first, first + count):
-                    handle = int(region.handles[page])
-                    region.handles[page] = 0
-                    if region.backing[page] == HOST:  # a host-located handle never enters the device store
-                        region.backing[page] = DEVICE
-                        self.host_mapped -= 1
-                        hosts.append(handle)
-                    else:
-                        self.unref(handle, to_store=True)
-                    done.add(page)
+                if host.any():  # a host-located handle never enters the device store
+                    region.backing[run][host] = DEVICE
+                    self.host_mapped -= int(host.sum())
+                    hosts = [h for h, on_host in zip(handles, host.tolist()) if on_host]
+                    handles = [h for h, on_host in zip(handles, host.tolist()) if not on_host]
+                for handle in handles:
+                    self.unref(handle, to_store=True)
+                done.update(range(first, first + count))
                 error = None
                 for handle in hosts:
                     try:
