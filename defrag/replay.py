@@ -572,8 +572,15 @@ class _Bracket:
             points.append(a + gap // 2)
         return points
 
-    def learn(self, points: list[int], answers: list[bool]) -> None:
-        """A round's answers: `answers[i]` says whether `points[i]` pages completed."""
+    def needs(self, q: int) -> bool:
+        """Whether an answer at `q` pages would narrow this bracket (`learn` ignores the others)."""
+        return q > self.lo and (self.hi is None or q < self.hi)
+
+    def learn(self, points: list[int], answers: list) -> None:
+        """A round's answers: `answers[i]` says whether `points[i]` pages completed (None: not known, at a
+        capacity this bracket does not `need`)."""
+        known = [(q, ok) for q, ok in zip(points, answers) if ok is not None]
+        points, answers = [q for q, _ in known], [ok for _, ok in known]
         if self.hi is None:
             good = [q for q, ok in zip(points, answers) if ok]
             bad = [q for q, ok in zip(points, answers) if not ok]
@@ -1070,6 +1077,11 @@ def _hint(r: ReplayResult) -> int | None:
     return r.search_hint if r.search_hint is not None else r.peak_reserved_bytes
 
 
+_WEAKEST_FIRST = ("defrag-no-compaction", "defrag", "defrag-mesh")
+_ANSWERS = {"defrag-no-compaction": {"defrag-no-compaction"}, "defrag": {"defrag", "defrag-no-compaction"},
+            "defrag-mesh": {"defrag-mesh", "defrag", "defrag-no-compaction"}}  # whose runs `_answers_for` tells
+
+
 def _answers_for(r: ReplayResult) -> dict:
     """Whether each defrag pool completes, from one dry run `r` of the most capable pool asked for
     (defrag-mesh, or defrag) on a trace without phase markers: {allocator: completed}.
@@ -1084,6 +1096,8 @@ def _answers_for(r: ReplayResult) -> dict:
     """
     steps = r.rescue_steps
     out = {r.allocator: r.completed, "defrag-no-compaction": r.completed and not steps["rescues"]}
+    if r.allocator == "defrag-no-compaction":
+        return out
     if r.allocator == "defrag-mesh":
         out["defrag"] = r.completed and not steps["meshing"]
     return out
@@ -1155,10 +1169,18 @@ def _pools_without_phases_job(key, capacity: int, peak_live: int, *, page_size, 
         if not points:
             break
         points.sort()
-        said = yield [("ladder", key, top, q * page, page) for q in points]
+        # Each probe runs the weakest pool whose run answers every bracket that still needs that
+        # capacity (the others ignore it): no compaction stops at the first rescue, no meshing at the
+        # first rescue that would mesh, and neither pays for what comes after.
+        specs = []
+        for q in points:
+            needs = {name for name, b in brackets.items() if b.needs(q)}
+            pool = next(name for name in _WEAKEST_FIRST if needs <= _ANSWERS[name] and name in rows)
+            specs.append(("ladder", key, pool, q * page, page))
+        said = yield specs
         steps += len(points)
         for name, b in brackets.items():
-            b.learn(points, [a[name] for a in said])
+            b.learn(points, [a.get(name) for a in said])
     for name in rows:
         results[name].min_capacity = brackets[name].result(page, steps)
     return [results[name] for name in rows]

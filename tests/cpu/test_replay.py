@@ -303,7 +303,7 @@ def test_the_joint_search_finds_every_defrag_rows_boundary(mesh, m, d, n, hint):
     of them: driven by monotone oracles (meshing completes from `m` pages on, compaction from `d`, no
     compaction from `n`), each row's answer is exact, two probes a round, and fewer probes than three
     searches of their own would take."""
-    from defrag.replay import ReplayResult, _pools_without_phases_job
+    from defrag.replay import _ANSWERS, ReplayResult, _pools_without_phases_job
 
     floor, cap = 31196, 40960
     job = _pools_without_phases_job(None, cap * PAGE, floor * PAGE - 1, page_size=None, series=False,
@@ -317,8 +317,10 @@ def test_the_joint_search_finds_every_defrag_rows_boundary(mesh, m, d, n, hint):
         while True:
             assert 1 <= len(specs) <= 2 and all(s[0] == "ladder" for s in specs)
             probes += len(specs)
-            specs = job.send([{"defrag-mesh": q >= m, "defrag": q >= d, "defrag-no-compaction": q >= n}
-                              for q in (s[3] // PAGE for s in specs)])
+            # Each probe's pool answers for itself and the weaker ones only (`_answers_for`).
+            specs = job.send([{k: v for k, v in {"defrag-mesh": q >= m, "defrag": q >= d,
+                                                 "defrag-no-compaction": q >= n}.items() if k in _ANSWERS[pool]}
+                              for pool, q in ((s[2], s[3] // PAGE) for s in specs)])
     except StopIteration as stop:
         rows = {r.allocator: r.min_capacity for r in stop.value}
     want = {"defrag": d, "defrag-no-compaction": n} | ({"defrag-mesh": m} if mesh else {})
