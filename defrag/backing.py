@@ -38,7 +38,7 @@ import numpy as np
 from . import native
 from .driver import Driver
 from .errors import CudaError, CudaOutOfMemoryError
-from .page_runs import page_runs
+from .page_runs import mask_runs, page_runs
 from .units import ALIGNMENT
 from .vmm import ASLEEP, ASLEEP_HANDLE, DEVICE, HOST, AddressSpace, Region, Transaction
 
@@ -281,10 +281,9 @@ class Backing:
         shortest runs alone needed one at every other, for about as many pages mapped."""
         regions, pages, lengths, ages = [], [], [], []
         for region, mask in self._empty_masks(keep, keep_pages):
-            edges = np.flatnonzero(np.diff(np.concatenate(([False], mask, [False])).astype(np.int8)))
-            if not edges.size:
+            starts, stops = mask_runs(mask)
+            if not starts.size:
                 continue
-            starts, stops = edges[0::2], edges[1::2]
             page = np.flatnonzero(mask)
             regions.append(np.full(len(page), region.index))
             pages.append(page)

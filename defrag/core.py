@@ -73,6 +73,7 @@ from .driver import Driver
 from .errors import CudaOutOfMemoryError, PoolAsleepError, PoolClosedError, StaleAccessError
 from .movability import Scope, Users
 from .page_growth import GrowthPolicy
+from .page_runs import mask_runs
 from .readout import OutOfRoom
 from .units import ALIGNMENT, format_bytes
 from .vmm import Region, Transaction
@@ -184,9 +185,9 @@ def _cheapest_window(region, free_ranges, page_size: int, size: int, meshed=None
             starts, ends = _outside_pages(starts, ends, meshed, region.base, P)
         if starts.size:
             pieces.append(np.stack([starts, ends], axis=1))
-    edges = np.flatnonzero(np.diff(np.concatenate(([False], unmapped, [False])).astype(np.int8)))
-    if edges.size:
-        pieces.append(np.stack([region.base + edges[0::2] * P, region.base + edges[1::2] * P], axis=1))
+    run_starts, run_stops = mask_runs(unmapped)
+    if run_starts.size:
+        pieces.append(np.stack([region.base + run_starts * P, region.base + run_stops * P], axis=1))
     if not pieces:
         return None
     pieces = np.concatenate(pieces)

@@ -18,6 +18,15 @@ def page_run_arrays(pages: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return pages[starts], ends - starts
 
 
+def mask_runs(mask: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """A bool per page -> (starts, stops): the [start, stop) page indices of each run of True, in order,
+    as int64 arrays."""
+    padded = np.zeros(mask.size + 2, dtype=np.int8)
+    padded[1:-1] = mask
+    edges = np.flatnonzero(padded[1:] != padded[:-1])
+    return edges[0::2], edges[1::2]
+
+
 def page_runs(pages) -> list[tuple[int, int]]:
     """Page indices (any order, repeats allowed) -> sorted (first, count) runs of consecutive pages."""
     ordered = sorted(set(pages))

@@ -65,28 +65,21 @@ class AddressBooks:
 
     def mappings_in(self, va: int, size: int) -> list[Mapping]:
         """Mappings intersecting [va, va+size), in address order."""
-        i = bisect.bisect_right(self._map_starts, va) - 1
-        i = max(i, 0)
-        out = []
-        end = va + size
-        while i < len(self._map_starts):
-            m = self.mappings[self._map_starts[i]]
-            if m.va >= end:
-                break
-            if m.va + m.size > va:
-                out.append(m)
-            i += 1
+        starts, mappings = self._map_starts, self.mappings
+        first = max(bisect.bisect_right(starts, va) - 1, 0)
+        last = bisect.bisect_left(starts, va + size)  # the mappings from `first` on that start before the end
+        out = [mappings[start] for start in starts[first:last]]
+        if out and out[0].va + out[0].size <= va:  # the one starting before `va` ends before it
+            del out[0]
         return out
 
     def covering(self, va: int, size: int) -> list[Mapping] | None:
         """The mappings that exactly tile [va, va+size) without gaps, else None."""
         maps = self.mappings_in(va, size)
-        cursor = va
-        for m in maps:
-            if m.va > cursor:
-                return None
-            cursor = m.va + m.size
-        if not maps or maps[0].va > va or cursor < va + size:
+        if not maps or maps[0].va > va or maps[-1].va + maps[-1].size < va + size:
+            return None
+        # Mappings never overlap: they tile their span when their sizes add up to it.
+        if sum(m.size for m in maps) != maps[-1].va + maps[-1].size - maps[0].va:
             return None
         return maps
 
