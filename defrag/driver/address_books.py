@@ -25,7 +25,7 @@ from .host_memory import PROT_READ, PROT_RW
 _LACKS = {need: bytes(0 if p & need == need else 1 for p in range(256)) for need in (PROT_READ, PROT_RW)}
 
 
-@dataclass
+@dataclass(slots=True)
 class Mapping:
     """One `cuMemMap`: [va, va+size) backed by `handle` from `offset`."""
     va: int
@@ -140,8 +140,11 @@ class AddressBooks:
     def set_access(self, ptr: int, size: int, prot: int, maps: list[Mapping]) -> None:
         """Record that [ptr, ptr+size), which `maps` tile (`covering`), now has protection `prot`, granule by
         granule: the range may cover only part of its first and last mapping."""
-        g = self.granularity
+        g, end, fill = self.granularity, ptr + size, bytes([prot])
         for m in maps:
+            if len(m.prots) == 1 and ptr <= m.va:  # one granule, inside the range (a mapping meets it)
+                m.prots[0] = prot
+                continue
             first = (max(ptr, m.va) - m.va) // g
-            last = (min(ptr + size, m.va + m.size) - m.va) // g
-            m.prots[first:last] = bytes([prot]) * (last - first)
+            last = (min(end, m.va + m.size) - m.va) // g
+            m.prots[first:last] = fill * (last - first)
