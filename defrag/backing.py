@@ -138,15 +138,20 @@ class Backing:
     def empty_mapped(self, keep: Region | None = None, keep_pages=()) -> list[tuple[Region, int]]:
         """Mapped pages that hold no block, except `keep_pages` of region `keep`
         (a request's or a wave's own destination pages, when looking for donors)."""
-        return [(region, int(p)) for region, mask in self._empty_masks(keep, keep_pages)
+        return [(region, int(p)) for region, mask in self.empty_masks(keep, keep_pages)
                 for p in np.flatnonzero(mask)]
 
-    def _empty_masks(self, keep: Region | None, keep_pages) -> list[tuple[Region, np.ndarray]]:
-        """`empty_mapped` as one bool array per region."""
+    def empty_masks(self, keep: Region | None, keep_pages) -> list[tuple[Region, np.ndarray]]:
+        """`empty_mapped` as one bool array per region: [(region, mask)], what `count_empty` and `donors`
+        take as `masks` to look at the same pages once."""
         out = []
-        dead = [(m[1], m[2]) for m in self.books.meshes() if m[4] == 0]  # `unmap_empty` dissolves them first
+        meshes = self.books.meshes()
+        dead = [(m[1], m[2]) for m in meshes if m[4] == 0]  # `unmap_empty` dissolves them first
         for region in self.space.regions:
-            mask = (region.handles != 0) & self.untouched(region)
+            mask = region.handles != 0
+            mask &= self.live_count[region.index] == 0
+            if meshes:  # else no page is in a mesh: `untouched` is the live count's alone
+                mask &= self.mesh_ids[region.index] < 0
             for index, primary in dead:
                 if index == region.index:
                     mask[primary] = True
@@ -155,9 +160,11 @@ class Backing:
             out.append((region, mask))
         return out
 
-    def count_empty(self, keep: Region | None = None, keep_pages=()) -> int:
-        """`len(empty_mapped(keep, keep_pages))`, without listing them."""
-        return sum(int(mask.sum()) for _, mask in self._empty_masks(keep, keep_pages))
+    def count_empty(self, keep: Region | None = None, keep_pages=(), masks=None) -> int:
+        """`len(empty_mapped(keep, keep_pages))`, without listing them (`masks`: `empty_masks(keep,
+        keep_pages)` when the caller has them)."""
+        masks = self.empty_masks(keep, keep_pages) if masks is None else masks
+        return sum(int(np.count_nonzero(mask)) for _, mask in masks)
 
     def first_unmapped_page(self) -> tuple[Region, int]:
         """The first unmapped virtual page, reserving a region of the capacity's size when none is left."""
@@ -267,12 +274,12 @@ class Backing:
 
     def age_empty(self) -> None:
         """A stitch is done: every page empty now is one stitch older, every other page 0."""
-        for region, mask in self._empty_masks(None, ()):
+        for region, mask in self.empty_masks(None, ()):
             age = self.empty_age[region.index]
             age += 1
             age *= mask
 
-    def donors(self, keep: Region, keep_pages, count: int) -> list[tuple[Region, int]]:
+    def donors(self, keep: Region, keep_pages, count: int, masks=None) -> list[tuple[Region, int]]:
         """The first `count` of `empty_mapped(keep, keep_pages)` in donor order: the pages empty at the
         most stitches in a row first (`empty_age`), then those of the shortest runs of empty pages,
         then by address. A long run of empty pages holds a later large block in place, with no driver
@@ -280,7 +287,7 @@ class Backing:
         trace (`traces.random_serving`) this order needs a synchronize at one stitch in four, where
         shortest runs alone needed one at every other, for about as many pages mapped."""
         regions, pages, lengths, ages = [], [], [], []
-        for region, mask in self._empty_masks(keep, keep_pages):
+        for region, mask in self.empty_masks(keep, keep_pages) if masks is None else masks:
             starts, stops = mask_runs(mask)
             if not starts.size:
                 continue

@@ -206,7 +206,8 @@ def _cheapest_window(region, free_ranges, page_size: int, size: int, meshed=None
         return None
     cand = cand[ok]
     first = (cand - region.base) // P
-    before = np.concatenate(([0], np.cumsum(unmapped)))
+    before = np.zeros(unmapped.size + 1, dtype=np.int64)  # before[p]: unmapped pages before page p
+    np.cumsum(unmapped, out=before[1:])
     need = before[(cand + size - 1 - region.base) // P + 1] - before[first]
     off_page = ((cand - region.base) % P != 0) if size < PACK_PAGES * P else np.zeros(len(cand), dtype=bool)
     best = np.lexsort((cand, off_page, need))[0]
@@ -558,11 +559,12 @@ class Core:
         if not supply.stitched:
             return
         backing = self.backing
-        supply = self.growth.supply(need, donors=backing.count_empty(region, window), **args)
+        masks = backing.empty_masks(region, window)  # the same pages for the count and the choice
+        supply = self.growth.supply(need, donors=backing.count_empty(masks=masks), **args)
         # Which pages go is the same whatever is known of the device (a dry and a real pool place alike);
         # whether they wait for it is not: a face's native fast path places blocks the backing never
         # hears of, so there every batch waits.
-        donors = backing.donors(region, window, supply.stitched + supply.give_back)
+        donors = backing.donors(region, window, supply.stitched + supply.give_back, masks)
         backing.unmap_empty(donors, idle_known=True)  # every placement, native or not, clears `idle`
         backing.age_empty()
 
