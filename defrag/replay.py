@@ -582,13 +582,16 @@ class _Bracket:
         known = [(q, ok) for q, ok in zip(points, answers) if ok is not None]
         points, answers = [q for q, _ in known], [ok for _, ok in known]
         if self.hi is None:
-            good = [q for q, ok in zip(points, answers) if ok]
+            # Only capacities above the largest known to fail count (as inside a bracket below): a pool
+            # that completes below a capacity it failed at says nothing of where its boundary lies.
+            good = [q for q, ok in zip(points, answers) if ok and q > self.lo]
             bad = [q for q, ok in zip(points, answers) if not ok]
             if good:
                 self.hi = self.start_hi = min(good)
                 self.lo = max([self.lo, *(q for q in bad if q < self.hi)])
-            elif self.doubling in points:
-                self.lo = max(self.lo, *bad)
+                return
+            self.lo = max([self.lo, *bad])
+            while self.doubling <= self.lo:  # the next capacity tried lies above every failure known
                 self.doubling *= 2
             return
         inside = sorted((q, ok) for q, ok in zip(points, answers) if self.lo < q < self.hi)
@@ -669,7 +672,8 @@ def _run_dry(trace: Trace, allocator: str, capacity: int, page: int, *, stop: bo
 
 def _task(spec: tuple):
     """One unit of work, in a worker or inline: ("replay", ...) -> ReplayResult; ("probe" | "oom", ...) ->
-    whether the dry replay completed."""
+    whether the dry replay completed; ("ladder", ...) -> {allocator: completed} for the pools whose runs
+    that one dry replay was (`_answers_for`)."""
     kind, key, allocator, capacity, page = spec[:5]
     trace = _SHARED[key]
     if kind == "replay":
@@ -1127,7 +1131,8 @@ def _pools_without_phases_job(key, capacity: int, peak_live: int, *, page_size, 
     round probes ``split`` capacities (one per core), proposed by the
     brackets still open (`_Bracket`, widest first), and every answer
     narrows every bracket. Each row's `MinCapacity.steps` is the joint
-    search's probes; it has ``budget_s`` and `MIN_CAPACITY_MAX_STEPS` per row.
+    search's probes (all rows'); the joint search has ``budget_s`` seconds
+    and `MIN_CAPACITY_MAX_STEPS` probes for each row, shared.
     """
     top = "defrag-mesh" if mesh else "defrag"
     rows = ["defrag", "defrag-no-compaction"] + (["defrag-mesh"] if mesh else [])

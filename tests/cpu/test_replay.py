@@ -328,3 +328,32 @@ def test_the_joint_search_finds_every_defrag_rows_boundary(mesh, m, d, n, hint):
         k: (v, True, v - 1) for k, v in want.items()}
     assert all(v.steps == probes for v in rows.values())
     assert probes <= 13 * len(want)
+
+
+def test_a_row_that_fails_at_the_capacity_is_searched_above_it_even_where_weaker_probes_complete_below():
+    """Allocators are not monotonic: the pool without compaction may fail at the capacity yet complete
+    below it. The joint search's probes below the capacity must not close that row's bracket there: it
+    searches upwards from the capacity (doubling), and its answer completes with one page below failing."""
+    from defrag.replay import _ANSWERS, ReplayResult, _pools_without_phases_job
+
+    floor, cap = 31196, 40960
+    n_ok = lambda q: 31250 <= q < 40000 or q >= 41000  # noqa: E731
+    job = _pools_without_phases_job(None, cap * PAGE, floor * PAGE - 1, page_size=None, series=False,
+                                    budget_s=None, mesh=True)
+    (spec,) = next(job)
+    rescued = ReplayResult(spec[2], "t", cap * PAGE, PAGE, True, "x", 1, search_hint=31254 * PAGE,
+                           rescue_steps={"rescues": 1, "meshing": 0})
+    (own,) = job.send([rescued])  # defrag's run is the meshing pool's; no compaction replays on its own
+    assert own[:3] == ("replay", None, "defrag-no-compaction")
+    specs = job.send([ReplayResult("defrag-no-compaction", "t", cap * PAGE, PAGE, True, "x", 1, ooms=1,
+                                   rescue_steps={"rescues": 1, "meshing": 0})])
+    try:
+        while True:
+            specs = job.send([{k: v for k, v in {"defrag-mesh": q >= 31224, "defrag": q >= 31242,
+                                                 "defrag-no-compaction": n_ok(q)}.items() if k in _ANSWERS[pool]}
+                              for pool, q in ((s[2], s[3] // PAGE) for s in specs)])
+    except StopIteration as stop:
+        rows = {r.allocator: r.min_capacity for r in stop.value}
+    assert (rows["defrag-no-compaction"].bytes // PAGE, rows["defrag-no-compaction"].exact) == (41000, True)
+    assert rows["defrag-no-compaction"].failed_below // PAGE == 40999
+    assert (rows["defrag"].bytes // PAGE, rows["defrag-mesh"].bytes // PAGE) == (31242, 31224)
