@@ -278,7 +278,7 @@ class AddressSpace:
             try:
                 self.driver.map_each([region.address(page) for page in order], self.page_size, mine)
                 mapped = len(order)
-            except CudaError as exc:
+            except BaseException as exc:  # a CudaError, or anything from the host side: `mapped` says how far
                 mapped = getattr(exc, "mapped", 0)
                 self.store.put(mine[mapped:])
                 raise

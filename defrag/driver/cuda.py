@@ -365,27 +365,43 @@ class Driver:
 
     def map_each(self, vas: list[int], size: int, handles: list[int]) -> None:
         """`map(vas[i], size, handles[i])` for each i, in order: one cuMemMap each, as the driver
-        counts them. On the first failure the CudaError carries `mapped`, how many were mapped before
-        it (those stay mapped: the caller undoes them). Emulated devices take the batch under one
-        hold of their lock (`EmulatedCuda.map_each`), after the fault plan has said how many of the
-        calls pass; the real driver gets one call each without re-checking the context between them."""
+        counts them. On the first failure the CudaError (or whatever else interrupts the batch)
+        carries `mapped`, how many were mapped before it (those stay mapped: the caller undoes them).
+        An emulated device takes the batch under one hold of its lock (`EmulatedCuda.map_each`),
+        after the fault plan has said how many of the calls pass, holding the plan's lock until they
+        are counted; the real driver, or a proxy over any device, gets one call each without
+        re-checking the context between them."""
         n = len(vas)
         if not n:
             return
         self.make_current()
-        batch = getattr(self.api, "map_each", None)
-        if batch is None:
-            call, ok = self._api.cuMemMap, R.CUDA_SUCCESS
+        ok = R.CUDA_SUCCESS
+        if not isinstance(self.api, EmulatedCuda):  # the real driver, or any proxy over a device: one call each
+            call = self._api.cuMemMap
             for i in range(n):
-                result = call(int(vas[i]), int(size), 0, int(handles[i]), 0)
+                try:
+                    result = call(int(vas[i]), int(size), 0, int(handles[i]), 0)
+                except BaseException as exc:
+                    exc.mapped = i
+                    raise
                 if result[0] != ok:
                     _raise_mapped("cuMemMap", result, i)
             return
-        start, ok = 0, R.CUDA_SUCCESS
+        start = 0
         while start < n:
-            passing = self.faults.passing("cuMemMap", n - start)
-            error, done = batch(vas[start:start + passing], size, handles[start:start + passing])
-            self.faults.count("cuMemMap", done + (error != ok))
+            with self.faults.held():
+                passing = self.faults.passing("cuMemMap", n - start)
+                made = 0
+                try:
+                    error, done = self.api.map_each(vas[start:start + passing], size,
+                                                    handles[start:start + passing])
+                    made = done + (error != ok)
+                except BaseException as exc:
+                    made = getattr(exc, "mapped", 0) + 1
+                    exc.mapped = start + getattr(exc, "mapped", 0)
+                    raise
+                finally:
+                    self.faults.count("cuMemMap", made)
             if error != ok:
                 _raise_mapped("cuMemMap", (error,), start + done)
             start += passing

@@ -507,8 +507,10 @@ class EmulatedCuda:
         stopping at the first that fails: returns (that call's CUresult, or CUDA_SUCCESS; how many
         mapped). Each is counted as one cuMemMap and judged by its rules; a run of pages `size` apart
         is checked against the reservations and mappings once and recorded with one insertion, which
-        is what makes a batch cheaper than its calls (not what it does). `Driver.map_each` calls it
-        after the fault plan, never FaultInjector."""
+        is what makes a batch cheaper than its calls (not what it does). An exception from the host
+        side (an mmap that fails) leaves the pages before it mapped and recorded, as the calls one by
+        one would, and carries their count as `mapped`. `Driver.map_each` calls it after the fault
+        plan, never FaultInjector."""
         n = len(ptrs)
         if not n:
             return (R.CUDA_SUCCESS, 0)
@@ -520,32 +522,44 @@ class EmulatedCuda:
         with self._lock:
             done = 0
             error = R.CUDA_SUCCESS
-            if size <= 0 or not self._aligned(size):
-                error = R.CUDA_ERROR_INVALID_VALUE
-            while done < n and error == R.CUDA_SUCCESS:
-                # The longest run from `done` of addresses `size` apart, each page free in one reservation.
-                first = ptrs[done]
-                run = 1
-                while done + run < n and ptrs[done + run] == first + run * size:
-                    run += 1
-                if (not self._aligned(first) or books.reservation_of(first, run * size) is None
-                        or books.mappings_in(first, run * size)):
-                    run = 1  # judge the pages one by one: the call that breaks a rule is the one that fails
-                    if (not self._aligned(first) or books.reservation_of(first, size) is None
-                            or books.mappings_in(first, size)):
-                        error = R.CUDA_ERROR_INVALID_VALUE
-                        break
-                for i in range(done, done + run):
-                    phys = table.get(int(handles[i]))
-                    if phys is None or phys.released or size > phys.size:
-                        error = R.CUDA_ERROR_INVALID_VALUE
-                        run = i - done
-                        break
-                    host_map(ptrs[i], size, phys.fd, 0)
-                    phys.map_count += 1
-                books.add_mappings(ptrs[done:done + run], size, [int(h) for h in handles[done:done + run]])
-                done += run
-            self.calls["cuMemMap"] = self.calls.get("cuMemMap", 0) + done + (error != R.CUDA_SUCCESS)
+            raised = False
+            try:
+                if size <= 0 or not self._aligned(size):
+                    error = R.CUDA_ERROR_INVALID_VALUE
+                while done < n and error == R.CUDA_SUCCESS:
+                    # The longest run from `done` of addresses `size` apart, each page free in one reservation.
+                    first = ptrs[done]
+                    run = 1
+                    while done + run < n and ptrs[done + run] == first + run * size:
+                        run += 1
+                    if (not self._aligned(first) or books.reservation_of(first, run * size) is None
+                            or books.mappings_in(first, run * size)):
+                        run = 1  # judge the pages one by one: the call that breaks a rule is the one that fails
+                        if (not self._aligned(first) or books.reservation_of(first, size) is None
+                                or books.mappings_in(first, size)):
+                            error = R.CUDA_ERROR_INVALID_VALUE
+                            break
+                    mapped = done
+                    try:
+                        for i in range(done, done + run):
+                            phys = table.get(int(handles[i]))
+                            if phys is None or phys.released or size > phys.size:
+                                error = R.CUDA_ERROR_INVALID_VALUE
+                                break
+                            host_map(ptrs[i], size, phys.fd, 0)  # may raise (mmap): what came before stays
+                            phys.map_count += 1
+                            mapped = i + 1
+                    finally:
+                        books.add_mappings(ptrs[done:mapped], size, [int(h) for h in handles[done:mapped]])
+                        done = mapped
+            except BaseException as exc:
+                # As a single cuMemMap would: the calls before it mapped and recorded, this one counted.
+                raised = True
+                exc.mapped = done
+                raise
+            finally:
+                self.calls["cuMemMap"] = (self.calls.get("cuMemMap", 0) + done
+                                          + (error != R.CUDA_SUCCESS or raised))
             return (error, done)
 
     def cuMemUnmap(self, ptr, size):

@@ -19,7 +19,7 @@ class FaultInjector:
 
     def __init__(self, api):
         self._api = api
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()  # reentrant: a batch holds it (`held`) across its own plan calls
         self._plans: dict[str, list[list]] = {}  # name -> [[remaining_calls, error, repeat]]
         self.calls: dict[str, int] = {}
         self.injected: list[tuple[str, str]] = []
@@ -46,6 +46,11 @@ class FaultInjector:
         """How many planned faults have not fired yet."""
         with self._lock:
             return sum(len(v) for v in self._plans.values())
+
+    def held(self):
+        """The plan's lock, for a batch to hold from `passing` to `count`: no other thread's driver call
+        comes between the plan's answer and the count of the calls it let through."""
+        return self._lock
 
     def passing(self, name: str, n: int) -> int:
         """How many of the next `n` calls of `name` no planned fault stops (the next one after them

@@ -132,3 +132,61 @@ def test_a_batch_is_its_calls_one_by_one(pages, picks, fault):
     repeated), any planned fault: the same outcome, mappings, counts and fired faults."""
     single, batched = _both("memoryless", pages, picks[:len(pages)], fault)
     assert single == batched
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("fails_at", [0, 2, 5])
+def test_a_host_failure_mid_batch_leaves_the_books_whole_and_the_map_rolled_back(kind, fails_at, monkeypatch):
+    """An mmap that fails inside a batch (the host side, not a CUDA error): the pages before it are mapped
+    and recorded on the device, as the calls one by one would leave them, the error carries how many, and
+    the vmm's map rolls all of it back with every handle in its store and the device's books consistent."""
+    from defrag.vmm import AddressSpace
+
+    d = getattr(Driver, kind)(capacity=CAP, granularity=G)
+    try:
+        space = AddressSpace(d, G, 16)
+        region = space.reserve(16)
+        host = d.api.host_memory
+        real_map, seen = host.map, []
+
+        def flaky(ptr, size, fd, offset):
+            if len(seen) == fails_at:
+                raise OSError(12, "Cannot allocate memory")
+            seen.append(ptr)
+            real_map(ptr, size, fd, offset)
+
+        monkeypatch.setattr(host, "map", flaky)
+        before = d.faults.calls.get("cuMemMap", 0)
+        with pytest.raises(OSError) as raised:
+            space.map(region, list(range(3, 9)))
+        assert raised.value.mapped == fails_at
+        assert d.faults.calls["cuMemMap"] - before == d.api.calls["cuMemMap"] == fails_at + 1
+        assert (region.handles == 0).all() and space.mapped == 0
+        assert d.api.state()["mappings"] == 0 and len(space.store.cached) == space.store.total == 6
+        monkeypatch.setattr(host, "map", real_map)
+        space.map(region, list(range(3, 9)))  # the handles serve again
+        assert d.api.state()["mappings"] == 6 and space.mapped == 6
+    finally:
+        d.api.close()
+        d.close()
+
+
+def test_a_proxy_over_the_device_sees_each_call_of_a_batch():
+    """A proxy in front of the device API (a recorder, a tracer) is not the device: the batch sends it one
+    cuMemMap per page, each with the arguments a single map would give."""
+    from defrag.driver import EmulatedCuda
+
+    from .test_driver import Recorder
+
+    api = EmulatedCuda(capacity=CAP, granularity=G)
+    rec = Recorder(api)
+    d = Driver.emulated(api=rec)
+    try:
+        base = d.reserve(8 * G, G)
+        hs = [d.create(G) for _ in range(3)]
+        d.map_each([base + G, base + 2 * G, base + 5 * G], G, hs)
+        maps = [args for name, args in rec.log if name == "cuMemMap"]
+        assert maps == [(base + G, G, 0, hs[0], 0), (base + 2 * G, G, 0, hs[1], 0), (base + 5 * G, G, 0, hs[2], 0)]
+    finally:
+        api.close()
+        d.close()
