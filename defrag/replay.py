@@ -51,6 +51,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from .compactor import collector_paused
 from .dry import DryPool
 from .errors import CompactionError
 from .traces.format import ALLOC, FREE, Trace, TraceError
@@ -332,8 +333,9 @@ def _replay_dry(trace, capacity, page, compaction, name, progress, stop_at_first
     bar = _progress(len(trace.events), progress, f"{name} (dry)")
     compact = (lambda: model.compact(mesh=mesh)) if compaction else None
     try:
-        run.drive(trace, model.alloc, model.free, compact, bar, stop_at_first_oom,
-                  model.reserved_bytes if series else None)
+        with collector_paused():  # the pool's objects are acyclic: collections here find next to nothing
+            run.drive(trace, model.alloc, model.free, compact, bar, stop_at_first_oom,
+                      model.reserved_bytes if series else None)
     except CompactionError as exc:
         error = _pool_error(exc, run.i, trace.events[run.i])
     finally:
