@@ -539,7 +539,7 @@ class Core:
         else:
             _, address, region = best
             window = list(range(*self.backing.pages_of(address, size)))
-        to_map = [p for p in window if not region.handles[p]]
+        to_map = (window[0] + np.flatnonzero(region.handles[window[0]:window[-1] + 1] == 0)).tolist()
         if to_map:
             self._supply(region, window, len(to_map), size)
         with Transaction() as txn:
