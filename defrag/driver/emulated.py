@@ -486,26 +486,18 @@ class EmulatedCuda:
             return (R.CUDA_SUCCESS,)
 
     def cuMemMap(self, ptr, size, offset, handle, flags):
-        self._count("cuMemMap")
-        ptr, size, offset, handle = int(ptr), int(size), int(offset), int(handle)
-        if self._current_device() is None:
-            return (R.CUDA_ERROR_INVALID_CONTEXT,)
-        with self._lock:
-            phys = self._handles.get(handle)
-            if (phys is None or phys.released or size <= 0 or int(flags) != 0
-                    or offset != 0  # CUDA: "offset currently must be zero"
-                    or not self._aligned(ptr, size) or size > phys.size
-                    or self._addresses.reservation_of(ptr, size) is None or self._addresses.mappings_in(ptr, size)):
-                return (R.CUDA_ERROR_INVALID_VALUE,)
-            self.host_memory.map(ptr, size, phys.fd, offset)
-            self._addresses.add_mapping(ptr, size, handle, offset)
-            phys.map_count += 1
-            return (R.CUDA_SUCCESS,)
+        if int(offset) != 0 or int(flags) != 0:  # CUDA: "offset currently must be zero"; no flags exist
+            self._count("cuMemMap")
+            return ((R.CUDA_ERROR_INVALID_CONTEXT,) if self._current_device() is None
+                    else (R.CUDA_ERROR_INVALID_VALUE,))
+        error, _ = self.map_each([int(ptr)], size, [handle])  # one call: the batch's rules, applied once
+        return (error,)
 
     def map_each(self, ptrs: list[int], size: int, handles: list[int]) -> tuple:
         """`cuMemMap(ptrs[i], size, 0, handles[i], 0)` for each i in order, under one hold of the lock,
         stopping at the first that fails: returns (that call's CUresult, or CUDA_SUCCESS; how many
-        mapped). Each is counted as one cuMemMap and judged by its rules; a run of pages `size` apart
+        mapped). Each is counted as one cuMemMap and judged by its rules, which live here (`cuMemMap`
+        is a batch of one, after its offset and flags checks); a run of pages `size` apart
         is checked against the reservations and mappings once and recorded with one insertion, which
         is what makes a batch cheaper than its calls (not what it does). An exception from the host
         side (an mmap that fails) leaves the pages before it mapped and recorded, as the calls one by
