@@ -1100,13 +1100,12 @@ def _answers_for(r: ReplayResult) -> dict:
     defrag's too; where it did, the weaker pool failed there. Exact for a
     probe (which stops at its first failure) and for a whole replay alike.
     """
-    steps = r.rescue_steps
-    out = {r.allocator: r.completed, "defrag-no-compaction": r.completed and not steps["rescues"]}
-    if r.allocator == "defrag-no-compaction":
-        return out
-    if r.allocator == "defrag-mesh":
-        out["defrag"] = r.completed and not steps["meshing"]
-    return out
+    # How often `r`'s run went where each pool's leaves it: no compaction fails at its first rescue, no
+    # meshing at its first meshing. For `r`'s own pool that answer is its own: defrag never meshes, and
+    # the pool without compaction, once it rescues, has failed.
+    parted = {"defrag-no-compaction": r.rescue_steps["rescues"], "defrag": r.rescue_steps["meshing"],
+              "defrag-mesh": 0}
+    return {name: r.completed and not parted[name] for name in _ANSWERS[r.allocator]}
 
 
 def _same_run(r: ReplayResult, allocator: str, capacity: int) -> ReplayResult:
