@@ -39,28 +39,26 @@ class Scope:
         """
         if block.pins:
             return "pinned"
-        if block.retired:
-            return "retired (awaiting release)"
-        if block.pending:
-            return "released, waiting for the device to finish with it"
-        if block.offloaded:
-            return "offloaded to host memory (pool.reload(t) brings it back)"
-        if not (self.everything or block.owner is self.mine):
-            reason = self._thread_reason(block)
-            if reason:
-                return reason
+        reason = self._state_reason(block, " (pool.reload(t) brings it back)")
+        if reason:
+            return reason
         return can_rewrite(block) if can_rewrite is not None else ""
 
     def mesh_blocker(self, block) -> str:
         """Why a mesh of this scope may not copy `block`'s page ("" when it may): `blocker` minus pins and
         the face's verdict, since meshing changes no address. Between the copy and the remap a write
         by another thread to the block would be lost, so its thread rule stays."""
+        return self._state_reason(block)
+
+    def _state_reason(self, block, reload_hint: str = "") -> str:
+        """What `blocker` and `mesh_blocker` share: a retired, pending or offloaded block (`reload_hint`
+        after the offload reason), or one owned by a thread this scope may not disturb; "" otherwise."""
         if block.retired:
             return "retired (awaiting release)"
         if block.pending:
             return "released, waiting for the device to finish with it"
         if block.offloaded:
-            return "offloaded to host memory"
+            return "offloaded to host memory" + reload_hint
         if not (self.everything or block.owner is self.mine):
             return self._thread_reason(block)
         return ""
