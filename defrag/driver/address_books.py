@@ -27,7 +27,7 @@ _LACKS = {need: bytes(0 if p & need == need else 1 for p in range(256)) for need
 
 @dataclass(slots=True)
 class Mapping:
-    """One `cuMemMap`: [va, va+size) backed by `handle` from `offset`."""
+    """One `cuMemMap`: [va, va+size) backed by `handle` from `offset` (a snapshot the books build on request)."""
     va: int
     size: int
     handle: int
@@ -42,15 +42,42 @@ class Reservation:
     size: int
 
 
+class _Run:
+    """Mappings of `size` bytes each, end to end from `start`: the i-th is `handles[i]` at start + i*size
+    (offset 0); `prots`: the protection of each granule of the whole run."""
+
+    __slots__ = ("start", "size", "handles", "prots")
+
+    def __init__(self, start: int, size: int, handles: list[int], prots: bytearray):
+        self.start, self.size, self.handles, self.prots = start, size, handles, prots
+
+    @property
+    def end(self) -> int:
+        return self.start + self.size * len(self.handles)
+
+
 class AddressBooks:
-    """The reservations and mappings of one emulated device (see the module docstring)."""
+    """The reservations and mappings of one emulated device (see the module docstring).
+
+    Mappings are recorded by runs (`_Run`): the mappings one batch of
+    `cuMemMap` made end to end, each still its own mapping (an unmap may take
+    any whole ones of a run, which splits it), so a run of pages is added,
+    found and removed in a few steps however long it is. A `Mapping` object
+    exists only where a caller asks for one (`mappings_in`, `in_address_order`).
+    A *cover* (`covering`) names mappings as (run, first, stop) index ranges.
+    """
 
     def __init__(self, granularity: int):
         self.granularity = granularity
         self.reservations: dict[int, Reservation] = {}  # base -> reservation
         self._res_starts: list[int] = []  # the bases, sorted
-        self.mappings: dict[int, Mapping] = {}  # va -> mapping
-        self._map_starts: list[int] = []  # the mappings' starts, sorted
+        self._runs: dict[int, _Run] = {}  # start -> run of mappings
+        self._starts: list[int] = []  # the runs' starts, sorted
+        self._count = 0  # mappings
+
+    def __len__(self) -> int:
+        """How many mappings there are."""
+        return self._count
 
     # ---------------------------------------------------------------- reading
     def reservation_of(self, va: int, size: int) -> Reservation | None:
@@ -63,45 +90,86 @@ class AddressBooks:
             return res
         return None
 
-    def mappings_in(self, va: int, size: int) -> list[Mapping]:
-        """Mappings intersecting [va, va+size), in address order."""
-        starts, mappings = self._map_starts, self.mappings
-        first = max(bisect.bisect_right(starts, va) - 1, 0)
-        last = bisect.bisect_left(starts, va + size)  # the mappings from `first` on that start before the end
-        out = [mappings[start] for start in starts[first:last]]
-        if out and out[0].va + out[0].size <= va:  # the one starting before `va` ends before it
-            del out[0]
+    def _bounds(self, va: int, size: int) -> tuple[int, int]:
+        """[i, j): the indices in `_starts` of the runs that meet [va, va+size)."""
+        starts = self._starts
+        i = max(bisect.bisect_right(starts, va) - 1, 0)
+        j = bisect.bisect_left(starts, va + size, i)  # the runs from `i` on that start before the end
+        if i < j and self._runs[starts[i]].end <= va:  # the one starting before `va` ends before it
+            i += 1
+        return i, j
+
+    def any_in(self, va: int, size: int) -> bool:
+        """Whether any mapping meets [va, va+size)."""
+        i, j = self._bounds(va, size)
+        return i < j
+
+    def _cover(self, va: int, size: int) -> list[tuple[_Run, int, int]]:
+        """(run, first, stop) for each run meeting [va, va+size): its mappings [first, stop) meet it."""
+        i, j = self._bounds(va, size)
+        end = va + size
+        out = []
+        for start in self._starts[i:j]:
+            run = self._runs[start]
+            m = run.size
+            first = max(va - start, 0) // m
+            stop = min(-(-(end - start) // m), len(run.handles))
+            out.append((run, first, stop))
         return out
 
-    def covering(self, va: int, size: int) -> list[Mapping] | None:
-        """The mappings that exactly tile [va, va+size) without gaps, else None."""
-        maps = self.mappings_in(va, size)
-        if not maps or maps[0].va > va or maps[-1].va + maps[-1].size < va + size:
+    def mappings_in(self, va: int, size: int) -> list[Mapping]:
+        """Mappings meeting [va, va+size), in address order."""
+        return [self._mapping(run, k) for run, first, stop in self._cover(va, size) for k in range(first, stop)]
+
+    def _mapping(self, run: _Run, k: int) -> Mapping:
+        per = run.size // self.granularity
+        return Mapping(run.start + k * run.size, run.size, run.handles[k], 0, run.prots[k * per:(k + 1) * per])
+
+    def covering(self, va: int, size: int) -> list[tuple[_Run, int, int]] | None:
+        """The mappings that tile [va, va+size) without gaps, as a cover (see the class docstring), else
+        None. They may reach beyond the range at either end (`cover_span` says how far)."""
+        cover = self._cover(va, size)
+        if not cover:
             return None
-        # Mappings never overlap: they tile their span when their sizes add up to it.
-        if sum(m.size for m in maps) != maps[-1].va + maps[-1].size - maps[0].va:
+        run, first, _ = cover[0]
+        if run.start + first * run.size > va:
             return None
-        return maps
+        for (a, _, _), (b, _, _) in zip(cover, cover[1:]):
+            if a.end != b.start:
+                return None
+        run, _, stop = cover[-1]
+        if run.start + stop * run.size < va + size:
+            return None
+        return cover
+
+    @staticmethod
+    def cover_span(cover: list[tuple[_Run, int, int]]) -> tuple[int, int]:
+        """[start, end) of the mappings a cover names."""
+        run, first, _ = cover[0]
+        last, _, stop = cover[-1]
+        return run.start + first * run.size, last.start + stop * last.size
 
     def accessible(self, ptr: int, size: int, write: bool) -> bool:
         """Whether every byte of [ptr, ptr+size) is mapped with read (and, if `write`, write) access."""
-        maps = self.covering(ptr, size)
-        if maps is None:
+        cover = self.covering(ptr, size)
+        if cover is None:
             return False
-        need = PROT_RW if write else PROT_READ
-        g = self.granularity
-        end = ptr + size
-        for m in maps:
-            first = (max(ptr, m.va) - m.va) // g
-            last = (min(end, m.va + m.size) - 1 - m.va) // g
-            if 1 in m.prots[first:last + 1].translate(_LACKS[need]):
+        lacks = _LACKS[PROT_RW if write else PROT_READ]
+        g, end = self.granularity, ptr + size
+        for run, _, _ in cover:
+            first = (max(ptr, run.start) - run.start) // g
+            last = (min(end, run.end) - 1 - run.start) // g
+            if 1 in run.prots[first:last + 1].translate(lacks):
                 return False
         return True
 
     def in_address_order(self) -> tuple[list[Mapping], list[Reservation]]:
         """Every mapping and every reservation, each list in address order (a snapshot)."""
-        return ([self.mappings[va] for va in self._map_starts],
-                [self.reservations[base] for base in self._res_starts])
+        maps = []
+        for start in self._starts:
+            run = self._runs[start]
+            maps.extend(self._mapping(run, k) for k in range(len(run.handles)))
+        return maps, [self.reservations[base] for base in self._res_starts]
 
     # ---------------------------------------------------------------- recording
     def add_reservation(self, base: int, size: int) -> None:
@@ -114,37 +182,57 @@ class AddressBooks:
         del self.reservations[base]
         del self._res_starts[bisect.bisect_left(self._res_starts, base)]
 
-    def add_mapping(self, va: int, size: int, handle: int, offset: int) -> None:
-        """Record that `handle` is mapped at [va, va+size) from `offset`, with no access yet."""
-        self.mappings[va] = Mapping(va, size, handle, offset, bytearray(size // self.granularity))
-        bisect.insort(self._map_starts, va)
-
     def add_mappings(self, vas: list[int], size: int, handles: list[int]) -> None:
-        """`add_mapping` of `size` bytes of `handles[i]` at `vas[i]`, offset 0, for a run of addresses
-        `size` apart in ascending order that no mapping meets: one insertion into the sorted starts."""
+        """Record `size` bytes of `handles[i]` mapped at `vas[i]` from offset 0, with no access yet, for
+        addresses `size` apart in ascending order that no mapping meets: one run, joined to the run
+        that ends where it starts when that one's mappings are of the same size."""
         if not vas:
             return
-        granules = size // self.granularity
-        for va, handle in zip(vas, handles):
-            self.mappings[va] = Mapping(va, size, handle, 0, bytearray(granules))
-        i = bisect.bisect_left(self._map_starts, vas[0])
-        self._map_starts[i:i] = vas
+        per = size // self.granularity
+        i = bisect.bisect_left(self._starts, vas[0])
+        if i:
+            before = self._runs[self._starts[i - 1]]
+            if before.end == vas[0] and before.size == size:
+                before.handles.extend(handles)
+                before.prots.extend(bytes(per * len(vas)))
+                self._count += len(vas)
+                return
+        self._runs[vas[0]] = _Run(vas[0], size, list(handles), bytearray(per * len(vas)))
+        self._starts.insert(i, vas[0])
+        self._count += len(vas)
 
-    def remove_mappings(self, maps: list[Mapping]) -> None:
-        """Forget `maps`, which `covering` returned: they tile one range, so their starts are adjacent."""
-        first = bisect.bisect_left(self._map_starts, maps[0].va)
-        del self._map_starts[first:first + len(maps)]
-        for m in maps:
-            del self.mappings[m.va]
+    def remove_mappings(self, cover: list[tuple[_Run, int, int]]) -> list[int]:
+        """Forget the mappings a cover from `covering` names; returns their handles, in address order. A run
+        they leave pieces of on either side goes on as those pieces."""
+        out: list[int] = []
+        runs, starts = self._runs, self._starts
+        for run, first, stop in cover:
+            n = len(run.handles)
+            out.extend(run.handles[first:stop])
+            per = run.size // self.granularity
+            i = bisect.bisect_left(starts, run.start)
+            if first and stop < n:  # mappings on both sides: those after the cover become a run of their own
+                rest = _Run(run.start + stop * run.size, run.size, run.handles[stop:], run.prots[stop * per:])
+                runs[rest.start] = rest
+                starts.insert(i + 1, rest.start)
+                del run.handles[first:], run.prots[first * per:]
+            elif first:  # the mappings before it stay
+                del run.handles[first:], run.prots[first * per:]
+            elif stop < n:  # the mappings after it stay, the run now starting at the first of them
+                del runs[run.start], run.handles[:stop], run.prots[:stop * per]
+                run.start += stop * run.size
+                runs[run.start] = run
+                starts[i] = run.start
+            else:
+                del runs[run.start], starts[i]
+        self._count -= len(out)
+        return out
 
-    def set_access(self, ptr: int, size: int, prot: int, maps: list[Mapping]) -> None:
-        """Record that [ptr, ptr+size), which `maps` tile (`covering`), now has protection `prot`, granule by
-        granule: the range may cover only part of its first and last mapping."""
-        g, end, fill = self.granularity, ptr + size, bytes([prot])
-        for m in maps:
-            if len(m.prots) == 1 and ptr <= m.va:  # one granule, inside the range (a mapping meets it)
-                m.prots[0] = prot
-                continue
-            first = (max(ptr, m.va) - m.va) // g
-            last = (min(end, m.va + m.size) - m.va) // g
-            m.prots[first:last] = fill * (last - first)
+    def set_access(self, ptr: int, size: int, prot: int, cover: list[tuple[_Run, int, int]]) -> None:
+        """Record that [ptr, ptr+size), which the cover tiles (`covering`), now has protection `prot`,
+        granule by granule: the range may cover only part of its first and last mapping."""
+        g, end = self.granularity, ptr + size
+        for run, _, _ in cover:
+            first = (max(ptr, run.start) - run.start) // g
+            last = (min(end, run.end) - run.start) // g
+            run.prots[first:last] = bytes([prot]) * (last - first)

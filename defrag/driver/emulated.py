@@ -202,7 +202,7 @@ class EmulatedCuda:
         """
         locked = self._lock.acquire(blocking=False)  # a thread that held it at the fork is gone
         try:
-            for m in list(self._addresses.mappings.values()):
+            for m in self._addresses.in_address_order()[0]:
                 phys = self._handles.get(m.handle)
                 if phys is not None:  # released handles stay alive while mapped
                     self.host_memory.privatize(m.va, m.size, phys.fd, m.offset, m.prots)
@@ -477,7 +477,7 @@ class EmulatedCuda:
         ptr, size = int(ptr), int(size)
         with self._lock:
             res = self._addresses.reservations.get(ptr)
-            if res is None or res.size != size or self._addresses.mappings_in(ptr, size):
+            if res is None or res.size != size or self._addresses.any_in(ptr, size):
                 return (R.CUDA_ERROR_INVALID_VALUE,)
             self.host_memory.free_reserved(ptr, size)
             self._addresses.remove_reservation(ptr)
@@ -511,6 +511,7 @@ class EmulatedCuda:
             return (R.CUDA_ERROR_INVALID_CONTEXT, 0)
         size = int(size)
         books, host_map, table = self._addresses, self.host_memory.map, self._handles
+        maps_bytes = self.host_memory.maps_bytes  # a memory-less device's map does nothing: not called
         with self._lock:
             done = 0
             error = R.CUDA_SUCCESS
@@ -525,24 +526,25 @@ class EmulatedCuda:
                     while done + run < n and ptrs[done + run] == first + run * size:
                         run += 1
                     if (not self._aligned(first) or books.reservation_of(first, run * size) is None
-                            or books.mappings_in(first, run * size)):
+                            or books.any_in(first, run * size)):
                         run = 1  # judge the pages one by one: the call that breaks a rule is the one that fails
                         if (not self._aligned(first) or books.reservation_of(first, size) is None
-                                or books.mappings_in(first, size)):
+                                or books.any_in(first, size)):
                             error = R.CUDA_ERROR_INVALID_VALUE
                             break
                     mapped = done
+                    ints = list(map(int, handles[done:done + run]))
                     try:
-                        for i in range(done, done + run):
-                            phys = table.get(int(handles[i]))
+                        for i, phys in enumerate(map(table.get, ints), done):
                             if phys is None or phys.released or size > phys.size:
                                 error = R.CUDA_ERROR_INVALID_VALUE
                                 break
-                            host_map(ptrs[i], size, phys.fd, 0)  # may raise (mmap): what came before stays
+                            if maps_bytes:
+                                host_map(ptrs[i], size, phys.fd, 0)  # may raise (mmap): what came before stays
                             phys.map_count += 1
                             mapped = i + 1
                     finally:
-                        books.add_mappings(ptrs[done:mapped], size, [int(h) for h in handles[done:mapped]])
+                        books.add_mappings(ptrs[done:mapped], size, ints[:mapped - done])
                         done = mapped
             except BaseException as exc:
                 # As a single cuMemMap would: the calls before it mapped and recorded, this one counted.
@@ -562,17 +564,18 @@ class EmulatedCuda:
         with self._lock:
             if size <= 0 or not self._aligned(ptr, size):
                 return (R.CUDA_ERROR_INVALID_VALUE,)
-            maps = self._addresses.covering(ptr, size)
+            books = self._addresses
+            cover = books.covering(ptr, size)
             # One unmap may cover several whole mappings but never split one.
-            if maps is None or maps[0].va != ptr or maps[-1].va + maps[-1].size != ptr + size:
+            if cover is None or books.cover_span(cover) != (ptr, ptr + size):
                 return (R.CUDA_ERROR_INVALID_VALUE,)
             self.host_memory.unmap(ptr, size)
-            self._addresses.remove_mappings(maps)
-            for m in maps:
-                phys = self._handles[m.handle]
+            table = self._handles
+            for handle in books.remove_mappings(cover):
+                phys = table[handle]
                 phys.map_count -= 1
-                if phys.released and phys.map_count == 0:
-                    self._drop_physical(m.handle)
+                if phys.released and not phys.map_count:
+                    self._drop_physical(handle)
             return (R.CUDA_SUCCESS,)
 
     def cuMemSetAccess(self, ptr, size, desc, count):
@@ -587,8 +590,8 @@ class EmulatedCuda:
         with self._lock:
             if count != len(descs) or count < 1 or size <= 0 or not self._aligned(ptr, size):
                 return (R.CUDA_ERROR_INVALID_VALUE,)
-            maps = self._addresses.covering(ptr, size)
-            if maps is None:
+            cover = self._addresses.covering(ptr, size)
+            if cover is None:
                 return (R.CUDA_ERROR_INVALID_VALUE,)
             prot = None
             flags = cu.CUmemAccess_flags
@@ -602,7 +605,7 @@ class EmulatedCuda:
                 if prot is None:
                     return (R.CUDA_ERROR_INVALID_VALUE,)
             self.host_memory.protect(ptr, size, prot)
-            self._addresses.set_access(ptr, size, prot, maps)  # per granule: it may cover part of a mapping
+            self._addresses.set_access(ptr, size, prot, cover)  # per granule: it may cover part of a mapping
             return (R.CUDA_SUCCESS,)
 
     # ---------------------------------------------------------------- copies
@@ -971,7 +974,7 @@ class EmulatedCuda:
     def state(self) -> dict:
         """Counts of live handles, mappings and reservations: a leak check."""
         with self._lock:
-            return {"handles": len(self._handles), "mappings": len(self._addresses.mappings),
+            return {"handles": len(self._handles), "mappings": len(self._addresses),
                     "reservations": len(self._addresses.reservations), "used_bytes": self.used}
 
     def kernel_state(self) -> dict:

@@ -91,6 +91,10 @@ class HostMemory:
     device's lock.
     """
 
+    #: Whether `map` does anything: False where a mapping holds no bytes (`AddressCounter`), so a batch of
+    #: maps need not call it page by page.
+    maps_bytes = True
+
     def __init__(self, granularity: int, lock: threading.RLock):
         self.granularity = granularity
         self._lock = lock

@@ -77,6 +77,7 @@ class AddressCounter(HostMemory):
         pass
 
     runs_kernels = False  # no bytes: a launch checks its function and arguments, then does nothing
+    maps_bytes = False  # `map` does nothing
 
     def view(self, ptr: int, nbytes: int):
         return None
