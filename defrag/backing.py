@@ -247,9 +247,9 @@ class Backing:
             try:
                 self._unmap_recorded(region, plist, sync=False)
             finally:
-                for page in plist:
-                    if region.handles[page]:
-                        heap.insert_free(region.address(page), self.page_size)
+                still = np.flatnonzero(region.handles[plist]) if plist else ()
+                for i in still.tolist() if len(still) else ():
+                    heap.insert_free(region.address(plist[i]), self.page_size)
 
     def map_for_placement(self, region: Region, pages: list[int], txn: Transaction) -> None:
         """`map` for a placement: when the device runs out of memory before the pool reaches its

@@ -273,20 +273,22 @@ class AddressSpace:
             order = sorted(pages)
             # Handed over before mapping: from here on a page's undo, not the store's, gives its handle
             # back (never both); the handles of pages a failure left unmapped go back to the store.
-            mine = [handles.pop() for _ in order]
+            mine = handles[::-1]
+            handles.clear()
             mapped = 0
             try:
-                self.driver.map_each([region.address(page) for page in order], self.page_size, mine)
+                vas = (region.base + np.asarray(order, dtype=np.int64) * self.page_size).tolist()
+                self.driver.map_each(vas, self.page_size, mine)
                 mapped = len(order)
             except BaseException as exc:  # a CudaError, or anything from the host side: `mapped` says how far
                 mapped = getattr(exc, "mapped", 0)
                 self.store.put(mine[mapped:])
                 raise
             finally:
-                for page, handle in zip(order[:mapped], mine):
-                    region.handles[page] = handle
-                    self.ref(handle)
-                    done.append(page)
+                if mapped:
+                    region.handles[order[:mapped]] = mine[:mapped]
+                    self.ref_all(mine[:mapped])
+                    done.extend(order[:mapped])
                 self.map_calls += mapped
             for first, count in page_runs(pages):
                 self.driver.set_access(region.address(first), count * self.page_size)
@@ -344,8 +346,7 @@ class AddressSpace:
                     self.host_mapped -= int(host.sum())
                     hosts = [h for h, on_host in zip(handles, host.tolist()) if on_host]
                     handles = [h for h, on_host in zip(handles, host.tolist()) if not on_host]
-                for handle in handles:
-                    self.unref(handle, to_store=True)
+                self.unref_all(handles)
                 done.update(range(first, first + count))
                 error = None
                 for handle in hosts:
@@ -367,6 +368,29 @@ class AddressSpace:
             self.mapped += 1
         else:
             self.aliases += 1
+
+    def ref_all(self, handles: list[int]) -> None:
+        """`ref` of each handle, in one pass where none is mapped yet (handles from the store)."""
+        refs = self.refs
+        if len(handles) > 1 and refs.keys().isdisjoint(handles) and len(set(handles)) == len(handles):
+            refs.update(dict.fromkeys(handles, 1))
+            self.mapped += len(handles)
+            return
+        for handle in handles:
+            self.ref(handle)
+
+    def unref_all(self, handles: list[int]) -> None:
+        """`unref(handle, to_store=True)` of each handle, in one pass where each is its handle's last
+        mapping (no mesh shares it): they go to the store together."""
+        refs = self.refs
+        if len(handles) > 1 and not self.aliases:
+            for handle in handles:
+                del refs[handle]
+            self.mapped -= len(handles)
+            self.store.put(handles)
+            return
+        for handle in handles:
+            self.unref(handle, to_store=True)
 
     def unref(self, handle: int, *, to_store: bool) -> None:
         """One virtual page stopped mapping device `handle`: at its last mapping it is no longer mapped
