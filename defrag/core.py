@@ -175,41 +175,47 @@ def _cheapest_window(region, free_ranges, page_size: int, size: int, meshed=None
     may promote a mesh's twin and unmap the primary under the window
     (`Backing.unmap_dormant`).
     """
-    P = page_size
-    unmapped = region.handles == 0
-    pieces = []
-    if free_ranges:
+    P, base = page_size, region.base
+    run_starts, run_stops = mask_runs(region.handles == 0)  # the runs of unmapped pages
+    starts = ends = np.empty(0, dtype=np.int64)
+    if len(free_ranges):
         fr = np.asarray(free_ranges, dtype=np.int64).reshape(-1, 2)
         starts, ends = fr[:, 0], fr[:, 0] + fr[:, 1]
         if meshed is not None and meshed.any():
-            starts, ends = _outside_pages(starts, ends, meshed, region.base, P)
-        if starts.size:
-            pieces.append(np.stack([starts, ends], axis=1))
-    run_starts, run_stops = mask_runs(unmapped)
+            starts, ends = _outside_pages(starts, ends, meshed, base, P)
     if run_starts.size:
-        pieces.append(np.stack([region.base + run_starts * P, region.base + run_stops * P], axis=1))
-    if not pieces:
+        starts = np.concatenate([starts, base + run_starts * P])
+        ends = np.concatenate([ends, base + run_stops * P])
+    if not starts.size:
         return None
-    pieces = np.concatenate(pieces)
-    pieces = pieces[np.argsort(pieces[:, 0], kind="stable")]
-    starts, ends = pieces[:, 0], pieces[:, 1]
+    order = np.argsort(starts, kind="stable")
+    starts, ends = starts[order], ends[order]
     # Runs of touching pieces (pieces never overlap: the heap's free ranges lie on mapped pages).
-    new_run = np.ones(len(pieces), dtype=bool)
+    new_run = np.ones(len(starts), dtype=bool)
     new_run[1:] = starts[1:] != ends[:-1]
     run_id = np.cumsum(new_run) - 1
     run_start = starts[new_run][run_id]
-    run_end = ends[np.flatnonzero(np.append(new_run[1:], True))][run_id]
+    run_end = ends[np.append(new_run[1:], True)][run_id]
     cand = np.concatenate([starts, ends - size])
     lo, hi = np.concatenate([run_start, run_start]), np.concatenate([run_end, run_end])
     ok = (cand >= lo) & (cand + size <= hi)
     if not ok.any():
         return None
     cand = cand[ok]
-    first = (cand - region.base) // P
-    before = np.zeros(unmapped.size + 1, dtype=np.int64)  # before[p]: unmapped pages before page p
-    np.cumsum(unmapped, out=before[1:])
-    need = before[(cand + size - 1 - region.base) // P + 1] - before[first]
-    off_page = ((cand - region.base) % P != 0) if size < PACK_PAGES * P else np.zeros(len(cand), dtype=bool)
+    # Unmapped pages in each window [first page, end page), from the unmapped runs' lengths (no pass
+    # over every page of the region): before(p) = the pages of the runs before p, plus the part of
+    # the run p falls in.
+    counted = np.zeros(run_starts.size + 1, dtype=np.int64)
+    np.cumsum(run_stops - run_starts, out=counted[1:])
+
+    def before(p):
+        k = np.searchsorted(run_starts, p)  # runs starting before page p
+        prev = np.maximum(k - 1, 0)
+        inside = np.minimum(p, run_stops[prev]) - run_starts[prev] if run_starts.size else 0
+        return np.where(k > 0, counted[prev] + inside, 0)
+
+    need = before((cand + size - 1 - base) // P + 1) - before((cand - base) // P)
+    off_page = ((cand - base) % P != 0) if size < PACK_PAGES * P else np.zeros(len(cand), dtype=bool)
     best = np.lexsort((cand, off_page, need))[0]
     return (int(need[best]), bool(off_page[best]), int(cand[best])), int(cand[best])
 
@@ -528,9 +534,11 @@ class Core:
         if k > free_pages:
             raise NoSpace(f"needs {k} free pages, {free_pages} can be had")
         best = None
+        meshes = bool(self.books.meshes())  # else no page has a mesh role: no mask to pass
         for region, heap in zip(self.space.regions, self._heaps):
             roles = self.backing.roles[region.index]
-            found = _cheapest_window(region, heap.free_ranges(), self.page_size, size, roles != 0)
+            free = np.frombuffer(heap.free_ranges_bytes(), dtype=np.int64).reshape(-1, 2)
+            found = _cheapest_window(region, free, self.page_size, size, (roles != 0) if meshes else None)
             if found is not None and (best is None or found[0] < best[0]):
                 best = (*found, region)
         if best is None:

@@ -664,6 +664,14 @@ inline void bind_heap(pybind11::module_& m) {
              return h.free_range_starting_at(as_index(start));
            }, py::arg("start"))
       .def("free_ranges", &Heap::free_ranges)
+      .def("free_ranges_bytes", [](const Heap& h) {
+             // (offset, size) int64 pairs, sorted by offset, as bytes: numpy reads them without a tuple each.
+             std::vector<Heap::Range> ranges = h.free_ranges();
+             std::vector<int64_t> flat;
+             flat.reserve(2 * ranges.size());
+             for (const auto& r : ranges) { flat.push_back(r.first); flat.push_back(r.second); }
+             return py::bytes(reinterpret_cast<const char*>(flat.data()), flat.size() * sizeof(int64_t));
+           })
       .def("live_blocks", &Heap::live_blocks)
       .def("free_bytes", &Heap::free_bytes)
       .def("live_bytes", &Heap::live_bytes)
