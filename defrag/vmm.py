@@ -121,12 +121,18 @@ class PageStore:
         reuse = min(n, len(self.cached))
         for _ in range(reuse):
             handles.append(self.cached.pop())
-        while len(handles) < n:
-            handle = self.driver.create(self.page_size)
-            self.device_full = False
-            self.total += 1
-            self.created += 1
-            handles.append(handle)
+        made: list[int] = []
+        try:
+            made = self.driver.create_each(self.page_size, n - reuse)
+        except BaseException as exc:
+            made = getattr(exc, "created", [])  # made before the refusal: they roll back with the rest
+            raise
+        finally:
+            if made:
+                self.device_full = False
+                self.total += len(made)
+                self.created += len(made)
+                handles.extend(made)
         return handles
 
     def _give_back(self, handles: list[int]) -> None:

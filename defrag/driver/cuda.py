@@ -367,48 +367,96 @@ class Driver:
         """`map(vas[i], size, handles[i])` for each i, in order: one cuMemMap each, as the driver
         counts them. On the first failure the CudaError (or whatever else interrupts the batch)
         carries `mapped`, how many were mapped before it (those stay mapped: the caller undoes them).
-        An emulated device takes the batch under one hold of its lock (`EmulatedCuda.map_each`),
-        after the fault plan has said how many of the calls pass, holding the plan's lock until they
-        are counted; the real driver, or a proxy over any device, gets one call each without
+        An emulated device takes the batch under one hold of its lock (`EmulatedCuda.map_each`;
+        see `_batch`); the real driver, or a proxy over any device, gets one call each without
         re-checking the context between them."""
         n = len(vas)
         if not n:
             return
         self.make_current()
+        size = int(size)
+
+        def one(i: int):
+            return self._api.cuMemMap(int(vas[i]), size, 0, int(handles[i]), 0)
+
+        def batch(start: int, count: int):
+            return self.api.map_each(vas[start:start + count], size, handles[start:start + count])
+
+        self._batch("cuMemMap", n, one, batch)
+
+    def create_each(self, size: int, n: int) -> list[int]:
+        """`create(size)` `n` times: one cuMemCreate each, as the driver counts them; returns the handles.
+        On the first failure the CudaError carries `created`, the handles made before it (the caller
+        owns them) and `mapped`, their count. An emulated device takes the batch under one hold of its
+        lock (`EmulatedCuda.create_each`; see `_batch`); the real driver gets one call each."""
+        if n <= 0:
+            return []
+        self.make_current()
+        size, prop, out = int(size), self._prop, []
+
+        def one(i: int):
+            result = self._api.cuMemCreate(size, prop, 0)
+            if result[0] == R.CUDA_SUCCESS:
+                out.append(int(result[1]))
+            return result
+
+        def batch(start: int, count: int):
+            error, made = self.api.create_each(size, prop, count)
+            out.extend(made)
+            return error, len(made)
+
+        try:
+            self._batch("cuMemCreate", n, one, batch)
+        except BaseException as exc:
+            exc.created = out
+            raise
+        return out
+
+    def _batch(self, name: str, n: int, one, batch) -> None:
+        """`n` calls of `name`, in order, stopping at the first that fails (its CudaError, or whatever else
+        interrupts them, carries `mapped`: how many succeeded before it).
+
+        `one(i)` makes call i alone through the API (and the fault plan); the real driver, or a
+        proxy over any device, gets each call that way. On an emulated device, the fault plan first
+        says how many of the next calls pass and `batch(start, count)` makes those under one hold of
+        the device's lock, returning (the failing call's CUresult or CUDA_SUCCESS, how many
+        succeeded); the plan's lock is held until they are counted, so another thread's call cannot
+        come between. The call a planned fault stops is then made alone, through the plan. To everyone
+        who can look (the device's and the plan's counts, when a fault fires, what is left) this is
+        the calls one by one.
+        """
         ok = R.CUDA_SUCCESS
         if not isinstance(self.api, EmulatedCuda):  # the real driver, or any proxy over a device: one call each
-            call = self._api.cuMemMap
             for i in range(n):
                 try:
-                    result = call(int(vas[i]), int(size), 0, int(handles[i]), 0)
+                    result = one(i)
                 except BaseException as exc:
                     exc.mapped = i
                     raise
                 if result[0] != ok:
-                    _raise_mapped("cuMemMap", result, i)
+                    _raise_mapped(name, result, i)
             return
         start = 0
         while start < n:
             with self.faults.held():
-                passing = self.faults.passing("cuMemMap", n - start)
+                passing = self.faults.passing(name, n - start)
                 made = 0
                 try:
-                    error, done = self.api.map_each(vas[start:start + passing], size,
-                                                    handles[start:start + passing])
+                    error, done = batch(start, passing)
                     made = done + (error != ok)
                 except BaseException as exc:
                     made = getattr(exc, "mapped", 0) + 1
                     exc.mapped = start + getattr(exc, "mapped", 0)
                     raise
                 finally:
-                    self.faults.count("cuMemMap", made)
+                    self.faults.count(name, made)
             if error != ok:
-                _raise_mapped("cuMemMap", (error,), start + done)
+                _raise_mapped(name, (error,), start + done)
             start += passing
             if start < n:  # the call a planned fault stops: made alone, through the plan
-                result = self._api.cuMemMap(int(vas[start]), int(size), 0, int(handles[start]), 0)
+                result = one(start)
                 if result[0] != ok:
-                    _raise_mapped("cuMemMap", result, start)
+                    _raise_mapped(name, result, start)
                 start += 1
 
     def unmap(self, va: int, size: int) -> None:

@@ -421,26 +421,48 @@ class EmulatedCuda:
 
     def cuMemCreate(self, size, prop, flags):
         self._count("cuMemCreate")
-        size = int(size)
+        error, handle = self._create(int(size), prop, int(flags))
+        return (error, cu.CUmemGenericAllocationHandle(handle))
+
+    def create_each(self, size: int, prop, n: int) -> tuple:
+        """`cuMemCreate(size, prop, 0)` `n` times under one hold of the lock, stopping at the first that
+        fails: (its CUresult, or CUDA_SUCCESS; the handles made, as ints). Each is counted as one
+        cuMemCreate. `Driver.create_each` calls it after the fault plan, never FaultInjector."""
+        made: list[int] = []
+        error = R.CUDA_SUCCESS
+        with self._lock:
+            try:
+                for _ in range(n):
+                    error, handle = self._create(int(size), prop, 0)
+                    if error != R.CUDA_SUCCESS:
+                        break
+                    made.append(handle)
+            finally:
+                self.calls["cuMemCreate"] = (self.calls.get("cuMemCreate", 0) + len(made)
+                                             + (len(made) < n))
+        return (error, made)
+
+    def _create(self, size: int, prop, flags: int) -> tuple:
+        """cuMemCreate's rules and effect: (CUresult, the new handle as an int, 0 on failure)."""
         with self._lock:
             if (e := self._need_init()) is not None:
-                return (e, cu.CUmemGenericAllocationHandle(0))
+                return (e, 0)
             kind = self._prop_kind(prop)
-            if kind is None or size <= 0 or not self._aligned(size) or int(flags) != 0:
-                return (R.CUDA_ERROR_INVALID_VALUE, cu.CUmemGenericAllocationHandle(0))
+            if kind is None or size <= 0 or not self._aligned(size) or flags != 0:
+                return (R.CUDA_ERROR_INVALID_VALUE, 0)
             host = kind == "host"
             if (self.host_used + size > self.host_capacity) if host else (self.used + size > self.capacity):
-                return (R.CUDA_ERROR_OUT_OF_MEMORY, cu.CUmemGenericAllocationHandle(0))
+                return (R.CUDA_ERROR_OUT_OF_MEMORY, 0)
             fd = self.host_memory.create_page(size)
             if fd is None:
-                return (R.CUDA_ERROR_OUT_OF_MEMORY, cu.CUmemGenericAllocationHandle(0))
+                return (R.CUDA_ERROR_OUT_OF_MEMORY, 0)
             handle = next(self._next_handle)
             self._handles[handle] = _Physical(fd=fd, size=size, host=host)
             if host:
                 self.host_used += size
             else:
                 self.used += size
-            return (R.CUDA_SUCCESS, cu.CUmemGenericAllocationHandle(handle))
+            return (R.CUDA_SUCCESS, handle)
 
     def cuMemRelease(self, handle):
         self._count("cuMemRelease")

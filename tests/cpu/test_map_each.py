@@ -191,3 +191,73 @@ def test_a_proxy_over_the_device_sees_each_call_of_a_batch():
     finally:
         api.close()
         d.close()
+
+
+# ---------------------------------------------------------------- create_each: a batch of cuMemCreate
+
+
+def _creates_both(kind: str, n: int, fault: int | None, capacity_pages: int):
+    """Create `n` pages one by one and as a batch, on fresh devices of `capacity_pages` pages (two already
+    created), a fault planned on the `fault`-th cuMemCreate when given; what each way saw."""
+    seen = []
+    for batched in (False, True):
+        d = getattr(Driver, kind)(capacity=capacity_pages * G, granularity=G)
+        try:
+            first = [d.create(G) for _ in range(2)]
+            if fault is not None:
+                d.faults.inject("cuMemCreate", cu.CUresult.CUDA_ERROR_UNKNOWN, nth=fault)
+            made, error = [], None
+            try:
+                if batched:
+                    made = d.create_each(G, n)
+                else:
+                    for _ in range(n):
+                        made.append(d.create(G))
+            except CudaError as exc:
+                error = exc.name
+                if batched:
+                    assert exc.mapped == len(exc.created)
+                    made = exc.created
+            for h in made:  # every handle made is real and distinct from the others
+                d.release(h)
+            seen.append((len(made), len(set(made) | set(first)), error, d.api.calls["cuMemCreate"],
+                         d.faults.calls["cuMemCreate"], d.faults.pending(), list(d.faults.injected),
+                         d.api.state()))
+        finally:
+            _close(d)
+    return seen
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("n, fault, capacity_pages, made, error", [
+    (6, None, 16, 6, None),                          # every one made, counted one call each
+    (6, 3, 16, 2, "CUDA_ERROR_UNKNOWN"),             # the planned fault stops the third
+    (6, 7, 16, 6, None),                             # a fault beyond the batch stays planned
+    (6, None, 5, 3, "CUDA_ERROR_OUT_OF_MEMORY"),     # the device fills after three more
+])
+def test_a_batch_of_creates_is_its_calls_one_by_one(kind, n, fault, capacity_pages, made, error):
+    single, batched = _creates_both(kind, n, fault, capacity_pages)
+    assert single == batched
+    assert batched[:3] == (made, made + 2, error)
+    assert batched[3] == made + 2 + (error is not None) - (error == "CUDA_ERROR_UNKNOWN")  # a fault never reaches the device
+
+
+def test_the_store_gives_back_the_pages_a_refused_batch_made():
+    """A creation refused part-way through a map: the pages made before it go back to the store with the
+    rest (cached, none leaked), nothing is mapped, and they serve the next map."""
+    from defrag.vmm import AddressSpace
+
+    d = Driver.memoryless(capacity=CAP, granularity=G)
+    try:
+        space = AddressSpace(d, G, 16)
+        region = space.reserve(16)
+        d.faults.inject("cuMemCreate", cu.CUresult.CUDA_ERROR_OUT_OF_MEMORY, nth=4)
+        with pytest.raises(CudaError):
+            space.map(region, list(range(6)))
+        assert space.mapped == 0 and (region.handles == 0).all()
+        assert len(space.store.cached) == space.store.total == space.store.created == 3
+        assert d.api.state()["handles"] == 3
+        space.map(region, list(range(6)))
+        assert space.mapped == 6 and space.store.created == 6 and not space.store.cached
+    finally:
+        _close(d)
