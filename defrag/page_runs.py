@@ -29,14 +29,18 @@ def mask_runs(mask: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 def page_runs(pages) -> list[tuple[int, int]]:
     """Page indices (any order, repeats allowed) -> sorted (first, count) runs of consecutive pages."""
-    ordered = sorted(set(pages))
-    if len(ordered) < 8:  # the common case (a few pages): no numpy round trip
-        runs: list[tuple[int, int]] = []
-        for p in ordered:
-            if runs and runs[-1][0] + runs[-1][1] == p:
-                runs[-1] = (runs[-1][0], runs[-1][1] + 1)
-            else:
-                runs.append((int(p), 1))
+    ordered = sorted(pages.tolist() if isinstance(pages, np.ndarray) else pages)
+    if len(ordered) > 512:  # numpy's passes win over a Python loop on long lists
+        first, count = page_run_arrays(np.unique(np.asarray(ordered, dtype=np.int64)))
+        return list(zip(first.tolist(), count.tolist()))
+    runs: list[tuple[int, int]] = []
+    if not ordered:
         return runs
-    first, count = page_run_arrays(np.array(ordered, dtype=np.int64))
-    return list(zip(first.tolist(), count.tolist()))
+    first = prev = int(ordered[0])
+    for p in ordered:
+        if p - prev > 1:  # a gap (a repeat, p == prev, stays in the run)
+            runs.append((first, int(prev) - first + 1))
+            first = int(p)
+        prev = p
+    runs.append((first, int(prev) - first + 1))
+    return runs

@@ -4,7 +4,7 @@ share."""
 from __future__ import annotations
 
 import numpy as np
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from defrag.page_runs import mask_runs, page_run_arrays, page_runs
@@ -19,6 +19,16 @@ def test_runs_cover_exactly_the_pages_in_order_and_never_touch(pages):
     assert all(a[0] + a[1] < b[0] for a, b in zip(runs, runs[1:]))  # a gap between runs: they are maximal
     first, count = page_run_arrays(np.array(sorted(set(pages)), dtype=np.int64))
     assert list(zip(first.tolist(), count.tolist())) == runs
+
+
+@settings(max_examples=25, deadline=None)
+@given(st.lists(st.integers(0, 3000), min_size=513, max_size=1500))
+def test_long_lists_take_numpy_and_give_the_same_plain_int_runs(pages):
+    """Over 512 pages `page_runs` takes numpy's passes instead of its loop: the same runs, as Python ints."""
+    runs = page_runs(np.array(pages, dtype=np.int64))
+    first, count = page_run_arrays(np.array(sorted(set(pages)), dtype=np.int64))
+    assert runs == list(zip(first.tolist(), count.tolist()))
+    assert all(type(a) is int and type(b) is int for a, b in runs)
 
 
 @given(st.lists(st.booleans(), max_size=80))
