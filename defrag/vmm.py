@@ -339,8 +339,27 @@ class AddressSpace:
                         region.handles[page], region.backing[page] = 0, DEVICE
                         self.asleep -= 1
                         done.add(page)
-            for first, count in page_runs(p for p in pages if p not in done):
-                self.driver.unmap(region.address(first), count * self.page_size)
+            runs = page_runs(p for p in pages if p not in done)
+            # One batch of unmaps for every run; run by run where host pages may need releasing after
+            # their run (a refused release stops the runs after it, which stay mapped).
+            step = 1 if self.host_mapped else max(len(runs), 1)
+            for k in range(0, len(runs), step):
+                self._unmap_runs(region, runs[k:k + step], done)
+        finally:
+            pages[:] = [p for p in pages if p not in done]
+
+    def _unmap_runs(self, region: Region, runs: list[tuple[int, int]], done: set[int]) -> None:
+        """`_unmap_mapped`'s unmaps of these (first page, count) runs, one cuMemUnmap each in one batch; each
+        run unmapped is recorded (and its pages added to `done`) even when a later one fails."""
+        unmapped = 0
+        try:
+            self.driver.unmap_each([(region.address(first), count * self.page_size) for first, count in runs])
+            unmapped = len(runs)
+        except BaseException as exc:
+            unmapped = getattr(exc, "mapped", 0)
+            raise
+        finally:
+            for first, count in runs[:unmapped]:
                 self.unmap_calls += 1
                 run = slice(first, first + count)
                 handles = region.handles[run].tolist()
@@ -362,8 +381,6 @@ class AddressSpace:
                         error = error or exc
                 if error is not None:
                     raise error
-        finally:
-            pages[:] = [p for p in pages if p not in done]
 
     def ref(self, handle: int) -> None:
         """One more virtual page maps device `handle`: its first mapping counts it in `mapped`, later

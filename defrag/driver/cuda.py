@@ -464,6 +464,25 @@ class Driver:
         self.make_current()
         _check("cuMemUnmap", self._api.cuMemUnmap(int(va), int(size)))
 
+    def unmap_each(self, ranges: list[tuple[int, int]]) -> None:
+        """`unmap(va, size)` for each (va, size), in order: one cuMemUnmap each, as the driver counts them.
+        On the first failure the CudaError (or whatever else interrupts the batch) carries `mapped`, how
+        many ranges were unmapped before it (those stay unmapped). An emulated device takes the batch
+        under one hold of its lock (`EmulatedCuda.unmap_each`; see `_batch`); the real driver, or a
+        proxy over any device, gets one call each. Does not synchronize."""
+        n = len(ranges)
+        if not n:
+            return
+        self.make_current()
+
+        def one(i: int):
+            return self._api.cuMemUnmap(int(ranges[i][0]), int(ranges[i][1]))
+
+        def batch(start: int, count: int):
+            return self.api.unmap_each(ranges[start:start + count])
+
+        self._batch("cuMemUnmap", n, one, batch)
+
     def set_access(self, va: int, size: int) -> None:
         """Grant this device read/write access to [va, va+size): one call for the whole range."""
         self.make_current()

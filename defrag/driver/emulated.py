@@ -580,17 +580,43 @@ class EmulatedCuda:
 
     def cuMemUnmap(self, ptr, size):
         self._count("cuMemUnmap")
-        ptr, size = int(ptr), int(size)
         if self._current_device() is None:
             return (R.CUDA_ERROR_INVALID_CONTEXT,)
+        return (self._unmap(int(ptr), int(size)),)
+
+    def unmap_each(self, ranges: list[tuple[int, int]]) -> tuple:
+        """`cuMemUnmap(ptr, size)` for each (ptr, size) in order, under one hold of the lock, stopping at the
+        first that fails: (its CUresult, or CUDA_SUCCESS; how many unmapped). Each is counted as one
+        cuMemUnmap. `Driver.unmap_each` calls it after the fault plan, never FaultInjector."""
+        n = len(ranges)
+        if not n:
+            return (R.CUDA_SUCCESS, 0)
+        if self._current_device() is None:
+            self._count("cuMemUnmap")
+            return (R.CUDA_ERROR_INVALID_CONTEXT, 0)
+        done = 0
+        error = R.CUDA_SUCCESS
+        with self._lock:
+            try:
+                for ptr, size in ranges:
+                    error = self._unmap(int(ptr), int(size))
+                    if error != R.CUDA_SUCCESS:
+                        break
+                    done += 1
+            finally:
+                self.calls["cuMemUnmap"] = self.calls.get("cuMemUnmap", 0) + done + (done < n)
+        return (error, done)
+
+    def _unmap(self, ptr: int, size: int):
+        """cuMemUnmap's rules and effect (a current context is the caller's check): its CUresult."""
         with self._lock:
             if size <= 0 or not self._aligned(ptr, size):
-                return (R.CUDA_ERROR_INVALID_VALUE,)
+                return R.CUDA_ERROR_INVALID_VALUE
             books = self._addresses
             cover = books.covering(ptr, size)
             # One unmap may cover several whole mappings but never split one.
             if cover is None or books.cover_span(cover) != (ptr, ptr + size):
-                return (R.CUDA_ERROR_INVALID_VALUE,)
+                return R.CUDA_ERROR_INVALID_VALUE
             self.host_memory.unmap(ptr, size)
             table = self._handles
             for handle in books.remove_mappings(cover):
@@ -598,7 +624,7 @@ class EmulatedCuda:
                 phys.map_count -= 1
                 if phys.released and not phys.map_count:
                     self._drop_physical(handle)
-            return (R.CUDA_SUCCESS,)
+            return R.CUDA_SUCCESS
 
     def cuMemSetAccess(self, ptr, size, desc, count):
         self._count("cuMemSetAccess")

@@ -261,3 +261,51 @@ def test_the_store_gives_back_the_pages_a_refused_batch_made():
         assert space.mapped == 6 and space.store.created == 6 and not space.store.cached
     finally:
         _close(d)
+
+
+# ---------------------------------------------------------------- unmap_each: a batch of cuMemUnmap
+
+
+def _unmaps_both(kind: str, ranges: list[tuple[int, int]], fault: int | None):
+    """Unmap `ranges` ((first page, pages) of a reservation whose pages 0-11 are mapped one handle each)
+    one by one and as a batch, a fault planned on the `fault`-th cuMemUnmap when given; what each way saw."""
+    seen = []
+    for batched in (False, True):
+        d = getattr(Driver, kind)(capacity=CAP, granularity=G)
+        try:
+            base = d.reserve(32 * G, G)
+            d.map_each([base + p * G for p in range(12)], G, [d.create(G) for _ in range(12)])
+            if fault is not None:
+                d.faults.inject("cuMemUnmap", cu.CUresult.CUDA_ERROR_UNKNOWN, nth=fault)
+            vas = [(base + first * G, count * G) for first, count in ranges]
+            done, error = len(vas), None
+            try:
+                if batched:
+                    d.unmap_each(vas)
+                else:
+                    for i, (va, size) in enumerate(vas):
+                        done = i
+                        d.unmap(va, size)
+                    done = len(vas)
+            except CudaError as exc:
+                error = exc.name
+                if batched:
+                    done = exc.mapped
+            seen.append((done, error, _mapped(d), d.api.calls.get("cuMemUnmap", 0),
+                         d.faults.calls.get("cuMemUnmap", 0), d.faults.pending(), d.api.state()))
+        finally:
+            _close(d)
+    return seen
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("ranges, fault, done, error", [
+    ([(0, 3), (5, 1), (8, 4)], None, 3, None),                          # whole mappings, several per call
+    ([(0, 3), (5, 1), (8, 4)], 2, 1, "CUDA_ERROR_UNKNOWN"),             # the planned fault stops the second
+    ([(0, 2), (6, 1), (20, 1), (9, 1)], None, 2, "CUDA_ERROR_INVALID_VALUE"),  # nothing mapped at page 20
+])
+def test_a_batch_of_unmaps_is_its_calls_one_by_one(kind, ranges, fault, done, error):
+    single, batched = _unmaps_both(kind, ranges, fault)
+    assert single == batched
+    assert batched[:2] == (done, error)
+    assert len(batched[2]) == 12 - sum(count for _, count in ranges[:done])

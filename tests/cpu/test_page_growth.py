@@ -164,16 +164,20 @@ def test_within_the_budget_a_large_request_maps_new_pages_and_unmaps_nothing():
 
 
 def _record_calls(pool) -> list[str]:
-    """Every driver call `pool` makes from now on, in order."""
+    """Every driver call `pool` makes from now on, in order (a batch's calls as they are counted)."""
     order: list[str] = []
     faults = pool.driver.faults
-    take = faults._take
+    take, count = faults._take, faults.count
 
     def recording(name):
         order.append(name)
         return take(name)
 
-    faults._take = recording
+    def counting(name, n):
+        order.extend([name] * max(n, 0))
+        return count(name, n)
+
+    faults._take, faults.count = recording, counting
     return order
 
 
