@@ -490,7 +490,10 @@ class AddressSpace:
         knows the device is done with them (invariant 5). If a driver call fails part-way, the pages
         already unmapped stay unmapped (their state is recorded page by page) and the error propagates.
         """
-        pages = [p for p in pages if region.handles[p]]
+        if not len(pages):
+            return
+        pages = np.asarray(pages, dtype=np.int64)
+        pages = pages[region.handles[pages] != 0].tolist()
         if not pages:
             return
         if sync:

@@ -175,6 +175,7 @@ class EmulatedCuda:
         self._lock = threading.RLock()
         self._initialized = False
         self._handles: dict[int, _Physical] = {}
+        self._released_mapped = 0  # handles released while still mapped (freed at their last unmap)
         self._next_handle = itertools.count(0x1000)
         self._addresses = AddressBooks(self.granularity)  # reservations, mappings, each granule's access
         self._contexts: dict[int, int] = {}  # context id -> retain count
@@ -474,6 +475,8 @@ class EmulatedCuda:
             phys.released = True
             if phys.map_count == 0:
                 self._drop_physical(handle)
+            else:
+                self._released_mapped += 1  # freed at its last unmap
             return (R.CUDA_SUCCESS,)
 
     # ---------------------------------------------------------------- virtual
@@ -619,11 +622,15 @@ class EmulatedCuda:
                 return R.CUDA_ERROR_INVALID_VALUE
             self.host_memory.unmap(ptr, size)
             table = self._handles
-            for handle in books.remove_mappings(cover):
-                phys = table[handle]
+            handles = books.remove_mappings(cover)
+            for phys in map(table.__getitem__, handles):
                 phys.map_count -= 1
-                if phys.released and not phys.map_count:
-                    self._drop_physical(handle)
+            if self._released_mapped:  # a handle released while mapped is freed at its last unmap
+                for handle in handles:
+                    phys = table.get(handle)
+                    if phys is not None and phys.released and not phys.map_count:
+                        self._released_mapped -= 1
+                        self._drop_physical(handle)
             return R.CUDA_SUCCESS
 
     def cuMemSetAccess(self, ptr, size, desc, count):
@@ -1048,6 +1055,7 @@ class EmulatedCuda:
             for handle in list(self._handles):
                 self._handles[handle].released = True
                 self._drop_physical(handle)
+            self._released_mapped = 0
             _, reservations = self._addresses.in_address_order()
             for res in reservations:
                 self.cuMemAddressFree(res.base, res.size)
