@@ -215,6 +215,17 @@ class EmulatedCuda:
     def _count(self, name: str) -> None:
         self.calls[name] = self.calls.get(name, 0) + 1
 
+    def _batch_refused(self, name: str, n: int) -> tuple | None:
+        """What a batch of `n` calls of `name` returns before its first call's own rules: (CUDA_SUCCESS, 0)
+        for no calls; without a current context, (CUDA_ERROR_INVALID_CONTEXT, 0), the first call counted;
+        else None (go on)."""
+        if not n:
+            return (R.CUDA_SUCCESS, 0)
+        if self._current_device() is None:
+            self._count(name)
+            return (R.CUDA_ERROR_INVALID_CONTEXT, 0)
+        return None
+
     def _aligned(self, *values: int) -> bool:
         return all(int(v) % self.granularity == 0 for v in values)
 
@@ -529,11 +540,8 @@ class EmulatedCuda:
         one would, and carries their count as `mapped`. `Driver.map_each` calls it after the fault
         plan, never FaultInjector."""
         n = len(ptrs)
-        if not n:
-            return (R.CUDA_SUCCESS, 0)
-        if self._current_device() is None:
-            self._count("cuMemMap")
-            return (R.CUDA_ERROR_INVALID_CONTEXT, 0)
+        if (refused := self._batch_refused("cuMemMap", n)) is not None:
+            return refused
         size = int(size)
         books, host_map, table = self._addresses, self.host_memory.map, self._handles
         maps_bytes = self.host_memory.maps_bytes  # a memory-less device's map does nothing: not called
@@ -592,11 +600,8 @@ class EmulatedCuda:
         first that fails: (its CUresult, or CUDA_SUCCESS; how many unmapped). Each is counted as one
         cuMemUnmap. `Driver.unmap_each` calls it after the fault plan, never FaultInjector."""
         n = len(ranges)
-        if not n:
-            return (R.CUDA_SUCCESS, 0)
-        if self._current_device() is None:
-            self._count("cuMemUnmap")
-            return (R.CUDA_ERROR_INVALID_CONTEXT, 0)
+        if (refused := self._batch_refused("cuMemUnmap", n)) is not None:
+            return refused
         done = 0
         error = R.CUDA_SUCCESS
         with self._lock:
