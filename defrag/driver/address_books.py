@@ -114,7 +114,8 @@ class AddressBooks:
             m = run.size
             first = max(va - start, 0) // m
             stop = min(-(-(end - start) // m), len(run.handles))
-            out.append((run, first, stop))
+            if first < stop:  # an empty range at a boundary between two of its mappings meets none
+                out.append((run, first, stop))
         return out
 
     def mappings_in(self, va: int, size: int) -> list[Mapping]:

@@ -388,7 +388,8 @@ class Driver:
         """`create(size)` `n` times: one cuMemCreate each, as the driver counts them; returns the handles.
         On the first failure the CudaError carries `created`, the handles made before it (the caller
         owns them) and `mapped`, their count. An emulated device takes the batch under one hold of its
-        lock (`EmulatedCuda.create_each`; see `_batch`); the real driver gets one call each."""
+        lock (`EmulatedCuda.create_each`; see `_batch`); the real driver gets one call each, without
+        re-checking the context between them (one cuCtxGetCurrent a batch)."""
         if n <= 0:
             return []
         self.make_current()
@@ -401,7 +402,11 @@ class Driver:
             return result
 
         def batch(start: int, count: int):
-            error, made = self.api.create_each(size, prop, count)
+            try:
+                error, made = self.api.create_each(size, prop, count)
+            except BaseException as exc:
+                out.extend(getattr(exc, "created", ()))
+                raise
             out.extend(made)
             return error, len(made)
 
@@ -469,7 +474,8 @@ class Driver:
         On the first failure the CudaError (or whatever else interrupts the batch) carries `mapped`, how
         many ranges were unmapped before it (those stay unmapped). An emulated device takes the batch
         under one hold of its lock (`EmulatedCuda.unmap_each`; see `_batch`); the real driver, or a
-        proxy over any device, gets one call each. Does not synchronize."""
+        proxy over any device, gets one call each, without re-checking the context between them (one
+        cuCtxGetCurrent a batch). Does not synchronize."""
         n = len(ranges)
         if not n:
             return

@@ -439,7 +439,9 @@ class EmulatedCuda:
     def create_each(self, size: int, prop, n: int) -> tuple:
         """`cuMemCreate(size, prop, 0)` `n` times under one hold of the lock, stopping at the first that
         fails: (its CUresult, or CUDA_SUCCESS; the handles made, as ints). Each is counted as one
-        cuMemCreate. `Driver.create_each` calls it after the fault plan, never FaultInjector."""
+        cuMemCreate. An exception from the host side (no memfd to be had) carries the handles made before
+        it as `created` (and their count as `mapped`). `Driver.create_each` calls it after the fault plan,
+        never FaultInjector."""
         made: list[int] = []
         error = R.CUDA_SUCCESS
         with self._lock:
@@ -449,6 +451,9 @@ class EmulatedCuda:
                     if error != R.CUDA_SUCCESS:
                         break
                     made.append(handle)
+            except BaseException as exc:  # the host side (a memfd): what came before is made, and the caller's
+                exc.created, exc.mapped = made, len(made)
+                raise
             finally:
                 self.calls["cuMemCreate"] = (self.calls.get("cuMemCreate", 0) + len(made)
                                              + (len(made) < n))
@@ -598,7 +603,9 @@ class EmulatedCuda:
     def unmap_each(self, ranges: list[tuple[int, int]]) -> tuple:
         """`cuMemUnmap(ptr, size)` for each (ptr, size) in order, under one hold of the lock, stopping at the
         first that fails: (its CUresult, or CUDA_SUCCESS; how many unmapped). Each is counted as one
-        cuMemUnmap. `Driver.unmap_each` calls it after the fault plan, never FaultInjector."""
+        cuMemUnmap. An exception from the host side (an mmap that fails) leaves the ranges before it
+        unmapped and carries their count as `mapped`. `Driver.unmap_each` calls it after the fault plan,
+        never FaultInjector."""
         n = len(ranges)
         if (refused := self._batch_refused("cuMemUnmap", n)) is not None:
             return refused
@@ -611,6 +618,9 @@ class EmulatedCuda:
                     if error != R.CUDA_SUCCESS:
                         break
                     done += 1
+            except BaseException as exc:  # the host side (an mmap): the ranges before it stay unmapped
+                exc.mapped = done
+                raise
             finally:
                 self.calls["cuMemUnmap"] = self.calls.get("cuMemUnmap", 0) + done + (done < n)
         return (error, done)

@@ -107,6 +107,7 @@ def test_books_by_runs_answer_as_one_record_per_mapping(ops):
                             prots[k] = prot
         else:
             assert books.accessible(va, size, write) == model.accessible(va, size, write)
+            assert books.accessible(va, 0, write) == model.accessible(va, 0, write)  # nothing: met by no mapping
             assert books.accessible(va + 4096, size - 8192 or 1, write) == model.accessible(va + 4096, size - 8192 or 1,
                                                                                            write)
         maps, _ = books.in_address_order()

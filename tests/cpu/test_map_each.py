@@ -309,3 +309,69 @@ def test_a_batch_of_unmaps_is_its_calls_one_by_one(kind, ranges, fault, done, er
     assert single == batched
     assert batched[:2] == (done, error)
     assert len(batched[2]) == 12 - sum(count for _, count in ranges[:done])
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_host_failure_mid_create_batch_loses_no_handle(kind, monkeypatch):
+    """The host side refusing a page mid-batch (memfd_create out of descriptors, not a CUDA error): the
+    handles made before it reach the store, which rolls them back into its cache with the rest; nothing is
+    mapped, the device and the plan count the same calls, and a trim gives every handle back."""
+    from defrag.vmm import AddressSpace
+
+    d = getattr(Driver, kind)(capacity=CAP, granularity=G)
+    try:
+        space = AddressSpace(d, G, 16)
+        region = space.reserve(16)
+        host = d.api.host_memory
+        real_create, made = host.create_page, []
+
+        def flaky(size):
+            if len(made) == 2:
+                raise OSError(24, "Too many open files")
+            made.append(size)
+            return real_create(size)
+
+        monkeypatch.setattr(host, "create_page", flaky)
+        with pytest.raises(OSError):
+            space.map(region, list(range(5)))
+        assert (region.handles == 0).all() and space.mapped == 0
+        assert len(space.store.cached) == space.store.total == 2 and d.api.state()["handles"] == 2
+        assert d.faults.calls["cuMemCreate"] == d.api.calls["cuMemCreate"] == 3
+        assert space.store.trim(0) == 2 and d.api.state()["handles"] == 0 and d.api.used == 0
+    finally:
+        _close(d)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_host_failure_mid_unmap_batch_leaves_the_books_agreeing_with_the_device(kind, monkeypatch):
+    """The host side failing the second of three runs' unmaps (an mmap refused, not a CUDA error): the first
+    run is unmapped on the device and in the vmm's books, the other two stay mapped in both, the device and
+    the plan count the same calls, and unmapping again finishes the job."""
+    from defrag.vmm import AddressSpace
+
+    d = getattr(Driver, kind)(capacity=CAP, granularity=G)
+    try:
+        space = AddressSpace(d, G, 16)
+        region = space.reserve(16)
+        space.map(region, [0, 1, 4, 5, 8, 9])
+        host = d.api.host_memory
+        real_unmap, seen = host.unmap, []
+
+        def flaky(ptr, size):
+            if len(seen) == 1:
+                raise OSError(12, "Cannot allocate memory")
+            seen.append(ptr)
+            real_unmap(ptr, size)
+
+        monkeypatch.setattr(host, "unmap", flaky)
+        with pytest.raises(OSError):
+            space.unmap(region, [0, 1, 4, 5, 8, 9], sync=False)
+        assert region.handles[[0, 1]].tolist() == [0, 0] and (region.handles[[4, 5, 8, 9]] != 0).all()
+        assert [m.va for m in d.api._addresses.in_address_order()[0]] == [region.address(p) for p in (4, 5, 8, 9)]
+        assert d.faults.calls["cuMemUnmap"] == d.api.calls["cuMemUnmap"] == 2
+        assert space.mapped == 4 and len(space.store.cached) == 2
+        monkeypatch.setattr(host, "unmap", real_unmap)
+        space.unmap(region, [4, 5, 8, 9], sync=False)
+        assert space.mapped == 0 and len(space.store.cached) == 6 and d.api.state()["mappings"] == 0
+    finally:
+        _close(d)
