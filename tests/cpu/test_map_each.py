@@ -134,6 +134,22 @@ def test_a_batch_is_its_calls_one_by_one(pages, picks, fault):
     assert single == batched
 
 
+def _flaky_host(d: Driver, monkeypatch, name: str, fails_after: int, error: OSError):
+    """Make the device's host side `name` (map, unmap, create_page) raise `error` once `fails_after` calls
+    have passed; returns the real method."""
+    host = d.api.host_memory
+    real, passed = getattr(host, name), []
+
+    def flaky(*args):
+        if len(passed) == fails_after:
+            raise error
+        passed.append(args)
+        return real(*args)
+
+    monkeypatch.setattr(host, name, flaky)
+    return real
+
+
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("fails_at", [0, 2, 5])
 def test_a_host_failure_mid_batch_leaves_the_books_whole_and_the_map_rolled_back(kind, fails_at, monkeypatch):
@@ -147,15 +163,7 @@ def test_a_host_failure_mid_batch_leaves_the_books_whole_and_the_map_rolled_back
         space = AddressSpace(d, G, 16)
         region = space.reserve(16)
         host = d.api.host_memory
-        real_map, seen = host.map, []
-
-        def flaky(ptr, size, fd, offset):
-            if len(seen) == fails_at:
-                raise OSError(12, "Cannot allocate memory")
-            seen.append(ptr)
-            real_map(ptr, size, fd, offset)
-
-        monkeypatch.setattr(host, "map", flaky)
+        real_map = _flaky_host(d, monkeypatch, "map", fails_at, OSError(12, "Cannot allocate memory"))
         monkeypatch.setattr(host, "maps_bytes", True)  # a memory-less host's map does nothing: call it anyway
         before = d.faults.calls.get("cuMemMap", 0)
         with pytest.raises(OSError) as raised:
@@ -322,16 +330,7 @@ def test_a_host_failure_mid_create_batch_loses_no_handle(kind, monkeypatch):
     try:
         space = AddressSpace(d, G, 16)
         region = space.reserve(16)
-        host = d.api.host_memory
-        real_create, made = host.create_page, []
-
-        def flaky(size):
-            if len(made) == 2:
-                raise OSError(24, "Too many open files")
-            made.append(size)
-            return real_create(size)
-
-        monkeypatch.setattr(host, "create_page", flaky)
+        _flaky_host(d, monkeypatch, "create_page", 2, OSError(24, "Too many open files"))
         with pytest.raises(OSError):
             space.map(region, list(range(5)))
         assert (region.handles == 0).all() and space.mapped == 0
@@ -354,23 +353,14 @@ def test_a_host_failure_mid_unmap_batch_leaves_the_books_agreeing_with_the_devic
         space = AddressSpace(d, G, 16)
         region = space.reserve(16)
         space.map(region, [0, 1, 4, 5, 8, 9])
-        host = d.api.host_memory
-        real_unmap, seen = host.unmap, []
-
-        def flaky(ptr, size):
-            if len(seen) == 1:
-                raise OSError(12, "Cannot allocate memory")
-            seen.append(ptr)
-            real_unmap(ptr, size)
-
-        monkeypatch.setattr(host, "unmap", flaky)
+        real_unmap = _flaky_host(d, monkeypatch, "unmap", 1, OSError(12, "Cannot allocate memory"))
         with pytest.raises(OSError):
             space.unmap(region, [0, 1, 4, 5, 8, 9], sync=False)
         assert region.handles[[0, 1]].tolist() == [0, 0] and (region.handles[[4, 5, 8, 9]] != 0).all()
         assert [m.va for m in d.api._addresses.in_address_order()[0]] == [region.address(p) for p in (4, 5, 8, 9)]
         assert d.faults.calls["cuMemUnmap"] == d.api.calls["cuMemUnmap"] == 2
         assert space.mapped == 4 and len(space.store.cached) == 2
-        monkeypatch.setattr(host, "unmap", real_unmap)
+        monkeypatch.setattr(d.api.host_memory, "unmap", real_unmap)
         space.unmap(region, [4, 5, 8, 9], sync=False)
         assert space.mapped == 0 and len(space.store.cached) == 6 and d.api.state()["mappings"] == 0
     finally:
