@@ -247,8 +247,7 @@ class Backing:
             try:
                 self._unmap_recorded(region, plist, sync=False)
             finally:
-                still = np.flatnonzero(region.handles[plist]) if plist else ()
-                for i in still.tolist() if len(still) else ():
+                for i in np.flatnonzero(region.handles[plist]).tolist():  # pages the unmap did not reach
                     heap.insert_free(region.address(plist[i]), self.page_size)
 
     def map_for_placement(self, region: Region, pages: list[int], txn: Transaction) -> None:

@@ -443,21 +443,40 @@ class EmulatedCuda:
         it as `created` (and their count as `mapped`). `Driver.create_each` calls it after the fault plan,
         never FaultInjector."""
         made: list[int] = []
+
+        def create(_: int):
+            error, handle = self._create(int(size), prop, 0)
+            if error == R.CUDA_SUCCESS:
+                made.append(handle)
+            return error
+
+        try:
+            error, _ = self._each("cuMemCreate", n, create)
+        except BaseException as exc:  # the host side (a memfd): what came before is made, and the caller's
+            exc.created = made
+            raise
+        return (error, made)
+
+    def _each(self, name: str, n: int, call) -> tuple:
+        """`call(i)` (one call of `name`'s rules and effect, returning its CUresult) for i in 0..n-1 under one
+        hold of the lock, stopping at the first that fails: (its CUresult, or CUDA_SUCCESS; how many
+        succeeded). Each is counted as one call of `name`; an exception (from the host side) carries how
+        many succeeded before it as `mapped`."""
+        done = 0
         error = R.CUDA_SUCCESS
         with self._lock:
             try:
-                for _ in range(n):
-                    error, handle = self._create(int(size), prop, 0)
+                while done < n:
+                    error = call(done)
                     if error != R.CUDA_SUCCESS:
                         break
-                    made.append(handle)
-            except BaseException as exc:  # the host side (a memfd): what came before is made, and the caller's
-                exc.created, exc.mapped = made, len(made)
+                    done += 1
+            except BaseException as exc:
+                exc.mapped = done
                 raise
             finally:
-                self.calls["cuMemCreate"] = (self.calls.get("cuMemCreate", 0) + len(made)
-                                             + (len(made) < n))
-        return (error, made)
+                self.calls[name] = self.calls.get(name, 0) + done + (done < n)
+        return (error, done)
 
     def _create(self, size: int, prop, flags: int) -> tuple:
         """cuMemCreate's rules and effect: (CUresult, the new handle as an int, 0 on failure)."""
@@ -609,21 +628,7 @@ class EmulatedCuda:
         n = len(ranges)
         if (refused := self._batch_refused("cuMemUnmap", n)) is not None:
             return refused
-        done = 0
-        error = R.CUDA_SUCCESS
-        with self._lock:
-            try:
-                for ptr, size in ranges:
-                    error = self._unmap(int(ptr), int(size))
-                    if error != R.CUDA_SUCCESS:
-                        break
-                    done += 1
-            except BaseException as exc:  # the host side (an mmap): the ranges before it stay unmapped
-                exc.mapped = done
-                raise
-            finally:
-                self.calls["cuMemUnmap"] = self.calls.get("cuMemUnmap", 0) + done + (done < n)
-        return (error, done)
+        return self._each("cuMemUnmap", n, lambda i: self._unmap(int(ranges[i][0]), int(ranges[i][1])))
 
     def _unmap(self, ptr: int, size: int):
         """cuMemUnmap's rules and effect (a current context is the caller's check): its CUresult."""
