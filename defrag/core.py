@@ -531,7 +531,7 @@ class Core:
                 return self.carve(region, address, size, nbytes)
         k = -(-size // self.page_size)
         free_pages = self.backing.free_physical()
-        if k > free_pages:
+        if k - 2 > free_pages:  # a window's first and last pages may be other blocks' (`_supply` counts exactly)
             raise NoSpace(f"needs {k} free pages, {free_pages} can be had")
         best = None
         meshes = bool(self.books.meshes())  # else no page has a mesh role: no mask to pass
@@ -558,17 +558,23 @@ class Core:
     def _supply(self, region: Region, window: list[int], need: int, size: int) -> None:
         """Before mapping `need` pages of `window` for a block of `size` bytes: unmap the donors the growth
         policy (`defrag.page_growth`) asks for, so that the store's cached and new handles back the rest.
-        Within the budget nothing is unmapped; beyond it, empty mapped pages elsewhere (stitching)."""
+        Within the budget nothing is unmapped; beyond it, empty mapped pages elsewhere (stitching).
+        NoSpace, with nothing changed, when the store and the empty pages outside `window` together hold
+        fewer than `need` pages (the ladder's quick count of free pages lets through a window whose first
+        and last pages other blocks hold: those need no physical page)."""
         store, c = self.space.store, self.books.counters()  # the block counters are the books'
         args = dict(mapped=self.space.mapped, live_bytes=c["allocated_bytes"] + c["pending_bytes"],
                     request_bytes=size, page_size=self.page_size, cached=len(store.cached),
                     creatable=store.creatable, capacity=self.capacity_pages)
         supply = self.growth.supply(need, donors=self.books.empty, **args)  # an upper bound: cheap
-        if not supply.stitched:
+        if not supply.stitched and need <= store.available:
             return
         backing = self.backing
         masks = backing.empty_masks(region, window)  # the same pages for the count and the choice
-        supply = self.growth.supply(need, donors=backing.count_empty(masks=masks), **args)
+        donors = backing.count_empty(masks=masks)
+        if need > store.available + donors:
+            raise NoSpace(f"needs {need} new pages, {store.available + donors} can be had")
+        supply = self.growth.supply(need, donors=donors, **args)
         # Which pages go is the same whatever is known of the device (a dry and a real pool place alike);
         # whether they wait for it is not: a face's native fast path places blocks the backing never
         # hears of, so there every batch waits.

@@ -275,6 +275,27 @@ def test_large_blocks_pack_end_to_end_and_smaller_ones_start_on_a_page():
     assert pool.stats()["pages.mapped"] == 12  # a on pages 0-2, b 3-4, c 4-9, d 10-11
 
 
+@pytest.mark.parametrize("extra", [0, 512])
+def test_a_block_whose_window_starts_in_a_used_pages_tail_needs_no_page_for_it(extra):
+    """A block starting in the free tail of a page that another block holds needs a physical page for
+    each of its other pages only: with exactly that many left it is placed (the quick count of free
+    pages against the block's page count would refuse it); 512 bytes more need one page more than is
+    left: NoSpace, and nothing changes."""
+    pool = DryPool(4 * P, P, auto_compact=False)
+    assert pool.alloc("a", MiB)  # page 0, its second half free; 3 pages left to create
+    a = pool._blocks["a"].address
+    before = pool.stats()
+    fits = extra == 0
+    assert pool.alloc("b", 3 * P + MiB + extra) == fits  # from a's tail over pages 1-3 (and a bit of 4)
+    pool.check_invariants()
+    after = pool.stats()
+    if fits:
+        assert pool._blocks["b"].address == a + MiB
+        assert after["pages.mapped"] == 4
+    else:
+        assert after["pages.mapped"] == before["pages.mapped"] == 1
+        assert after["allocated_bytes.all.current"] == before["allocated_bytes.all.current"]
+
 def test_a_native_placement_marks_its_pages_in_use_too(make_pool):
     """The books clear a page's idle flag at every placement, the fast path's (no Python) included: a
     stitch may skip its synchronize only for pages nothing was placed on since the last one."""
