@@ -542,6 +542,8 @@ class Core:
             if found is not None and (best is None or found[0] < best[0]):
                 best = (*found, region)
         if best is None:
+            if k > free_pages:  # every page of a new region needs one: refused before reserving it
+                raise NoSpace(f"needs {k} free pages, {free_pages} can be had")
             region = self.add_region(max(k, self.capacity_pages))
             address, window = region.base, list(range(k))
         else:

@@ -296,6 +296,16 @@ def test_a_block_whose_window_starts_in_a_used_pages_tail_needs_no_page_for_it(e
         assert after["pages.mapped"] == before["pages.mapped"] == 1
         assert after["allocated_bytes.all.current"] == before["allocated_bytes.all.current"]
 
+def test_a_request_no_region_holds_is_refused_before_a_new_region_is_reserved():
+    """With no virtual room beyond the capacity, a request that fits no window of the region needs a new
+    region whose every page needs a physical page: one short, NoSpace, and no reservation is left behind."""
+    pool = DryPool(4 * P, P, auto_compact=False, virtual_factor=1)
+    assert pool.alloc("a", MiB)  # page 0, its second half free; 3 pages left to create
+    before = pool.driver.api.state()
+    assert not pool.alloc("b", 3 * P + MiB + 512)  # 4 pages in a new region (a's tail and 3 pages: too short)
+    assert pool.driver.api.state() == before and len(pool.core.space.regions) == 1
+    pool.check_invariants()
+
 def test_a_native_placement_marks_its_pages_in_use_too(make_pool):
     """The books clear a page's idle flag at every placement, the fast path's (no Python) included: a
     stitch may skip its synchronize only for pages nothing was placed on since the last one."""
