@@ -143,7 +143,8 @@ class Backing:
 
     def empty_masks(self, keep: Region | None, keep_pages) -> list[tuple[Region, np.ndarray]]:
         """`empty_mapped` as one bool array per region: [(region, mask)], what `count_empty` and `donors`
-        take as `masks` to look at the same pages once."""
+        take as `masks` to look at the same pages once. A unit's pages are in only if all of them are
+        (a unit is unmapped whole: one with a block, or a page kept, holds its empty pages mapped)."""
         out = []
         meshes = self.books.meshes()
         dead = [(m[1], m[2]) for m in meshes if m[4] == 0]  # `unmap_empty` dissolves them first
@@ -157,6 +158,8 @@ class Backing:
                     mask[primary] = True
             if region is keep:
                 mask[np.fromiter(keep_pages, dtype=np.int64)] = False
+            if self.space.store.units:
+                _whole_units(region, mask)
             out.append((region, mask))
         return out
 
@@ -175,14 +178,15 @@ class Backing:
         return self.add_region(self.capacity_pages), 0
 
     # ------------------------------------------------------------------ mapping and unmapping
-    def map(self, region: Region, pages: list[int], txn: Transaction) -> None:
+    def map(self, region: Region, pages: list[int], txn: Transaction, *, unit_pages: int = 0) -> None:
         """Map `pages` of `region` (physical pages from the store) as free space of its heap; undone by `txn`.
+        `unit_pages`: create the pages no cached handle backs in units of up to that many (`AddressSpace.map`).
 
         On failure nothing is mapped, except pages the driver would not unmap in the undo
         (`Space.map`'s `left_mapped`): those become mapped empty pages of the heap, as if mapped
         on purpose (a later trim unmaps them), so the books still match the device."""
         try:
-            self.space.map(region, pages, txn)
+            self.space.map(region, pages, txn, unit_pages=unit_pages)
         except CudaError as exc:
             left = getattr(exc, "left_mapped", None)
             if left is not None:
@@ -224,7 +228,8 @@ class Backing:
                 self.history.pages_unmapped(region, pages)
 
     def unmap_empty(self, pages: list[tuple[Region, int]], *, idle_known: bool = False) -> None:
-        """Unmap mapped pages that hold no block; their physical pages become cached in the store.
+        """Unmap mapped pages that hold no block; their physical pages become cached in the store (a unit
+        is spent, released before the next creation). Pages of a unit not all listed stay mapped.
         A failed unmap leaves the pages it did not reach mapped, with their free space back in the heap.
 
         One synchronize first (invariant 5), after which every empty page is idle; none when
@@ -242,6 +247,8 @@ class Backing:
         for index, plist in by_region.items():
             region = self.space.regions[index]
             heap = self.heaps[index]
+            if self.space.store.units:  # a part of a unit stays mapped (empty): units leave whole
+                plist = np.asarray(plist, dtype=np.int64)[region.whole_units(plist)].tolist()
             for first, count in page_runs(plist):  # consecutive empty pages are one free range
                 heap.remove_free(region.address(first), count * self.page_size)
             try:
@@ -250,18 +257,28 @@ class Backing:
                 for i in np.flatnonzero(region.handles[plist]).tolist():  # pages the unmap did not reach
                     heap.insert_free(region.address(plist[i]), self.page_size)
 
-    def map_for_placement(self, region: Region, pages: list[int], txn: Transaction) -> None:
+    def map_for_placement(self, region: Region, pages: list[int], txn: Transaction, *, unit_pages: int = 0) -> None:
         """`map` for a placement: when the device runs out of memory before the pool reaches its
-        capacity (other users of the device), empty mapped pages elsewhere are unmapped to back
-        `pages` from cached handles. NoSpace when even that cannot cover them."""
+        capacity (other users of the device), spare units are released and the pages created one
+        by one, then empty mapped pages elsewhere are unmapped to back `pages` from cached handles
+        (single pages only: a unit's handle backs nothing else). NoSpace when even that cannot cover
+        them."""
+        store = self.space.store
         try:
-            self.map(region, pages, txn)
+            self.map(region, pages, txn, unit_pages=unit_pages)
             return
         except CudaOutOfMemoryError as exc:
-            # Stats stop counting pages the device will not give until a later creation succeeds.
-            self.space.store.device_full = True
             error = exc
-        donors = self.empty_mapped(region, pages)
+        if store.spare_pages:  # units held unmapped: released, the device has their room for single pages
+            store.release_spare()
+            try:
+                self.map(region, pages, txn)
+                return
+            except CudaOutOfMemoryError as exc:
+                error = exc
+        # Stats stop counting pages the device will not give until a later creation succeeds.
+        store.device_full = True
+        donors = [(r, p) for r, p in self.empty_mapped(region, pages) if r.unit_start[p] < 0]
         need = len(pages) - len(self.space.store.cached)
         if 0 < need <= len(donors):
             self.unmap_empty(donors[:need])
@@ -300,7 +317,7 @@ class Backing:
         regions, pages, lengths, ages = map(np.concatenate, (regions, pages, lengths, ages))
         order = np.lexsort((pages, regions, lengths, -ages))[:count]
         space = self.space.regions
-        return [(space[r], int(p)) for r, p in zip(regions[order].tolist(), pages[order].tolist())]
+        return _with_whole_units([(space[r], int(p)) for r, p in zip(regions[order].tolist(), pages[order].tolist())])
 
     def make_room(self, region: Region, keep_pages, needed: int) -> None:
         """Before mapping `needed` pages of `region` (`keep_pages`, destinations included): unmap as
@@ -312,7 +329,7 @@ class Backing:
         available = self.space.store.available
         if available + len(donors) < needed:
             raise NoSpace(f"needs {needed} new pages but only {available + len(donors)} physical pages are free")
-        self.unmap_empty(donors[:needed])
+        self.unmap_empty(_with_whole_units(donors[:needed]))
 
     def trim(self) -> int:
         """Unmap every page that holds no block and release every cached physical page to the driver;
@@ -375,6 +392,8 @@ class Backing:
         for p in (primary, *twins):
             if not region.handles[p] or region.backing[p] != DEVICE:
                 raise ValueError(f"page {p} of region {region.index} is not a mapped device page")
+            if region.unit_start[p] >= 0:
+                raise ValueError(f"page {p} of region {region.index} is part of a unit, which never meshes")
         moves = [(region.address(t) + off, region.address(primary) + off, n)
                  for t in twins for off, n in self.live_pieces(region, t)]
         try:
@@ -449,9 +468,13 @@ class Backing:
         txn.on_rollback(self._remap_own, unmapped)
         for region, page in pages:
             handle = int(region.handles[page])
-            driver.unmap(region.address(page), P)
-            space.unmap_calls += 1
+            mapping = region.mapping_of(page)  # a unit is unmapped whole, at its first page
+            if page == mapping.start:
+                driver.unmap(region.address(page), len(mapping) * P)
+                space.unmap_calls += 1
             region.handles[page], region.backing[page] = ASLEEP_HANDLE, ASLEEP
+            if page == mapping.stop - 1:
+                region.clear_units(mapping.start, len(mapping))
             space.unref(handle, to_store=False)  # kept in `unmapped`, mapped again at wake
             space.asleep += 1
             unmapped.append((region, page, handle))
@@ -461,14 +484,26 @@ class Backing:
         """Undo of `put_to_sleep`: map each page's own handle (its bytes intact) again."""
         space, driver, P = self.space, self.driver, self.page_size
         by_region = collections.defaultdict(list)
+        units = space.store.units
         while unmapped:
-            region, page, handle = unmapped.pop()
-            driver.map(region.address(page), P, handle)
+            region, page, handle = unmapped[-1]
+            unit = units.get(handle)
+            if unit is None:
+                driver.map(region.address(page), P, handle)
+                mapping = [(page, handle)]
+            else:  # a unit's pages were unmapped together, in order: mapped back together
+                _, index, n = unit
+                first = page - index
+                driver.map(region.address(first), n * P, unit[0])
+                mapping = [(e[1], e[2]) for e in unmapped[-n:]]
+                region.set_unit(first, n)
             space.map_calls += 1
-            region.handles[page], region.backing[page] = handle, DEVICE
-            space.ref(handle)
-            space.asleep -= 1
-            by_region[region.index].append(page)
+            for page, handle in mapping:
+                unmapped.pop()
+                region.handles[page], region.backing[page] = handle, DEVICE
+                space.ref(handle)
+                space.asleep -= 1
+                by_region[region.index].append(page)
         for index, pages in by_region.items():
             region = space.regions[index]
             for first, count in page_runs(pages):
@@ -522,6 +557,9 @@ class Backing:
         unmapped (copies into it may still run).
         """
         space, driver, P = self.space, self.driver, self.page_size
+        if (region.unit_start[pages] >= 0).any():
+            raise ValueError(f"region {region.index}: a page of a unit is re-backed only with its whole unit, "
+                             f"which this does not do (offload packs blocks off units first)")
         scratch, teardown = self._map_scratch(handles, txn)
         txn.on_rollback(driver.synchronize)  # undone newest first: before the scratch is unmapped
         driver.synchronize()
@@ -611,3 +649,33 @@ def _free_scratch(driver, reserved: list[int], size: int) -> None:
     while reserved:
         driver.free_address(reserved[-1], size)
         reserved.pop()
+
+
+def _whole_units(region: Region, mask: np.ndarray) -> None:
+    """Clear in `mask` (one bool per page of `region`) the pages of each unit not wholly in it."""
+    inunit = mask & (region.unit_start >= 0)
+    if not inunit.any():
+        return
+    at = np.flatnonzero(inunit)
+    starts, index, listed = np.unique(region.unit_start[at], return_inverse=True, return_counts=True)
+    partial = listed[index] != region.unit_len[at]
+    mask[at[partial]] = False
+
+
+def _with_whole_units(pages: list[tuple[Region, int]]) -> list[tuple[Region, int]]:
+    """`pages` with the other pages of every unit they touch added (after them, in address order): what
+    unmapping them takes."""
+    by_region: dict[int, tuple[Region, list[int]]] = {}
+    for region, page in pages:
+        by_region.setdefault(region.index, (region, []))[1].append(page)
+    out = list(pages)
+    for region, plist in by_region.values():
+        listed = np.asarray(plist, dtype=np.int64)
+        starts = region.unit_start[listed]
+        if not (starts >= 0).any():
+            continue
+        firsts = np.unique(starts[starts >= 0])
+        lengths = region.unit_len[firsts]
+        members = np.repeat(firsts, lengths) + (np.arange(lengths.sum()) - np.repeat(np.cumsum(lengths) - lengths, lengths))
+        out.extend((region, int(p)) for p in np.setdiff1d(members, listed).tolist())
+    return out

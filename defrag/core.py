@@ -553,7 +553,7 @@ class Core:
         if to_map:
             self._supply(region, window, len(to_map), size)
         with Transaction() as txn:
-            self.backing.map_for_placement(region, to_map, txn)
+            self.backing.map_for_placement(region, to_map, txn, unit_pages=self.growth.unit_pages_for(len(to_map), self.capacity_pages))
             address = self._heaps[region.index].allocate_at(address, size)
         return self.carve(region, address, size, nbytes)
 
@@ -567,7 +567,7 @@ class Core:
         store, c = self.space.store, self.books.counters()  # the block counters are the books'
         args = dict(mapped=self.space.mapped, live_bytes=c["allocated_bytes"] + c["pending_bytes"],
                     request_bytes=size, page_size=self.page_size, cached=len(store.cached),
-                    creatable=store.creatable, capacity=self.capacity_pages)
+                    creatable=store.creatable + store.spare_pages, capacity=self.capacity_pages)
         supply = self.growth.supply(need, donors=self.books.empty, **args)  # an upper bound: cheap
         if not supply.stitched and need <= store.available:
             return

@@ -123,7 +123,7 @@ def candidates(core, region, scope: Scope, only=None) -> tuple[list[int], np.nda
     backing, P = core.backing, core.page_size
     counts = backing.live_count[region.index]
     ok = ((region.handles != 0) & (region.backing == DEVICE) & (counts > 0)
-          & (backing.mesh_ids[region.index] < 0))
+          & (backing.mesh_ids[region.index] < 0) & (region.unit_start < 0))  # a unit's page never meshes
     if only is not None:
         allowed = np.zeros_like(ok)
         allowed[np.asarray(only, dtype=np.int64)] = True

@@ -41,6 +41,24 @@ against stitching whenever cached pages fall short; a smaller slack stitches
 more (1.08: 20% more maps), a larger one reserves more (1.15: a third fewer
 maps) for a pool that never gives pages back on its own.
 
+*Units.* A placement that maps `UNIT_MIN` units' worth of pages or more
+creates its new pages in units (`vmm.PageStore.take_unit`): one driver handle
+per run of up to capacity / `UNIT_SHARE` pages (64 MiB of an 80 GiB pool of
+2 MiB pages), one cuMemCreate and one cuMemMap each, where a handle per page
+costs one of each per page. CUDA maps a handle from its first byte only and
+one cuMemUnmap never splits a mapping, so a unit leaves only whole: a stitch,
+a give-back or a trim takes a unit only when none of its pages holds a block
+(`Backing.empty_masks`), and then all of it (`Backing.donors`); unmapped, it
+stays held, *spare*, and is mapped again whole by the next unit of its size,
+or released where single pages need its room. Sleep unmaps a unit with one
+call, offload packs blocks off units first, and meshing never takes a unit's
+page. The share keeps what a partly used unit strands small beside the pool
+(a pool under 2,560 pages makes none); the minimum keeps units to placements
+large enough to fill two. On the serving trace, with the budget as above:
+cuMemMap + cuMemUnmap 116,148 -> 21,326 and cuMemCreate 34,315 -> 6,872,
+for 165 synchronizes (142 before) and the same 1.10 peak reserved over peak
+live; docs/benchmarks.md has the other traces and the placement rows.
+
 What it does not decide: which window a block takes (`Core._place_large`),
 which empty pages are donors (`Backing.donors`), or anything about
 compaction, which never grows the pool beyond its mapped pages
@@ -53,6 +71,8 @@ from dataclasses import dataclass
 
 SLACK = 1.10
 BATCH_PAGES = 64  # the most empty pages beyond the budget given back with one stitch (128 MiB of 2 MiB pages)
+UNIT_SHARE = 1280  # a unit holds at most the capacity over this (64 MiB of an 80 GiB pool); 0: no units
+UNIT_MIN = 2  # a placement creates units when it maps at least this many units' worth of pages
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,11 +89,15 @@ class Supply:
 
 @dataclass(frozen=True, slots=True)
 class GrowthPolicy:
-    """The pool's page growth policy (see the module docstring): a slack over what is live, and the most
-    empty pages beyond the budget that one stitch gives back."""
+    """The pool's page growth policy (see the module docstring): a slack over what is live, the most
+    empty pages beyond the budget that one stitch gives back, and when new pages come as units
+    (`unit_share`: a unit holds at most the capacity over it, 0 for none; `unit_min`: how many units'
+    worth a placement maps at least to make them)."""
 
     slack: float = SLACK
     batch_pages: int = BATCH_PAGES
+    unit_share: int = UNIT_SHARE
+    unit_min: int = UNIT_MIN
 
     def __post_init__(self):
         if not self.slack >= 1.0:
@@ -81,6 +105,16 @@ class GrowthPolicy:
                              f"got {self.slack!r}")
         if self.batch_pages < 1:
             raise ValueError(f"batch_pages must be at least 1, got {self.batch_pages!r}")
+        if self.unit_share < 0 or self.unit_min < 1:
+            raise ValueError(f"unit_share must be at least 0 (0: no units) and unit_min at least 1, got "
+                             f"{self.unit_share!r} and {self.unit_min!r}")
+
+    def unit_pages_for(self, mapped_pages: int, capacity_pages: int) -> int:
+        """The most pages of one unit for a placement that maps `mapped_pages` pages of a pool of
+        `capacity_pages`: the capacity over `unit_share` when that is 2 or more and the placement maps
+        `unit_min` units' worth or more; else 0 (each new page a handle of its own)."""
+        unit = capacity_pages // self.unit_share if self.unit_share else 0
+        return unit if unit >= 2 and mapped_pages >= self.unit_min * unit else 0
 
     def budget(self, live_bytes: int, request_bytes: int, page_size: int) -> int:
         """The most pages the pool maps without stitching, once `request_bytes` are placed beside the

@@ -73,7 +73,7 @@ def out_of_room(core, nbytes: int, tried: list[str], describe=None) -> OutOfRoom
     lines.append("  suggestion: " + _suggestion(core, nbytes, st["allocated_bytes.all.current"], pinned))
     P = core.page_size
     store = core.space.store
-    free_pages = len(store.cached) + (0 if store.device_full else store.creatable) + core.backing.empty
+    free_pages = store.unmapped + (0 if store.device_full else store.creatable) + core.backing.empty
     return OutOfRoom("\n".join(lines), requested=nbytes, capacity=core.capacity,
                      live=st["allocated_bytes.all.current"], stranded=st["stranded_bytes"],
                      pinned=pinned, tried=tuple(tried), movable=packing_floor(core, core.scope(None))[1],
@@ -123,7 +123,7 @@ def stats(core) -> dict:
     empty = backing.empty
     heap_free = stranded + empty * P
     store = core.space.store
-    free_pages = len(store.cached) + (0 if store.device_full else store.creatable) + empty
+    free_pages = store.unmapped + (0 if store.device_full else store.creatable) + empty
     if free_pages >= 1:
         largest = free_pages * P
     else:
@@ -157,7 +157,7 @@ def stats(core) -> dict:
         "num_meshes.automatic": c["num_meshes.automatic"],
         "mesh.freed_pages": c["mesh.freed_pages"],
         "mesh.copied_bytes": c["mesh.copied_bytes"],
-        "pages.cached": len(store.cached),
+        "pages.cached": store.unmapped,
         "pages.total": store.total,
         "pages.empty": empty,
         "pages.capacity": core.capacity_pages,
@@ -221,7 +221,7 @@ def layout(core) -> dict:
                        "shape": list(shape) if shape is not None else None,
                        "state": "retired" if b.retired else ("live" if b.counted else "pending-free")})
     return {"kind": core.kind, "page_size": core.page_size, "capacity": core.capacity,
-            "cached_pages": len(core.space.store.cached), "regions": regions, "blocks": blocks}
+            "cached_pages": core.space.store.unmapped, "regions": regions, "blocks": blocks}
 
 
 def check_invariants(core) -> None:
@@ -255,7 +255,7 @@ def check_invariants(core) -> None:
     assert allocated + heap_free == core.space.book_pages * core.page_size, (
         f"allocated {allocated} + free {heap_free} != mapped {core.space.book_pages * core.page_size}")
     assert core.space.store.total <= core.capacity_pages, "more physical pages than capacity"
-    assert core.space.mapped + len(core.space.store.cached) == core.space.store.total
+    assert core.space.mapped + core.space.store.unmapped == core.space.store.total
     # A mesh is one physical page: counted once, empty when none of its pages holds a block.
     meshes = backing.meshes()
     plain = [(r.handles != 0) & (m < 0) for r, m in zip(core.space.regions, backing.mesh_ids)]

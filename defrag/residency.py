@@ -310,8 +310,9 @@ def _touched(core: Core, blocks) -> dict[int, set[int]]:
 
 
 def _free_run(core: Core, region: Region, k: int) -> int | None:
-    """The first page of a run of `k` pages of `region` that no block touches, or None."""
-    used = np.zeros(region.npages, dtype=bool)
+    """The first page of a run of `k` pages of `region` that no block touches and no unit maps (a
+    unit's page is never re-backed alone), or None."""
+    used = region.unit_start >= 0
     for b in core.blocks():
         if b.region is region:
             first, end = core.backing.pages_of(b)
@@ -343,6 +344,8 @@ def _pack(core: Core, mover: Mover, cold: list[Block], scope: Scope, engine, rep
             if other.region is region and id(other) not in cold_ids:
                 first, end = core.backing.pages_of(other)
                 shared.update(p for p in range(first, end) if p in pages)
+        # A unit's page is re-backed only with its whole unit, which offload never does: its blocks move.
+        shared.update(p for p in pages if region.unit_start[p] >= 0)
         if not shared:
             continue
         # Every cold block touching a shared page moves, and so (transitively, through pages
@@ -350,7 +353,8 @@ def _pack(core: Core, mover: Mover, cold: list[Block], scope: Scope, engine, rep
         movers = [b for b in blocks if any(p in shared for p in range(*core.backing.pages_of(b)))]
         if not pack:
             raise ResidencyError(f"offload(pack=False): {len(movers)} of these tensors share pages with tensors "
-                                 f"that stay on the device; nothing was offloaded (pack=True moves them first)")
+                                 f"that stay on the device, or lie in pages created as one unit; nothing was "
+                                 f"offloaded (pack=True moves them first)")
         for b in movers:
             why = scope.blocker(b, mover.can_rewrite)
             if why:

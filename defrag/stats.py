@@ -229,7 +229,7 @@ class HistoryRecorder:
         free = 0
         if core is not None:
             store = core.space.store
-            free = (len(store.cached) + (0 if store.device_full else store.creatable)) * core.page_size
+            free = (store.unmapped + (0 if store.device_full else store.creatable)) * core.page_size
         self._add("oom", None, nbytes, device_free=int(free), frames=python_frames() if self.stacks else [])
 
     def compacted(self, report) -> None:

@@ -3,12 +3,16 @@
 - `PageStore` owns physical pages: one driver handle per page, created lazily
   up to a capacity and reused; pages that are not mapped anywhere are *cached*
   and handed out again before any new one is created. `trim()` returns cached
-  pages to the driver.
+  pages to the driver. A large placement's new pages may come as *units*
+  instead: one driver handle for a run of pages, mapped with one cuMemMap and
+  unmapped only whole, kept whole once empty (*spare*) for the next unit of
+  its size (`PageStore.take_unit`; when, is `defrag.page_growth`'s call).
 - `Region` is one virtual reservation cut into pages; it records which handle
-  backs each virtual page (0 where none).
+  backs each virtual page (0 where none) and which pages each mapped unit spans.
 - `AddressSpace` owns the regions and the store and does the multi-step work:
   mapping a set of pages (each page its own mapping, so one can later be
-  unmapped alone; access granted once per contiguous run) and unmapping them.
+  unmapped alone, or a unit per run; access granted once per contiguous run)
+  and unmapping them (never a part of a unit).
 
 Every multi-step operation is a transaction: if any driver call fails half-way,
 the pages mapped so far are unmapped and their handles go back to the store,
@@ -88,28 +92,48 @@ class Transaction:
 
 
 class PageStore:
-    """Physical pages of one size: created lazily up to `max_pages`, then reused."""
+    """Physical pages of one size: created lazily up to `max_pages`, then reused.
+
+    A page is named by an id: a single page's id is its driver handle; the pages of a *unit* (one
+    driver handle of several pages, `take_unit`) get ids of their own, negative, below
+    `ASLEEP_HANDLE`. A unit is mapped with one cuMemMap and unmapped whole (CUDA maps a handle from
+    its first byte only, and one cuMemUnmap cannot split one mapping). Once all its pages are back
+    (`put`) it is *spare*: held, like a cached page, and mapped again whole by the next `take_unit` of
+    its size; released to the driver when single pages must be created and the capacity leaves no
+    room for them otherwise, or at `trim`. A spare unit never backs single pages."""
 
     def __init__(self, driver: Driver, page_size: int, max_pages: int):
         self.driver = driver
         self.page_size = page_size
         self.max_pages = max_pages
         self.cached: list[int] = []  # handles not mapped anywhere
-        self.total = 0  # handles alive (cached + mapped)
+        self.total = 0  # pages held (mapped, cached, and the pages of spare units)
         self.created = 0  # cumulative cuMemCreate calls that succeeded
         self.device_full = False  # the device refused a page below max_pages (until a creation succeeds)
+        self.units: dict[int, tuple[int, int, int]] = {}  # unit page id -> (driver handle, index, pages)
+        self._returned: dict[int, int] = {}  # unit driver handle -> its pages back in the store
+        self.spare: dict[int, list[list[int]]] = {}  # pages -> the page ids of each spare unit of that size
+        self.spare_pages = 0  # pages of the spare units
+        self._next_id = ASLEEP_HANDLE - 1
 
     @property
     def creatable(self) -> int:
         return self.max_pages - self.total
 
     @property
+    def unmapped(self) -> int:
+        """Pages held and mapped nowhere: cached, and the pages of spare units."""
+        return len(self.cached) + self.spare_pages
+
+    @property
     def available(self) -> int:
-        """Pages obtainable without unmapping anything: cached plus creatable."""
-        return len(self.cached) + self.creatable
+        """Pages obtainable without unmapping anything: cached, spare (a unit released makes room for
+        new pages) and creatable."""
+        return self.unmapped + self.creatable
 
     def take(self, n: int, txn: Transaction) -> list[int]:
-        """Take `n` handles (cached first, then new ones); undone by `txn` rollback.
+        """Take `n` handles (cached first, then new ones, releasing spare units where the capacity asks);
+        undone by `txn` rollback.
 
         Raises CudaOutOfMemoryError if the driver refuses to create a page, and
         ValueError if `n` exceeds what the store may hold (callers check first).
@@ -121,6 +145,7 @@ class PageStore:
         reuse = min(n, len(self.cached))
         for _ in range(reuse):
             handles.append(self.cached.pop())
+        self.release_spare(n - reuse - self.creatable)
         made: list[int] = []
         try:
             made = self.driver.create_each(self.page_size, n - reuse)
@@ -135,26 +160,97 @@ class PageStore:
                 handles.extend(made)
         return handles
 
+    def take_unit(self, n: int, txn: Transaction) -> list[int]:
+        """A unit of `n` pages (see the class docstring): a spare one of that size, else a new driver
+        handle of `n` pages. Returns its page ids in address order, in a list that `txn`'s rollback
+        puts back (the unit is spare again): the caller empties it once the ids are its own (mapped).
+        Raises CudaOutOfMemoryError if the driver refuses, ValueError beyond what may be held."""
+        spare = self.spare.get(n)
+        if spare:
+            ids = spare.pop()
+            self.spare_pages -= n
+            self._returned[self.units[ids[0]][0]] = 0
+        else:
+            if n > self.creatable + self.spare_pages:
+                raise ValueError(f"asked for a unit of {n} pages but only {self.creatable + self.spare_pages} "
+                                 f"may be created")
+            self.release_spare(n - self.creatable)
+            handle = self.driver.create(n * self.page_size)
+            self.device_full = False
+            self.total += n
+            self.created += 1
+            ids = list(range(self._next_id, self._next_id - n, -1))
+            self._next_id -= n
+            for index, page_id in enumerate(ids):
+                self.units[page_id] = (handle, index, n)
+            self._returned[handle] = 0
+        txn.on_rollback(self._give_back, ids)
+        return ids
+
+    def release_spare(self, pages: int | None = None) -> None:
+        """Release spare units, largest first, until `pages` more pages may be created (all of them when
+        they hold fewer, or `pages` is None). A unit the driver refuses stays spare and the error
+        propagates."""
+        if pages is None:
+            pages = self.spare_pages
+        if pages <= 0 or not self.spare_pages:
+            return
+        for size in sorted(self.spare, reverse=True):
+            units = self.spare[size]
+            while units and pages > 0:
+                self._release_unit(units[-1])
+                units.pop()
+                pages -= size
+        self.spare = {size: units for size, units in self.spare.items() if units}
+
+    def _release_unit(self, ids: list[int]) -> None:
+        handle, _, n = self.units[ids[0]]
+        self.driver.release(handle)
+        for page_id in ids:
+            del self.units[page_id]
+        self.total -= n
+        self.spare_pages -= n
+
     def _give_back(self, handles: list[int]) -> None:
-        self.cached.extend(handles)
+        self.put(handles)
         handles.clear()
 
     def put(self, handles) -> None:
-        """Return handles that are no longer mapped anywhere."""
-        self.cached.extend(handles)
+        """Return handles that are no longer mapped anywhere (a unit is spare once all its pages are back)."""
+        units = self.units
+        if not units:
+            self.cached.extend(handles)
+            return
+        for handle in handles:
+            unit = units.get(handle)
+            if unit is None:
+                self.cached.append(handle)
+                continue
+            driver_handle, index, n = unit
+            back = self._returned[driver_handle] + 1
+            self._returned[driver_handle] = back
+            if back == n:
+                del self._returned[driver_handle]
+                first = handle + index  # ids count down from the unit's first page
+                self.spare.setdefault(n, []).append(list(range(first, first - n, -1)))
+                self.spare_pages += n
 
     def trim(self, keep: int = 0) -> int:
-        """Release cached handles to the driver, keeping `keep`; returns how many were released."""
-        released = 0
-        while len(self.cached) > keep:
-            handle = self.cached.pop()
-            try:
-                self.driver.release(handle)
-            except CudaError:
-                self.cached.append(handle)
-                raise
-            self.total -= 1
-            released += 1
+        """Release every spare unit, and cached handles beyond the first `keep`; returns how many pages
+        were released. Raises the driver's refusal (what it refused stays held)."""
+        before = self.total
+        try:
+            self.release_spare(self.spare_pages)
+            while len(self.cached) > keep:
+                handle = self.cached.pop()
+                try:
+                    self.driver.release(handle)
+                except CudaError:
+                    self.cached.append(handle)
+                    raise
+                self.total -= 1
+        finally:
+            released = before - self.total
         return released
 
 
@@ -168,12 +264,47 @@ class Region:
     page_size: int
     handles: np.ndarray = field(default=None)  # int64 per page; 0 = unmapped
     backing: np.ndarray = field(default=None)  # int8 per page: DEVICE, HOST or ASLEEP
+    unit_start: np.ndarray = field(default=None)  # int64 per page: first page of its mapped unit, -1 for none
+    unit_len: np.ndarray = field(default=None)  # int64 per page: pages of its mapped unit, 0 for none
 
     def __post_init__(self):
         if self.handles is None:
             self.handles = np.zeros(self.npages, dtype=np.int64)
         if self.backing is None:
             self.backing = np.zeros(self.npages, dtype=np.int8)
+        if self.unit_start is None:
+            self.unit_start = np.full(self.npages, -1, dtype=np.int64)
+        if self.unit_len is None:
+            self.unit_len = np.zeros(self.npages, dtype=np.int64)
+
+    def set_unit(self, first: int, n: int) -> None:
+        """Pages [first, first + n) are one mapped unit (`PageStore.take_unit`)."""
+        self.unit_start[first:first + n] = first
+        self.unit_len[first:first + n] = n
+
+    def clear_units(self, first: int, n: int) -> None:
+        """Pages [first, first + n) are in no mapped unit (unmapped, or never were)."""
+        self.unit_start[first:first + n] = -1
+        self.unit_len[first:first + n] = 0
+
+    def mapping_of(self, page: int) -> range:
+        """The pages mapped with `page` by one cuMemMap: its unit's, or the page alone."""
+        start = int(self.unit_start[page])
+        return range(page, page + 1) if start < 0 else range(start, start + int(self.unit_len[page]))
+
+    def whole_units(self, pages) -> np.ndarray:
+        """One bool per page of `pages`: False for the pages of a unit that `pages` holds only a part of
+        (a unit is unmapped only whole); True for the rest."""
+        pages = np.asarray(pages, dtype=np.int64)
+        starts = self.unit_start[pages]
+        inunit = starts >= 0
+        if not inunit.any():
+            return np.ones(len(pages), dtype=bool)
+        listed = np.bincount(starts[inunit], minlength=self.npages)
+        whole = listed[starts[inunit]] == self.unit_len[pages][inunit]
+        out = np.ones(len(pages), dtype=bool)
+        out[np.flatnonzero(inunit)[~whole]] = False
+        return out
 
     @property
     def size(self) -> int:
@@ -240,11 +371,15 @@ class AddressSpace:
                 return region
         return None
 
-    def map(self, region: Region, pages: list[int], txn: Transaction | None = None) -> None:
+    def map(self, region: Region, pages: list[int], txn: Transaction | None = None, *, unit_pages: int = 0) -> None:
         """Back each (unmapped) page with a handle from the store and grant access.
 
         One cuMemMap per page (so a page can later be unmapped alone), one
-        cuMemSetAccess per run of consecutive pages. All or nothing: on failure
+        cuMemSetAccess per run of consecutive pages. With `unit_pages` >= 2,
+        the pages the store's cached handles do not back are created in
+        units (`PageStore.take_unit`) of up to `unit_pages` consecutive pages,
+        one cuMemMap each; such pages are unmapped only with the rest of their
+        unit (`_unmap_mapped` refuses a part). All or nothing: on failure
         every page mapped here is unmapped again and its handle returned to
         the store, then the error propagates. With an outer `txn`, that undo is
         also registered there, for callers with more steps after this one.
@@ -261,7 +396,7 @@ class AddressSpace:
                 raise ValueError(f"page {p} of region {region.index} is already mapped")
         left: list[int] = []
         try:
-            self._map_pages(region, pages, left)
+            self._map_pages(region, pages, left, unit_pages)
         except CudaError as exc:
             if left:
                 exc.left_mapped = (region, sorted(left))
@@ -269,22 +404,37 @@ class AddressSpace:
         if txn is not None:
             txn.on_rollback(self.unmap, region, list(pages))
 
-    def _map_pages(self, region: Region, pages: list[int], left: list[int]) -> None:
+    def _map_pages(self, region: Region, pages: list[int], left: list[int], unit_pages: int = 0) -> None:
         """`map`'s steps in a transaction of their own, undone by `_undo_map` (which lists in `left` the
         pages it could not unmap)."""
         with Transaction() as inner:
-            handles = self.store.take(len(pages), inner)
-            done: list[int] = []
-            inner.on_rollback(self._undo_map, region, done, left)
             order = sorted(pages)
+            units: list[tuple[int, int]] = []  # (first page, pages) of each unit to create
+            if unit_pages > 1:
+                reuse = min(len(order), len(self.store.cached))
+                singles = order[:reuse]
+                for first, count in page_runs(order[reuse:]):
+                    for start in range(first, first + count, unit_pages):
+                        n = min(unit_pages, first + count - start)
+                        if n > 1:
+                            units.append((start, n))
+                        else:
+                            singles.append(start)
+                order = sorted(singles)
+            done: list[int] = []
+            handles = self.store.take(len(order), inner)
+            inner.on_rollback(self._undo_map, region, done, left)
+            for first, n in units:
+                self._map_unit(region, first, n, inner, done)
             # Handed over before mapping: from here on a page's undo, not the store's, gives its handle
             # back (never both); the handles of pages a failure left unmapped go back to the store.
             mine = handles[::-1]
             handles.clear()
             mapped = 0
             try:
-                vas = (region.base + np.asarray(order, dtype=np.int64) * self.page_size).tolist()
-                self.driver.map_each(vas, self.page_size, mine)
+                if order:
+                    vas = (region.base + np.asarray(order, dtype=np.int64) * self.page_size).tolist()
+                    self.driver.map_each(vas, self.page_size, mine)
                 mapped = len(order)
             except BaseException as exc:  # a CudaError, or anything from the host side: `mapped` says how far
                 mapped = getattr(exc, "mapped", 0)
@@ -299,6 +449,18 @@ class AddressSpace:
             for first, count in page_runs(pages):
                 self.driver.set_access(region.address(first), count * self.page_size)
 
+    def _map_unit(self, region: Region, first: int, n: int, txn: Transaction, done: list[int]) -> None:
+        """Create a unit of `n` pages and map it at pages [first, first + n) of `region` with one cuMemMap;
+        its pages join `done` (whose undo unmaps them whole). Access is the caller's."""
+        ids = self.store.take_unit(n, txn)
+        self.driver.map(region.address(first), n * self.page_size, self.store.units[ids[0]][0])
+        self.map_calls += 1
+        region.handles[first:first + n] = ids
+        region.set_unit(first, n)
+        self.ref_all(list(ids))
+        done.extend(range(first, first + n))
+        ids.clear()  # the pages' undo, not the store's, gives them back from here on
+
     def _undo_map(self, region: Region, pages: list[int], left: list[int]) -> None:
         """`map`'s undo: unmap every page it mapped, handles back to the store. A page the driver will
         not unmap stays mapped: its access is granted again and it goes in `left` (usable memory the
@@ -306,17 +468,18 @@ class AddressSpace:
         transaction's `undo_errors`). A page whose access cannot be granted either stays mapped with
         no access, recorded as mapped: the heap never offers it."""
         first = None
-        for page in list(pages):
+        while pages:
+            mapping = list(region.mapping_of(pages[0]))  # a unit's pages are unmapped together
             try:
-                self._unmap_mapped(region, [page], False)
+                self._unmap_mapped(region, list(mapping), False)
             except CudaError as exc:
                 first = first or exc
                 try:
-                    self.driver.set_access(region.address(page), self.page_size)
-                    left.append(page)
+                    self.driver.set_access(region.address(mapping[0]), len(mapping) * self.page_size)
+                    left.extend(mapping)
                 except CudaError:
                     pass
-            pages.remove(page)
+            pages[:] = [p for p in pages if p not in mapping]
         if first is not None:
             raise first
 
@@ -329,6 +492,8 @@ class AddressSpace:
         about as much as a map, so a batch of donors given back costs a call per run, not per page.
         A failed call leaves its run mapped and in `pages` (runs before it stay unmapped) and the
         error propagates."""
+        if self.store.units and not region.whole_units(pages).all():
+            raise ValueError(f"region {region.index}: these pages hold a part of a unit, which is unmapped only whole")
         if sync:
             self.driver.synchronize()
         done: set[int] = set()
@@ -365,6 +530,7 @@ class AddressSpace:
                 handles = region.handles[run].tolist()
                 host = region.backing[run] == HOST
                 region.handles[run] = 0
+                region.clear_units(first, count)
                 hosts = []
                 if host.any():  # a host-located handle never enters the device store
                     region.backing[run][host] = DEVICE
@@ -436,6 +602,8 @@ class AddressSpace:
                 raise ValueError(f"page {p} of region {region.index} is already mapped")
         if not self.refs.get(handle):
             raise ValueError(f"handle {handle:#x} is not mapped anywhere: nothing to alias")
+        if handle in self.store.units:
+            raise ValueError("a unit's page is never aliased: CUDA maps a handle from its first byte only")
         done: list[int] = []
         txn.on_rollback(self._unmap_mapped, region, done, False)
         for page in sorted(pages):
@@ -453,6 +621,8 @@ class AddressSpace:
         handle = int(region.handles[page])
         if not handle or region.backing[page] != DEVICE:
             raise ValueError(f"page {page} of region {region.index} is not a mapped device page")
+        if region.unit_start[page] >= 0:
+            raise ValueError(f"page {page} of region {region.index} is part of a unit: it is unmapped only whole")
         self.driver.unmap(region.address(page), self.page_size)
         self.unmap_calls += 1
         region.handles[page] = 0
