@@ -316,8 +316,11 @@ class Backing:
             return []
         regions, pages, lengths, ages = map(np.concatenate, (regions, pages, lengths, ages))
         order = np.lexsort((pages, regions, lengths, -ages))[:count]
+        regions, pages = regions[order], pages[order]
+        if self.space.store.units:  # a unit leaves whole: its other pages come along
+            regions, pages = _complete_units(self.space.regions, regions, pages)
         space = self.space.regions
-        return _with_whole_units([(space[r], int(p)) for r, p in zip(regions[order].tolist(), pages[order].tolist())])
+        return [(space[r], p) for r, p in zip(regions.tolist(), pages.tolist())]
 
     def make_room(self, region: Region, keep_pages, needed: int) -> None:
         """Before mapping `needed` pages of `region` (`keep_pages`, destinations included): unmap as
@@ -540,6 +543,143 @@ class Backing:
         region.backing[pages] = ASLEEP
         self.space.asleep += len(pages)
 
+    # ------------------------------------------------------------------ breaking units
+    def partly_used_units(self, keep: Region | None = None, keep_pages=()) -> list[tuple[Region, int, int, int]]:
+        """Units whose pages partly hold blocks: [(region, first page, used pages, empty pages)], fewest
+        used pages first, then most empty. None with a page in `keep_pages` of region `keep` (a
+        request's own window). What `break_units` can free (the empty pages), at the cost of the used
+        ones."""
+        out = []
+        for region in self.space.regions:
+            parts = self._unit_parts(region)
+            if parts is None:
+                continue
+            firsts, lens, used = parts
+            partial = (used > 0) & (used < lens)
+            if region is keep and len(keep_pages) and partial.any():
+                kept = np.zeros(region.npages + 1, dtype=np.int64)
+                kept[np.fromiter(keep_pages, dtype=np.int64) + 1] = 1
+                kept = np.cumsum(kept)
+                partial &= kept[firsts + lens] == kept[firsts]
+            at = np.flatnonzero(partial)
+            out.extend((region, f, u, n - u) for f, n, u in
+                       zip(firsts[at].tolist(), lens[at].tolist(), used[at].tolist()))
+        out.sort(key=lambda u: (u[2], -u[3]))
+        return out
+
+    def _unit_parts(self, region: Region):
+        """(first page, pages, pages holding a block) of each mapped unit of `region`, as arrays; None
+        for a region without units."""
+        if not region.unit_len.any():
+            return None
+        firsts = np.flatnonzero(region.unit_start == np.arange(region.npages))
+        lens = region.unit_len[firsts]
+        held = np.zeros(region.npages + 1, dtype=np.int64)
+        np.cumsum(self.live_count[region.index] > 0, out=held[1:])
+        return firsts, lens, held[firsts + lens] - held[firsts]
+
+    def stranded_in_units(self) -> int:
+        """Empty pages of units that blocks still hold (what only breaking them frees)."""
+        total = 0
+        for region in self.space.regions:
+            parts = self._unit_parts(region)
+            if parts is not None:
+                _, lens, used = parts
+                total += int(((lens - used) * ((used > 0) & (used < lens))).sum())
+        return total
+
+    def break_units(self, units: list[tuple[Region, int]], txn: Transaction) -> int:
+        """Break each unit (region, its first page) of `units`: a single page of its own, with its bytes,
+        under each of its pages that holds a block, and the unit unmapped whole, its empty pages
+        unmapped and the unit spare (released where a creation needs its room). Returns how many
+        pages that frees (the units' empty pages). Undone by `txn` until it commits: each unit is
+        mapped back whole (its handle holds every byte until the commit), the single pages go back
+        to the store. ValueError, before any change, for a unit not partly used (`partly_used_units`).
+
+        What the caller vouches for: no page of a unit is in a mesh or asleep, and no other thread
+        writes to a block on one between the copy and the swap (`Scope.mesh_blocker`, as for a mesh);
+        the store holds a page for each used page (`PageStore.available`). The device is synchronized
+        once before the copies and once after (they run on the legacy stream), however many units.
+        The used pages' blocks and free ranges stay as they are; the empty pages' free space leaves
+        the heap."""
+        space, driver, P = self.space, self.driver, self.page_size
+        plans = []
+        for region, first in units:
+            mapping = region.mapping_of(first)
+            if first != mapping.start or len(mapping) < 2:
+                raise ValueError(f"page {first} of region {region.index} is not the first page of a unit")
+            pages = np.arange(first, first + len(mapping))
+            used_mask = self.live_count[region.index][pages] > 0
+            used, empty = pages[used_mask].tolist(), pages[~used_mask].tolist()
+            if not used or not empty:
+                raise ValueError(f"the unit at page {first} of region {region.index} is not partly used")
+            plans.append((region, first, len(mapping), used, empty))
+        if not plans:
+            return 0
+        self.books.flush_kept()  # an empty page's free space may sit in a range kept for reuse
+        handles = space.store.take(sum(len(plan[3]) for plan in plans), txn)
+        scratch, teardown = self._map_scratch(handles, txn)
+        txn.on_rollback(driver.synchronize)  # undone newest first: before the scratch is unmapped
+        driver.synchronize()
+        self._all_done()
+        at = 0
+        for region, _, _, used, _ in plans:
+            for start, count in page_runs(used):  # consecutive used pages lie side by side in the scratch
+                driver.copy(scratch + at * P, region.address(start), count * P)
+                at += count
+        driver.synchronize()
+        at = 0
+        for region, first, n, used, empty in plans:
+            heap = self.heaps[region.index]
+            for start, count in page_runs(empty):
+                heap.remove_free(region.address(start), count * P)
+                txn.on_rollback(heap.insert_free, region.address(start), count * P)
+            unit_handle = space.store.units[int(region.handles[first])][0]
+            driver.unmap(region.address(first), n * P)
+            space.unmap_calls += 1
+            txn.on_rollback(self._remap_unit, region, first, n, unit_handle)
+            mapped: list[int] = []  # this unit's single pages, unmapped by an undo before it maps the unit back
+            txn.on_rollback(_unmap_each, driver, mapped, P)
+            vas = [region.address(page) for page in used]
+            done = 0
+            try:
+                driver.map_each(vas, P, handles[at:at + len(used)])
+                done = len(used)
+            except BaseException as exc:
+                done = getattr(exc, "mapped", 0)
+                raise
+            finally:
+                mapped.extend(vas[:done])
+                space.map_calls += done
+            at += len(used)
+            for start, count in page_runs(used):
+                driver.set_access(region.address(start), count * P)
+        teardown()
+        # The device matches the books from here on: nothing below fails.
+        at, freed = 0, 0
+        for region, first, n, used, empty in plans:
+            mine = handles[at:at + len(used)]
+            at += len(used)
+            old = region.handles[first:first + n].tolist()
+            region.clear_units(first, n)
+            region.handles[empty] = 0
+            region.handles[used] = mine
+            self.idle[region.index][empty] = False
+            space.ref_all(mine)
+            space.unref_all(old)  # the unit's ids back together: it is spare
+            self.books.add_empty(-len(empty))
+            if self.history is not None:
+                self.history.pages_unmapped(region, empty)
+            freed += len(empty)
+        handles.clear()  # the pages' own from here on (a rollback gives back nothing)
+        return freed
+
+    def _remap_unit(self, region: Region, first: int, n: int, unit_handle: int) -> None:
+        """Undo of `break_unit`'s unmap: the unit mapped back whole, with access."""
+        self.driver.map(region.address(first), n * self.page_size, unit_handle)
+        self.space.map_calls += 1
+        self.driver.set_access(region.address(first), n * self.page_size)
+
     # ------------------------------------------------------------------ re-backing (offload, reload)
     def reback(self, region: Region, pages: list[int], handles: list[int], to: int, txn: Transaction) -> list[int]:
         """Put `handles` (one per page; `to` is their kind, `vmm.DEVICE` or `vmm.HOST`) under `pages` of
@@ -628,13 +768,22 @@ class Backing:
         txn.on_rollback(_free_scratch, driver, reserved, n * P)
         staged: list[int] = []
         txn.on_rollback(_unmap_each, driver, staged, P)
-        for i, h in enumerate(handles):
-            driver.map(scratch + i * P, P, h)
-            staged.append(scratch + i * P)
+        vas = [scratch + i * P for i in range(n)]
+        done = 0
+        try:
+            driver.map_each(vas, P, handles)
+            done = n
+        except BaseException as exc:
+            done = getattr(exc, "mapped", 0)
+            raise
+        finally:
+            staged.extend(vas[:done])
         driver.set_access(scratch, n * P)
 
         def teardown() -> None:
-            _unmap_each(driver, staged, P)
+            if staged:  # one cuMemUnmap covers the whole mappings side by side
+                driver.unmap(scratch, n * P)
+                staged.clear()
             _free_scratch(driver, reserved, n * P)
         return scratch, teardown
 
@@ -657,9 +806,31 @@ def _whole_units(region: Region, mask: np.ndarray) -> None:
     if not inunit.any():
         return
     at = np.flatnonzero(inunit)
-    starts, index, listed = np.unique(region.unit_start[at], return_inverse=True, return_counts=True)
-    partial = listed[index] != region.unit_len[at]
-    mask[at[partial]] = False
+    starts = region.unit_start[at]
+    listed = np.bincount(starts, minlength=region.npages)  # pages of each unit in the mask, by first page
+    mask[at[listed[starts] != region.unit_len[at]]] = False
+
+
+def _complete_units(regions: list[Region], index: np.ndarray, pages: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(region index, page) arrays with the other pages of every unit they touch added after them, in
+    address order: `_with_whole_units` over arrays."""
+    extra_index, extra_pages = [index], [pages]
+    for i in np.unique(index).tolist():
+        region = regions[i]
+        listed = pages[index == i]
+        starts = region.unit_start[listed]
+        inunit = starts >= 0
+        if not inunit.any():
+            continue
+        firsts = np.unique(starts[inunit])
+        lengths = region.unit_len[firsts]
+        members = np.repeat(firsts, lengths) + (np.arange(lengths.sum()) - np.repeat(np.cumsum(lengths) - lengths, lengths))
+        more = np.setdiff1d(members, listed)
+        extra_index.append(np.full(len(more), i, dtype=index.dtype))
+        extra_pages.append(more)
+    if len(extra_pages) == 1:
+        return index, pages
+    return np.concatenate(extra_index), np.concatenate(extra_pages)
 
 
 def _with_whole_units(pages: list[tuple[Region, int]]) -> list[tuple[Region, int]]:

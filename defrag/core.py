@@ -62,6 +62,7 @@ contract is written out in `defrag.pool`).
 from __future__ import annotations
 
 import collections
+import logging
 import math
 from dataclasses import dataclass
 
@@ -70,13 +71,15 @@ import numpy as np
 from . import native, readout, threads
 from .backing import Backing, NoSpace
 from .driver import Driver
-from .errors import CudaOutOfMemoryError, PoolAsleepError, PoolClosedError, StaleAccessError
+from .errors import CudaError, CudaOutOfMemoryError, PoolAsleepError, PoolClosedError, StaleAccessError
 from .movability import Scope, Users
 from .page_growth import GrowthPolicy
 from .page_runs import mask_runs
 from .readout import OutOfRoom
 from .units import ALIGNMENT, format_bytes
 from .vmm import Region, Transaction
+
+_log = logging.getLogger("defrag")
 
 
 @dataclass(eq=False, slots=True)
@@ -256,6 +259,7 @@ class Core:
         # The pages under the regions: every map, unmap, stitch and re-backing (`defrag.backing`).
         self.backing = Backing(driver, self.books, page_size, capacity_pages, self.peaks)
         self.growth = GrowthPolicy() if growth is None else growth  # when placement grows, when it stitches
+        self.units_closed = False  # set once mapped pages pass the units' ceiling (`GrowthPolicy.unit_ceiling`)
         self.space = self.backing.space
         self._heaps = self.backing.heaps  # per region: its native Heap (`defrag/native/heap.h`)
         self.waves = WaveBooks(self.books, self.backing)  # a compaction wave's books (`defrag.compactor`)
@@ -553,7 +557,7 @@ class Core:
         if to_map:
             self._supply(region, window, len(to_map), size)
         with Transaction() as txn:
-            self.backing.map_for_placement(region, to_map, txn, unit_pages=self.growth.unit_pages_for(len(to_map), self.capacity_pages))
+            self.backing.map_for_placement(region, to_map, txn, unit_pages=0 if self.units_closed else self.growth.unit_pages_for(len(to_map), self.capacity_pages, self.space.mapped))
             address = self._heaps[region.index].allocate_at(address, size)
         return self.carve(region, address, size, nbytes)
 
@@ -568,12 +572,21 @@ class Core:
         args = dict(mapped=self.space.mapped, live_bytes=c["allocated_bytes"] + c["pending_bytes"],
                     request_bytes=size, page_size=self.page_size, cached=len(store.cached),
                     creatable=store.creatable + store.spare_pages, capacity=self.capacity_pages)
+        if not self.units_closed and self.growth.beyond_unit_ceiling(self.space.mapped + need, self.capacity_pages):
+            self.units_closed = True  # near its capacity once, the pool makes no more units
+        broke = 0
+        if self.units_closed and store.units and self.backing.stranded_in_units():
+            broke = self._break_units(region, window)  # and frees, in one batch, what units strand
         supply = self.growth.supply(need, donors=self.books.empty, **args)  # an upper bound: cheap
         if not supply.stitched and need <= store.available:
             return
         backing = self.backing
         masks = backing.empty_masks(region, window)  # the same pages for the count and the choice
         donors = backing.count_empty(masks=masks)
+        if need > store.available + donors and store.units and broke >= 0:  # not again after a fault
+            self._break_units(region, window, need - store.available - donors)
+            masks = backing.empty_masks(region, window)  # donors it unmapped are in the store now
+            donors = backing.count_empty(masks=masks)
         if need > store.available + donors:
             raise NoSpace(f"needs {need} new pages, {store.available + donors} can be had")
         supply = self.growth.supply(need, donors=donors, **args)
@@ -583,6 +596,42 @@ class Core:
         donors = backing.donors(region, window, supply.stitched + supply.give_back, masks)
         backing.unmap_empty(donors, idle_known=True)  # every placement, native or not, clears `idle`
         backing.age_empty()
+
+    def _break_units(self, region: Region, window: list[int], short: int | None = None) -> int:
+        """Free physical pages stranded in partly used units outside `window` by breaking them
+        (`Backing.break_units`, in one batch): all of them, or with `short` the fewest that free
+        `short` pages, fewest used pages first (each needs a page per used page, from the store or
+        from empty pages elsewhere, and frees its empty ones). Only while no other thread that used
+        the pool runs (a write between the copy and the swap would be lost: the mesh's rule) and no
+        CUDA graph is captured (it synchronizes). Returns the pages freed, or -1 after a driver fault,
+        which rolls the batch back and is logged (the pages stay stranded, nothing is lost)."""
+        backing, store = self.backing, self.space.store
+        if not self.scope(None).everything or self.driver.is_capturing():
+            return 0
+        masks = backing.empty_masks(region, window)
+        spendable = store.available + backing.count_empty(masks=masks)
+        chosen, used_total, freed = [], 0, 0
+        for unit_region, first, used, empty in backing.partly_used_units(region, window):
+            if short is not None and freed >= short:
+                break
+            if used_total + used > spendable:
+                continue
+            chosen.append((unit_region, first))
+            used_total += used
+            freed += empty
+        if not chosen:
+            return 0
+        try:
+            if used_total > store.available:  # the used pages' new pages come from empty pages elsewhere
+                backing.unmap_empty(backing.donors(region, window, used_total - store.available, masks))
+            with Transaction() as txn:
+                freed = backing.break_units(chosen, txn)
+            self.counters["units.broken"] += len(chosen)
+            self.counters["units.freed_pages"] += freed
+            return freed
+        except CudaError as exc:
+            _log.warning("defrag: breaking %d units failed (rolled back): %s", len(chosen), str(exc))  # no frame kept
+            return -1
 
     # ------------------------------------------------------------------ the ladder
     def allocate(self, nbytes: int, rescue=None, describe=None, stream: int = 0) -> Block:

@@ -54,10 +54,28 @@ or released where single pages need its room. Sleep unmaps a unit with one
 call, offload packs blocks off units first, and meshing never takes a unit's
 page. The share keeps what a partly used unit strands small beside the pool
 (a pool under 2,560 pages makes none); the minimum keeps units to placements
-large enough to fill two. On the serving trace, with the budget as above:
-cuMemMap + cuMemUnmap 116,148 -> 21,326 and cuMemCreate 34,315 -> 6,872,
-for 165 synchronizes (142 before) and the same 1.10 peak reserved over peak
-live; docs/benchmarks.md has the other traces and the placement rows.
+large enough to fill two.
+
+*The units' ceiling.* A unit that blocks hold only in part strands its empty
+pages: nothing else can map them. With room to spare that costs nothing; near
+the capacity it would cost the pool its tightness (on the serving trace, 2.5
+GiB of its smallest capacity). So units are made only while mapped pages,
+the placement's included, stay within `UNIT_CEILING` of the capacity. Once a
+placement passes it the pool makes no more units (`Core.units_closed`, for
+the pool's life), and each placement that maps pages first *breaks* every
+unit that blocks hold only in part (`Backing.break_units`, one batch): each
+used page gets a single page of its own with its bytes, the unit is unmapped
+whole and spare, and its empty pages are free like any other. A unit is
+broken at most once, so this costs at most two synchronizes per unit the
+pool ever made. A placement that is short of pages breaks units too, below
+the ceiling, the fewest used pages first. Breaking copies pages, so it runs
+only while no other thread that used the pool runs, and never during graph
+capture; a driver fault rolls the batch back (the pages stay stranded). On
+the serving trace at 80 GiB (peak reserved 0.84 of the capacity, so units
+all the way): cuMemMap + cuMemUnmap 116,148 -> 21,326 and cuMemCreate 34,315
+-> 6,872, for 165 synchronizes (142 before) and the same 1.10 peak reserved
+over peak live; its smallest capacities stay within a few pages of a handle
+per page. docs/benchmarks.md has the figures.
 
 What it does not decide: which window a block takes (`Core._place_large`),
 which empty pages are donors (`Backing.donors`), or anything about
@@ -73,6 +91,7 @@ SLACK = 1.10
 BATCH_PAGES = 64  # the most empty pages beyond the budget given back with one stitch (128 MiB of 2 MiB pages)
 UNIT_SHARE = 1280  # a unit holds at most the capacity over this (64 MiB of an 80 GiB pool); 0: no units
 UNIT_MIN = 2  # a placement creates units when it maps at least this many units' worth of pages
+UNIT_CEILING = 0.85  # units only while mapped pages stay within this share of the capacity (see above)
 
 
 @dataclass(frozen=True, slots=True)
@@ -92,12 +111,14 @@ class GrowthPolicy:
     """The pool's page growth policy (see the module docstring): a slack over what is live, the most
     empty pages beyond the budget that one stitch gives back, and when new pages come as units
     (`unit_share`: a unit holds at most the capacity over it, 0 for none; `unit_min`: how many units'
-    worth a placement maps at least to make them)."""
+    worth a placement maps at least to make them; `unit_ceiling`: the share of the capacity mapped
+    pages stay within for units to be made, above 1 for no ceiling)."""
 
     slack: float = SLACK
     batch_pages: int = BATCH_PAGES
     unit_share: int = UNIT_SHARE
     unit_min: int = UNIT_MIN
+    unit_ceiling: float = UNIT_CEILING
 
     def __post_init__(self):
         if not self.slack >= 1.0:
@@ -105,16 +126,27 @@ class GrowthPolicy:
                              f"got {self.slack!r}")
         if self.batch_pages < 1:
             raise ValueError(f"batch_pages must be at least 1, got {self.batch_pages!r}")
+        if not self.unit_ceiling > 0:
+            raise ValueError(f"unit_ceiling must be above 0 (a share of the capacity), got {self.unit_ceiling!r}")
         if self.unit_share < 0 or self.unit_min < 1:
             raise ValueError(f"unit_share must be at least 0 (0: no units) and unit_min at least 1, got "
                              f"{self.unit_share!r} and {self.unit_min!r}")
 
-    def unit_pages_for(self, mapped_pages: int, capacity_pages: int) -> int:
+    def unit_pages_for(self, mapped_pages: int, capacity_pages: int, mapped_now: int = 0) -> int:
         """The most pages of one unit for a placement that maps `mapped_pages` pages of a pool of
-        `capacity_pages`: the capacity over `unit_share` when that is 2 or more and the placement maps
-        `unit_min` units' worth or more; else 0 (each new page a handle of its own)."""
+        `capacity_pages` with `mapped_now` pages mapped before it: the capacity over `unit_share` when that
+        is 2 or more, the placement maps `unit_min` units' worth or more and mapped pages stay within the
+        ceiling; else 0 (each new page a handle of its own). Whether the pool still makes units at all
+        is the core's (`Core.units_closed`)."""
         unit = capacity_pages // self.unit_share if self.unit_share else 0
+        if mapped_now + mapped_pages > self.unit_ceiling * capacity_pages:
+            return 0
         return unit if unit >= 2 and mapped_pages >= self.unit_min * unit else 0
+
+    def beyond_unit_ceiling(self, mapped_pages: int, capacity_pages: int) -> bool:
+        """Whether `mapped_pages` (after a placement) pass the units' ceiling: partly used units are
+        then broken (`Core._break_units`), for pages stranded in them would be missed."""
+        return mapped_pages > self.unit_ceiling * capacity_pages
 
     def budget(self, live_bytes: int, request_bytes: int, page_size: int) -> int:
         """The most pages the pool maps without stitching, once `request_bytes` are placed beside the

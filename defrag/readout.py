@@ -157,6 +157,8 @@ def stats(core) -> dict:
         "num_meshes.automatic": c["num_meshes.automatic"],
         "mesh.freed_pages": c["mesh.freed_pages"],
         "mesh.copied_bytes": c["mesh.copied_bytes"],
+        "units.broken": c["units.broken"],
+        "units.freed_pages": c["units.freed_pages"],
         "pages.cached": store.unmapped,
         "pages.total": store.total,
         "pages.empty": empty,

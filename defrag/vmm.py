@@ -524,6 +524,18 @@ class AddressSpace:
             unmapped = getattr(exc, "mapped", 0)
             raise
         finally:
+            if not self.host_mapped and unmapped:  # device pages only: the runs' books in one pass
+                firsts = np.fromiter((f for f, _ in runs[:unmapped]), dtype=np.int64, count=unmapped)
+                counts = np.fromiter((c for _, c in runs[:unmapped]), dtype=np.int64, count=unmapped)
+                pages = np.repeat(firsts - np.cumsum(counts) + counts, counts) + np.arange(int(counts.sum()))
+                handles = region.handles[pages].tolist()
+                region.handles[pages] = 0
+                region.unit_start[pages] = -1
+                region.unit_len[pages] = 0
+                self.unmap_calls += unmapped
+                self.unref_all(handles)
+                done.update(pages.tolist())
+                runs = []
             for first, count in runs[:unmapped]:
                 self.unmap_calls += 1
                 run = slice(first, first + count)

@@ -3,6 +3,10 @@ one cuMemMap), unmapped only whole, kept whole once empty (spare) and mapped aga
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import numpy as np
 import pytest
 import torch
@@ -19,10 +23,11 @@ from .conftest import KiB, MiB, check_pattern, fill_pattern
 P = 2 * MiB
 
 
-def _dry(units_of: int = 4, pages: int = 64) -> DryPool:
-    """A dry pool of `pages` pages whose placements of 2 units' worth or more create units of `units_of`."""
+def _dry(units_of: int = 4, pages: int = 64, ceiling: float = 1.0) -> DryPool:
+    """A dry pool of `pages` pages whose placements of 2 units' worth or more create units of `units_of`
+    (while mapped pages stay within `ceiling` of the capacity: all the way, unless a test says)."""
     pool = DryPool(pages * P, P, auto_compact=False)
-    pool.core.growth = GrowthPolicy(unit_share=pages // units_of)
+    pool.core.growth = GrowthPolicy(unit_share=pages // units_of, unit_ceiling=ceiling)
     return pool
 
 
@@ -229,3 +234,134 @@ def test_a_units_pages_never_mesh_or_rebacked_alone(make_pool):
             pool.core.backing.reback(region, [min(unit_pages)], [0], HOST, txn)
     pool.check_invariants()
     del ts
+
+
+def test_past_the_ceiling_the_pool_makes_no_more_units():
+    pool = _dry(units_of=4, pages=64, ceiling=0.5)
+    assert pool.alloc("a", 16 * P) and pool.alloc("b", 16 * P)  # 32 pages mapped: at the ceiling, units
+    region = pool.core.space.regions[0]
+    assert len(_units(region)) == 8 and not pool.core.units_closed
+    before = _calls(pool)
+    assert pool.alloc("c", 8 * P)  # 40 pages would pass it: a handle per page, and no unit from now on
+    assert _made(pool, before)["cuMemCreate"] == 8 and pool.core.units_closed
+    pool.free("c")
+    pool.free("a")
+    assert pool.alloc("d", 8 * P) and len(_units(region)) == 8  # the free units' pages hold it
+    with pytest.raises(ValueError, match="unit_ceiling"):
+        GrowthPolicy(unit_ceiling=0)
+    pool.check_invariants()
+
+
+def _stranding_pool(make_pool):
+    """An emulated pool of 24 pages of 64 KiB: units [0, 8) and [8, 16), single pages [16, 24) under `b`,
+    and of the first unit only page 4 used (by `c`): 7 pages that unit strands, 8 the other holds
+    empty, and no free run of addresses in [0, 24) long enough for 14 pages."""
+    pool = make_pool("1536KiB", auto_compact=False)
+    pool.core.growth = GrowthPolicy(unit_share=3, unit_ceiling=1.0)  # units of 8 for placements of 16 pages
+    P = pool.page_size
+    a = pool.empty((16 * P,), dtype=torch.uint8)
+    b = pool.empty((8 * P,), dtype=torch.uint8)
+    region = pool.core.space.regions[0]
+    assert _units(region) == [(0, 8), (8, 8)] and region.page_of(b.data_ptr()) == 16
+    del a
+    c1 = pool.empty((4 * P,), dtype=torch.uint8)
+    c = pool.empty((P,), dtype=torch.uint8)
+    assert region.page_of(c1.data_ptr()) == 0 and region.page_of(c.data_ptr()) == 4
+    del c1
+    fill_pattern(b, 1)
+    fill_pattern(c, 2)
+    return pool, region, b, c
+
+
+def test_a_placement_breaks_a_partly_used_unit_for_the_pages_it_strands(make_pool):
+    pool, region, b, c = _stranding_pool(make_pool)
+    P = pool.page_size
+    before = _calls(pool)
+    d = pool.empty((14 * P,), dtype=torch.uint8)  # 15 pages are free, 7 of them only by breaking [0, 8)
+    made = _made(pool, before)
+    assert region.page_of(d.data_ptr()) >= 24 and _units(region) == []
+    assert region.handles[4] > 0 and region.unit_start[4] < 0  # c's page: a single page of its own
+    assert check_pattern(b, 1) and check_pattern(c, 2)
+    assert made["cuMemcpyDtoDAsync"] == 1  # c's page, the one used page of the unit broken
+    st = pool.stats()
+    assert st["pages.total"] <= 24 and st["units.broken"] == 1 and st["units.freed_pages"] == 7
+    fill_pattern(d, 3)
+    assert check_pattern(c, 2) and check_pattern(b, 1)
+    pool.check_invariants()
+
+
+@pytest.mark.parametrize("call,nth", [("cuMemcpyDtoDAsync", 1), ("cuMemUnmap", 2), ("cuMemMap", 1), ("cuMemSetAccess", 2)])
+def test_a_driver_fault_while_breaking_a_unit_leaves_it_whole_with_its_bytes(make_pool, call, nth):
+    pool, region, b, c = _stranding_pool(make_pool)
+    P = pool.page_size
+    units = _units(region)
+    pool.driver.faults.inject(call, CUresult.CUDA_ERROR_UNKNOWN, nth=nth)
+    with pytest.raises(torch.OutOfMemoryError):
+        pool.empty((14 * P,), dtype=torch.uint8)
+    pool.driver.faults.clear()
+    assert region.unit_start[4] == 0 and (0, 8) in _units(region) and units[0] == (0, 8)
+    assert check_pattern(b, 1) and check_pattern(c, 2)
+    pool.check_invariants()
+    d = pool.empty((14 * P,), dtype=torch.uint8)  # the next try breaks it
+    assert check_pattern(b, 1) and check_pattern(c, 2) and d.numel() == 14 * P
+    pool.check_invariants()
+
+
+def test_past_the_ceiling_what_units_strand_is_freed_at_the_next_placement_that_maps_pages():
+    pool = _dry(units_of=4, pages=64, ceiling=0.5)
+    assert pool.alloc("a", 16 * P) and pool.alloc("b", 16 * P)
+    region = pool.core.space.regions[0]
+    pool.free("a")
+    assert pool.alloc("s", P // 2)  # half of page 0: 3 empty pages in the first unit
+    assert pool.core.backing.stranded_in_units() == 3 and (0, 4) in _units(region)
+    before = _calls(pool)
+    assert pool.alloc("c", 20 * P)  # past the ceiling: that unit is broken, its 3 empty pages go back
+    made = _made(pool, before)
+    assert pool.core.units_closed and (0, 4) not in _units(region)
+    assert region.unit_start[0] < 0 and region.handles[0] != 0 and not region.handles[1:4].any()
+    assert pool.core.backing.stranded_in_units() == 0
+    assert made["cuMemUnmap"] >= 1 and made["cuCtxSynchronize"] >= 2
+    pool.check_invariants()
+
+
+THREAD_HOLDS = r"""
+import sys, threading, torch, defrag
+sys.path.insert(0, "tests")
+from cpu.test_physical_units import _stranding_pool
+from defrag.driver import Driver
+def make(capacity, **kw):
+    drv = Driver.emulated(capacity=4 * defrag.parse_size(capacity), granularity=64 * 1024)
+    return defrag.Pool(device=drv, capacity=capacity, **kw)
+pool, region, b, c = _stranding_pool(make)
+P = pool.page_size
+used, done = threading.Event(), threading.Event()
+def worker():
+    t = pool.empty((P // 4,), dtype=torch.uint8)  # this thread used the pool, and runs on
+    used.set()
+    done.wait()
+    del t
+w = threading.Thread(target=worker, name="busy-worker")
+w.start()
+used.wait()
+try:
+    pool.empty((14 * P,), dtype=torch.uint8)
+    print("placed while busy")
+except torch.OutOfMemoryError:
+    print("refused while busy", int(region.unit_start[4]))
+done.set()
+w.join()
+d = pool.empty((13 * P,), dtype=torch.uint8)
+print("placed after", int(region.unit_start[4]), bool(torch.equal(c, c.clone())))
+"""
+
+
+def test_no_unit_is_broken_while_another_thread_that_used_the_pool_runs():
+    """A break copies blocks' pages: another running thread's write between the copy and the swap would
+    be lost, so none is broken then (the placement fails as it would without breaking); once the
+    thread is gone, the same request breaks the unit."""
+    out = subprocess.run([sys.executable, "-c", THREAD_HOLDS], capture_output=True, text=True, timeout=300,
+                         env={**os.environ}, cwd=os.path.dirname(os.path.dirname(os.path.dirname(__file__))))
+    assert out.returncode == 0, out.stderr[-2000:]
+    lines = out.stdout.split("\n")
+    assert "refused while busy 0" in lines, out.stdout
+    assert any(line.startswith("placed after -1") for line in lines), out.stdout
