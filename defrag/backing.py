@@ -269,6 +269,9 @@ class Backing:
             return
         except CudaOutOfMemoryError as exc:
             error = exc
+        # A page the failed attempt's undo could not unmap is mapped already, an empty page of the heap
+        # (`map`'s left_mapped): it serves as it is.
+        pages = [p for p in pages if not region.handles[p]]
         if store.spare_pages:  # units held unmapped: released, the device has their room for single pages
             store.release_spare()
             try:
@@ -280,11 +283,10 @@ class Backing:
         store.device_full = True
         donors = [(r, p) for r, p in self.empty_mapped(region, pages) if r.unit_start[p] < 0]
         need = len(pages) - len(self.space.store.cached)
-        if 0 < need <= len(donors):
-            self.unmap_empty(donors[:need])
-            # From cached handles only: the device is not asked. A page the failed attempt's undo could not
-            # unmap is mapped already, an empty page of the heap (`map`'s left_mapped): it serves as it is.
-            self.map(region, [p for p in pages if not region.handles[p]], txn)
+        if need <= len(donors):
+            if need > 0:
+                self.unmap_empty(donors[:need])
+            self.map(region, pages, txn)  # from cached handles only: the device is not asked
             return
         raise NoSpace(f"the device has no free memory for {len(pages)} more page(s) ({error.name})") from error
 
@@ -332,7 +334,7 @@ class Backing:
         available = self.space.store.available
         if available + len(donors) < needed:
             raise NoSpace(f"needs {needed} new pages but only {available + len(donors)} physical pages are free")
-        self.unmap_empty(_with_whole_units(donors[:needed]))
+        self.unmap_empty(with_whole_units(donors[:needed]))
 
     def trim(self) -> int:
         """Unmap every page that holds no block and release every cached physical page to the driver;
@@ -570,13 +572,11 @@ class Backing:
     def _unit_parts(self, region: Region):
         """(first page, pages, pages holding a block) of each mapped unit of `region`, as arrays; None
         for a region without units."""
-        if not region.unit_len.any():
+        firsts, lens, members = region.units()
+        if not firsts.size:
             return None
-        firsts = np.flatnonzero(region.unit_start == np.arange(region.npages))
-        lens = region.unit_len[firsts]
-        held = np.zeros(region.npages + 1, dtype=np.int64)
-        np.cumsum(self.live_count[region.index] > 0, out=held[1:])
-        return firsts, lens, held[firsts + lens] - held[firsts]
+        held = self.live_count[region.index][members] > 0
+        return firsts, lens, np.add.reduceat(held, np.cumsum(lens) - lens, dtype=np.int64)
 
     def stranded_in_units(self) -> int:
         """Empty pages of units that blocks still hold (what only breaking them frees)."""
@@ -592,9 +592,11 @@ class Backing:
         """Break each unit (region, its first page) of `units`: a single page of its own, with its bytes,
         under each of its pages that holds a block, and the unit unmapped whole, its empty pages
         unmapped and the unit spare (released where a creation needs its room). Returns how many
-        pages that frees (the units' empty pages). Undone by `txn` until it commits: each unit is
-        mapped back whole (its handle holds every byte until the commit), the single pages go back
-        to the store. ValueError, before any change, for a unit not partly used (`partly_used_units`).
+        pages that frees (the units' empty pages). A failure on the way is undone by `txn`: each unit
+        is mapped back whole (its handle holds every byte), the single pages go back to the store.
+        Once it returns, the books are updated with no undo: the caller commits `txn` at once, with
+        no later step in it. ValueError, before any change, for a unit not partly used
+        (`partly_used_units`).
 
         What the caller vouches for: no page of a unit is in a mesh or asleep, and no other thread
         writes to a block on one between the copy and the swap (`Scope.mesh_blocker`, as for a mesh);
@@ -813,7 +815,7 @@ def _whole_units(region: Region, mask: np.ndarray) -> None:
 
 def _complete_units(regions: list[Region], index: np.ndarray, pages: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """(region index, page) arrays with the other pages of every unit they touch added after them, in
-    address order: `_with_whole_units` over arrays."""
+    address order: `with_whole_units` over arrays."""
     extra_index, extra_pages = [index], [pages]
     for i in np.unique(index).tolist():
         region = regions[i]
@@ -833,7 +835,7 @@ def _complete_units(regions: list[Region], index: np.ndarray, pages: np.ndarray)
     return np.concatenate(extra_index), np.concatenate(extra_pages)
 
 
-def _with_whole_units(pages: list[tuple[Region, int]]) -> list[tuple[Region, int]]:
+def with_whole_units(pages: list[tuple[Region, int]]) -> list[tuple[Region, int]]:
     """`pages` with the other pages of every unit they touch added (after them, in address order): what
     unmapping them takes."""
     by_region: dict[int, tuple[Region, list[int]]] = {}

@@ -260,6 +260,7 @@ class Core:
         self.backing = Backing(driver, self.books, page_size, capacity_pages, self.peaks)
         self.growth = GrowthPolicy() if growth is None else growth  # when placement grows, when it stitches
         self.units_closed = False  # set once mapped pages pass the units' ceiling (`GrowthPolicy.unit_ceiling`)
+        self._placing_stream = 0  # the stream `place` places for (a unit break checks it for graph capture)
         self.space = self.backing.space
         self._heaps = self.backing.heaps  # per region: its native Heap (`defrag/native/heap.h`)
         self.waves = WaveBooks(self.books, self.backing)  # a compaction wave's books (`defrag.compactor`)
@@ -483,7 +484,11 @@ class Core:
         if not self.books.fence(stream):
             self.driver.synchronize()
             self.books.synchronized()
-        block = self._place(nbytes)
+        self._placing_stream = stream
+        try:
+            block = self._place(nbytes)
+        finally:
+            self._placing_stream = 0
         if stream:
             self.books.set_stream(block.address, block, stream)
         return block
@@ -565,22 +570,23 @@ class Core:
         """Before mapping `need` pages of `window` for a block of `size` bytes: unmap the donors the growth
         policy (`defrag.page_growth`) asks for, so that the store's cached and new handles back the rest.
         Within the budget nothing is unmapped; beyond it, empty mapped pages elsewhere (stitching).
-        NoSpace, with nothing changed, when the store and the empty pages outside `window` together hold
-        fewer than `need` pages (the ladder's quick count of free pages lets through a window whose first
-        and last pages other blocks hold: those need no physical page)."""
-        store, c = self.space.store, self.books.counters()  # the block counters are the books'
-        args = dict(mapped=self.space.mapped, live_bytes=c["allocated_bytes"] + c["pending_bytes"],
-                    request_bytes=size, page_size=self.page_size, cached=len(store.cached),
-                    creatable=store.creatable + store.spare_pages, capacity=self.capacity_pages)
+        Units that blocks hold in part are broken first past the units' ceiling, or when the request is
+        short without their pages (`_break_units`).
+        NoSpace when the store and the empty pages outside `window` together hold fewer than `need`
+        pages (the ladder's quick count of free pages lets through a window whose first and last pages
+        other blocks hold: those need no physical page). Nothing is unmapped then, except what a break
+        did: units broken, and the empty pages that gave their used pages new ones, stay so (their
+        blocks and bytes are where they were)."""
+        store = self.space.store
+        backing = self.backing
+        broke = 0
         if not self.units_closed and self.growth.beyond_unit_ceiling(self.space.mapped + need, self.capacity_pages):
             self.units_closed = True  # near its capacity once, the pool makes no more units
-        broke = 0
-        if self.units_closed and store.units and self.backing.stranded_in_units():
+        if self.units_closed and store.units and backing.stranded_in_units():
             broke = self._break_units(region, window)  # and frees, in one batch, what units strand
-        supply = self.growth.supply(need, donors=self.books.empty, **args)  # an upper bound: cheap
+        supply = self.growth.supply(need, donors=self.books.empty, **self._growth_args(size))  # an upper bound
         if not supply.stitched and need <= store.available:
             return
-        backing = self.backing
         masks = backing.empty_masks(region, window)  # the same pages for the count and the choice
         donors = backing.count_empty(masks=masks)
         if need > store.available + donors and store.units and broke >= 0:  # not again after a fault
@@ -589,13 +595,20 @@ class Core:
             donors = backing.count_empty(masks=masks)
         if need > store.available + donors:
             raise NoSpace(f"needs {need} new pages, {store.available + donors} can be had")
-        supply = self.growth.supply(need, donors=donors, **args)
+        supply = self.growth.supply(need, donors=donors, **self._growth_args(size))
         # Which pages go is the same whatever is known of the device (a dry and a real pool place alike);
         # whether they wait for it is not: a face's native fast path places blocks the backing never
         # hears of, so there every batch waits.
         donors = backing.donors(region, window, supply.stitched + supply.give_back, masks)
         backing.unmap_empty(donors, idle_known=True)  # every placement, native or not, clears `idle`
         backing.age_empty()
+
+    def _growth_args(self, size: int) -> dict:
+        """The growth policy's view of the pool now, for a request of `size` bytes."""
+        store, c = self.space.store, self.books.counters()  # the block counters are the books'
+        return dict(mapped=self.space.mapped, live_bytes=c["allocated_bytes"] + c["pending_bytes"],
+                    request_bytes=size, page_size=self.page_size, cached=len(store.cached),
+                    creatable=store.creatable + store.spare_pages, capacity=self.capacity_pages)
 
     def _break_units(self, region: Region, window: list[int], short: int | None = None) -> int:
         """Free physical pages stranded in partly used units outside `window` by breaking them
@@ -606,7 +619,7 @@ class Core:
         CUDA graph is captured (it synchronizes). Returns the pages freed, or -1 after a driver fault,
         which rolls the batch back and is logged (the pages stay stranded, nothing is lost)."""
         backing, store = self.backing, self.space.store
-        if not self.scope(None).everything or self.driver.is_capturing():
+        if not self.scope(None).everything or self._capturing():
             return 0
         masks = backing.empty_masks(region, window)
         spendable = store.available + backing.count_empty(masks=masks)
@@ -621,17 +634,29 @@ class Core:
             freed += empty
         if not chosen:
             return 0
+        txn = Transaction()
         try:
             if used_total > store.available:  # the used pages' new pages come from empty pages elsewhere
                 backing.unmap_empty(backing.donors(region, window, used_total - store.available, masks))
-            with Transaction() as txn:
+            with txn:
                 freed = backing.break_units(chosen, txn)
-            self.counters["units.broken"] += len(chosen)
-            self.counters["units.freed_pages"] += freed
-            return freed
         except CudaError as exc:
+            if txn.undo_errors:  # a unit could not be mapped back: its blocks' bytes are not where the books say
+                raise
             _log.warning("defrag: breaking %d units failed (rolled back): %s", len(chosen), str(exc))  # no frame kept
             return -1
+        self.counters["units.broken"] += len(chosen)
+        self.counters["units.freed_pages"] += freed
+        return freed
+
+    def _capturing(self) -> bool:
+        """Whether a CUDA graph is being captured on the legacy stream or the stream being placed for (a
+        break synchronizes, which would invalidate the capture); True where the driver refuses to say
+        (an implicit capture: a blocking stream capturing, asked about the legacy stream)."""
+        try:
+            return any(self.driver.is_capturing(s) for s in {0, self._placing_stream})
+        except CudaError:
+            return True
 
     # ------------------------------------------------------------------ the ladder
     def allocate(self, nbytes: int, rescue=None, describe=None, stream: int = 0) -> Block:

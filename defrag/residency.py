@@ -57,6 +57,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from .compactor import PROGRESS_BYTES, Mover, PhaseTimer, move_blocks, progress_bar
+from .backing import with_whole_units
 from .core import Block, Core, Scope
 from .errors import CudaError, NotSupportedError, PoolClosedError, ResidencyError
 from .units import format_bytes
@@ -547,7 +548,7 @@ def reload(core: Core, blocks=None, *, progress: bool | None = None) -> Residenc
                 f"reload needs {need} device pages ({format_bytes(need * P)}) but only "
                 f"{space.store.available + len(donors)} are free in the pool: free or offload other tensors "
                 f"first; nothing was reloaded")
-        core.backing.unmap_empty(donors[:short])
+        core.backing.unmap_empty(with_whole_units(donors[:short]))  # a unit leaves whole, or not at all
     bar = progress_bar(need * P, progress, "defrag reload", large=need * P > PROGRESS_BYTES)
     olds: list[int] = []
     back: list[Block] = []

@@ -266,6 +266,9 @@ class Region:
     backing: np.ndarray = field(default=None)  # int8 per page: DEVICE, HOST or ASLEEP
     unit_start: np.ndarray = field(default=None)  # int64 per page: first page of its mapped unit, -1 for none
     unit_len: np.ndarray = field(default=None)  # int64 per page: pages of its mapped unit, 0 for none
+    units_version: int = 0  # bumped at every change of the units (`units` caches by it)
+    _units: tuple = field(default=None, repr=False, compare=False)
+    _units_at: int = field(default=-1, repr=False, compare=False)
 
     def __post_init__(self):
         if self.handles is None:
@@ -281,11 +284,29 @@ class Region:
         """Pages [first, first + n) are one mapped unit (`PageStore.take_unit`)."""
         self.unit_start[first:first + n] = first
         self.unit_len[first:first + n] = n
+        self.units_version += 1
 
     def clear_units(self, first: int, n: int) -> None:
         """Pages [first, first + n) are in no mapped unit (unmapped, or never were)."""
         self.unit_start[first:first + n] = -1
         self.unit_len[first:first + n] = 0
+        self.units_version += 1
+
+    def clear_unit_pages(self, pages: np.ndarray) -> None:
+        """`clear_units` for an index array of pages (whole units, or pages in none)."""
+        self.unit_start[pages] = -1
+        self.unit_len[pages] = 0
+        self.units_version += 1
+
+    def units(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(first page, pages) of each mapped unit in address order, and every page of them in order, as
+        arrays (cached until the units change)."""
+        if self._units_at != self.units_version:
+            firsts = np.flatnonzero(self.unit_start == np.arange(self.npages))
+            lens = self.unit_len[firsts]
+            members = np.repeat(firsts - np.cumsum(lens) + lens, lens) + np.arange(int(lens.sum()))
+            self._units, self._units_at = (firsts, lens, members), self.units_version
+        return self._units
 
     def mapping_of(self, page: int) -> range:
         """The pages mapped with `page` by one cuMemMap: its unit's, or the page alone."""
@@ -530,8 +551,7 @@ class AddressSpace:
                 pages = np.repeat(firsts - np.cumsum(counts) + counts, counts) + np.arange(int(counts.sum()))
                 handles = region.handles[pages].tolist()
                 region.handles[pages] = 0
-                region.unit_start[pages] = -1
-                region.unit_len[pages] = 0
+                region.clear_unit_pages(pages)
                 self.unmap_calls += unmapped
                 self.unref_all(handles)
                 done.update(pages.tolist())

@@ -12,6 +12,8 @@ import pytest
 import torch
 from cuda.bindings.driver import CUresult
 
+import defrag
+from defrag.driver import Driver
 from defrag.dry import DryPool
 from defrag.errors import CudaError
 from defrag.mesher import candidates
@@ -365,3 +367,65 @@ def test_no_unit_is_broken_while_another_thread_that_used_the_pool_runs():
     lines = out.stdout.split("\n")
     assert "refused while busy 0" in lines, out.stdout
     assert any(line.startswith("placed after -1") for line in lines), out.stdout
+
+
+def test_reload_unmaps_empty_units_whole_for_its_pages(make_pool):
+    """Reload takes device pages from empty mapped pages when the store has none: a unit among them goes
+    whole (a part of one would free nothing), and the tensor comes back with its bytes."""
+    pool = _unit_pool(make_pool)
+    P = pool.page_size
+    big = pool.empty((16 * P,), dtype=torch.uint8)  # pages [0, 16): two units of 8
+    cold = pool.empty((P,), dtype=torch.uint8)
+    fill_pattern(cold, 5)
+    region = pool.core.space.regions[0]
+    assert _units(region) == [(0, 8), (8, 8)]
+    pool.offload(cold)
+    store = pool.core.space.store
+    rest = []
+    while store.available > 0:
+        rest.append(pool.empty((P,), dtype=torch.uint8))
+    del big  # 16 empty pages, all in units: the only pages a reload can have
+    pool.reload(cold)
+    assert check_pattern(cold, 5) and (0, 8) not in _units(region)
+    pool.check_invariants()
+
+
+def test_a_device_full_retry_skips_the_pages_its_failed_attempt_left_mapped():
+    """The device refuses pages below the pool's capacity and the failed attempt's undo cannot unmap one
+    of its units: the retry with single pages maps only the pages still unmapped, and the request ends
+    in an OOM that says why, with the books matching the device."""
+    drv = Driver.emulated(capacity=16 * 64 * KiB, granularity=64 * KiB)  # a device of 16 pages
+    pool = defrag.Pool(device=drv, capacity="16MiB", auto_compact=False)
+    pool.core.growth = GrowthPolicy(unit_share=32, unit_ceiling=1.0)  # units of 8 for placements of 16 pages
+    pool.driver.faults.inject("cuMemUnmap", CUresult.CUDA_ERROR_UNKNOWN, nth=1)
+    with pytest.raises(torch.OutOfMemoryError, match="device has no free memory"):
+        pool.empty((24 * pool.page_size,), dtype=torch.uint8)
+    pool.driver.faults.clear()
+    pool.check_invariants()
+    region = pool.core.space.regions[0]
+    assert _units(region) == [(0, 8)] and pool.stats()["pages.mapped"] == 8  # the unit its undo left mapped
+    assert drv.api.state()["mappings"] == 1
+    t = pool.empty((8 * pool.page_size,), dtype=torch.uint8)  # those pages serve as they are
+    fill_pattern(t, 4)
+    assert check_pattern(t, 4) and region.page_of(t.data_ptr()) == 0
+    pool.check_invariants()
+    del t
+    pool.close()
+
+
+def test_no_unit_is_broken_while_a_cuda_graph_is_captured(make_pool):
+    """A break synchronizes the device, which would invalidate a capture: during one the request fails
+    as it would without breaking, and the unit is untouched; after it, the same request breaks it."""
+    pool, region, b, c = _stranding_pool(make_pool)
+    P = pool.page_size
+    pool.driver.api.capturing = True
+    try:
+        with pytest.raises(torch.OutOfMemoryError):
+            pool.empty((14 * P,), dtype=torch.uint8)
+    finally:
+        pool.driver.api.capturing = False
+    assert (0, 8) in _units(region) and pool.stats()["units.broken"] == 0
+    d = pool.empty((14 * P,), dtype=torch.uint8)
+    assert pool.stats()["units.broken"] == 1 and check_pattern(b, 1) and check_pattern(c, 2)
+    del d
+    pool.check_invariants()
