@@ -802,6 +802,7 @@ def _rescue_by_meshing(core: Core, mover: Mover, nbytes: int, tried: list[str]):
     if core.driver.is_capturing(mover.stream()):
         tried.append("meshing skipped: a CUDA graph is being captured")
         return None
+    core.break_stranded_units()  # a unit's pages never mesh: those its blocks hold in part become single pages
     report = CompactionReport(engine=default_engine(core.kind), automatic=True, page_size=core.page_size)
     _mesh(core, mover, core.scope(None), report.engine, True, report, free_at_least=want)
     if not report.mesh_freed_pages:

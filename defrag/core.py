@@ -570,8 +570,8 @@ class Core:
         """Before mapping `need` pages of `window` for a block of `size` bytes: unmap the donors the growth
         policy (`defrag.page_growth`) asks for, so that the store's cached and new handles back the rest.
         Within the budget nothing is unmapped; beyond it, empty mapped pages elsewhere (stitching).
-        Units that blocks hold in part are broken first past the units' ceiling, or when the request is
-        short without their pages (`_break_units`).
+        Units that blocks hold in part are broken first when the placement stitches past the units'
+        ceiling, or when the request is short without their pages (`_break_units`).
         NoSpace when the store and the empty pages outside `window` together hold fewer than `need`
         pages (the ladder's quick count of free pages lets through a window whose first and last pages
         other blocks hold: those need no physical page). Nothing is unmapped then, except what a break
@@ -580,13 +580,19 @@ class Core:
         store = self.space.store
         backing = self.backing
         broke = 0
+        # The policy's view is the pool's before any break: what a break frees is for this placement to
+        # take (donors, the store), not room to grow into (a view taken after the break needed 3 MiB more
+        # on average at the serving trace's smallest capacities, four seeds: docs/benchmarks.md).
+        args = self._growth_args(size)
         if not self.units_closed and self.growth.beyond_unit_ceiling(self.space.mapped + need, self.capacity_pages):
             self.units_closed = True  # near its capacity once, the pool makes no more units
-        if self.units_closed and store.units and backing.stranded_in_units():
-            broke = self._break_units(region, window)  # and frees, in one batch, what units strand
-        supply = self.growth.supply(need, donors=self.books.empty, **self._growth_args(size))  # an upper bound
+        supply = self.growth.supply(need, donors=self.books.empty, **args)  # an upper bound
         if not supply.stitched and need <= store.available:
             return
+        # Past the ceiling, a placement that stitches (it synchronizes anyway) first frees, in one batch,
+        # what units strand.
+        if self.units_closed and store.units and backing.stranded_in_units():
+            broke = self._break_units(region, window)
         masks = backing.empty_masks(region, window)  # the same pages for the count and the choice
         donors = backing.count_empty(masks=masks)
         if need > store.available + donors and store.units and broke >= 0:  # not again after a fault
@@ -595,7 +601,7 @@ class Core:
             donors = backing.count_empty(masks=masks)
         if need > store.available + donors:
             raise NoSpace(f"needs {need} new pages, {store.available + donors} can be had")
-        supply = self.growth.supply(need, donors=donors, **self._growth_args(size))
+        supply = self.growth.supply(need, donors=donors, **args)
         # Which pages go is the same whatever is known of the device (a dry and a real pool place alike);
         # whether they wait for it is not: a face's native fast path places blocks the backing never
         # hears of, so there every batch waits.
@@ -648,6 +654,13 @@ class Core:
         self.counters["units.broken"] += len(chosen)
         self.counters["units.freed_pages"] += freed
         return freed
+
+    def break_stranded_units(self) -> int:
+        """Break every unit that blocks hold in part (`_break_units`, nothing kept out): for a rescue that
+        works on single pages (meshing). Returns the pages freed (-1 after a driver fault, rolled back)."""
+        if not self.space.store.units or not self.backing.stranded_in_units():
+            return 0
+        return self._break_units(None, [])
 
     def _capturing(self) -> bool:
         """Whether a CUDA graph is being captured on the legacy stream or the stream being placed for (a

@@ -62,8 +62,9 @@ the capacity it would cost the pool its tightness (on the serving trace, 2.5
 GiB of its smallest capacity). So units are made only while mapped pages,
 the placement's included, stay within `UNIT_CEILING` of the capacity. Once a
 placement passes it the pool makes no more units (`Core.units_closed`, for
-the pool's life), and each placement that maps pages first *breaks* every
-unit that blocks hold only in part (`Backing.break_units`, one batch): each
+the pool's life), and each placement that stitches (and so synchronizes
+anyway) first *breaks* every unit that blocks hold only in part
+(`Backing.break_units`, one batch): each
 used page gets a single page of its own with its bytes, the unit is unmapped
 whole and spare, and its empty pages are free like any other. A unit is
 broken at most once, so this costs at most two synchronizes per unit the

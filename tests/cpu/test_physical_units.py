@@ -309,7 +309,7 @@ def test_a_driver_fault_while_breaking_a_unit_leaves_it_whole_with_its_bytes(mak
     pool.check_invariants()
 
 
-def test_past_the_ceiling_what_units_strand_is_freed_at_the_next_placement_that_maps_pages():
+def test_past_the_ceiling_what_units_strand_is_freed_at_the_next_placement_that_stitches():
     pool = _dry(units_of=4, pages=64, ceiling=0.5)
     assert pool.alloc("a", 16 * P) and pool.alloc("b", 16 * P)
     region = pool.core.space.regions[0]
@@ -317,7 +317,7 @@ def test_past_the_ceiling_what_units_strand_is_freed_at_the_next_placement_that_
     assert pool.alloc("s", P // 2)  # half of page 0: 3 empty pages in the first unit
     assert pool.core.backing.stranded_in_units() == 3 and (0, 4) in _units(region)
     before = _calls(pool)
-    assert pool.alloc("c", 20 * P)  # past the ceiling: that unit is broken, its 3 empty pages go back
+    assert pool.alloc("c", 20 * P)  # past the ceiling and the budget, it stitches: that unit is broken first
     made = _made(pool, before)
     assert pool.core.units_closed and (0, 4) not in _units(region)
     assert region.unit_start[0] < 0 and region.handles[0] != 0 and not region.handles[1:4].any()
