@@ -38,7 +38,7 @@ import numpy as np
 from . import native
 from .driver import Driver
 from .errors import CudaError, CudaOutOfMemoryError
-from .page_runs import mask_runs, page_runs
+from .page_runs import mask_runs, page_runs, run_pages
 from .units import ALIGNMENT
 from .vmm import ASLEEP, ASLEEP_HANDLE, DEVICE, HOST, AddressSpace, Region, Transaction
 
@@ -158,8 +158,9 @@ class Backing:
                     mask[primary] = True
             if region is keep:
                 mask[np.fromiter(keep_pages, dtype=np.int64)] = False
-            if self.space.store.units:
-                _whole_units(region, mask)
+            if self.space.store.units:  # a unit leaves whole: its pages only if all of them are in
+                at = np.flatnonzero(mask)
+                mask[at] = region.whole_units(at)
             out.append((region, mask))
         return out
 
@@ -282,7 +283,7 @@ class Backing:
         # Stats stop counting pages the device will not give until a later creation succeeds.
         store.device_full = True
         donors = [(r, p) for r, p in self.empty_mapped(region, pages) if r.unit_start[p] < 0]
-        need = len(pages) - len(self.space.store.cached)
+        need = len(pages) - len(store.cached)
         if need <= len(donors):
             if need > 0:
                 self.unmap_empty(donors[:need])
@@ -677,7 +678,7 @@ class Backing:
         return freed
 
     def _remap_unit(self, region: Region, first: int, n: int, unit_handle: int) -> None:
-        """Undo of `break_unit`'s unmap: the unit mapped back whole, with access."""
+        """Undo of `break_units`' unmap of a unit: mapped back whole, with access."""
         self.driver.map(region.address(first), n * self.page_size, unit_handle)
         self.space.map_calls += 1
         self.driver.set_access(region.address(first), n * self.page_size)
@@ -802,20 +803,9 @@ def _free_scratch(driver, reserved: list[int], size: int) -> None:
         reserved.pop()
 
 
-def _whole_units(region: Region, mask: np.ndarray) -> None:
-    """Clear in `mask` (one bool per page of `region`) the pages of each unit not wholly in it."""
-    inunit = mask & (region.unit_start >= 0)
-    if not inunit.any():
-        return
-    at = np.flatnonzero(inunit)
-    starts = region.unit_start[at]
-    listed = np.bincount(starts, minlength=region.npages)  # pages of each unit in the mask, by first page
-    mask[at[listed[starts] != region.unit_len[at]]] = False
-
-
-def _complete_units(regions: list[Region], index: np.ndarray, pages: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+def _complete_units(regions, index: np.ndarray, pages: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """(region index, page) arrays with the other pages of every unit they touch added after them, in
-    address order: `with_whole_units` over arrays."""
+    address order (`regions`: indexable by region index)."""
     extra_index, extra_pages = [index], [pages]
     for i in np.unique(index).tolist():
         region = regions[i]
@@ -825,9 +815,7 @@ def _complete_units(regions: list[Region], index: np.ndarray, pages: np.ndarray)
         if not inunit.any():
             continue
         firsts = np.unique(starts[inunit])
-        lengths = region.unit_len[firsts]
-        members = np.repeat(firsts, lengths) + (np.arange(lengths.sum()) - np.repeat(np.cumsum(lengths) - lengths, lengths))
-        more = np.setdiff1d(members, listed)
+        more = np.setdiff1d(run_pages(firsts, region.unit_len[firsts]), listed)
         extra_index.append(np.full(len(more), i, dtype=index.dtype))
         extra_pages.append(more)
     if len(extra_pages) == 1:
@@ -838,17 +826,10 @@ def _complete_units(regions: list[Region], index: np.ndarray, pages: np.ndarray)
 def with_whole_units(pages: list[tuple[Region, int]]) -> list[tuple[Region, int]]:
     """`pages` with the other pages of every unit they touch added (after them, in address order): what
     unmapping them takes."""
-    by_region: dict[int, tuple[Region, list[int]]] = {}
-    for region, page in pages:
-        by_region.setdefault(region.index, (region, []))[1].append(page)
-    out = list(pages)
-    for region, plist in by_region.values():
-        listed = np.asarray(plist, dtype=np.int64)
-        starts = region.unit_start[listed]
-        if not (starts >= 0).any():
-            continue
-        firsts = np.unique(starts[starts >= 0])
-        lengths = region.unit_len[firsts]
-        members = np.repeat(firsts, lengths) + (np.arange(lengths.sum()) - np.repeat(np.cumsum(lengths) - lengths, lengths))
-        out.extend((region, int(p)) for p in np.setdiff1d(members, listed).tolist())
-    return out
+    if not pages:
+        return list(pages)
+    regions = {region.index: region for region, _ in pages}
+    index = np.fromiter((region.index for region, _ in pages), dtype=np.int64, count=len(pages))
+    listed = np.fromiter((page for _, page in pages), dtype=np.int64, count=len(pages))
+    index, listed = _complete_units(regions, index, listed)
+    return [(regions[i], p) for i, p in zip(index.tolist(), listed.tolist())]

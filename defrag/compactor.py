@@ -98,6 +98,7 @@ from .copying import ENGINES, WaveMoves, copy_ranges, default_engine, kernel_str
 from .core import Core, NoSpace, Scope
 from .errors import CompactionError, CudaError
 from .mesher import mesh_core
+from .page_runs import run_pages
 from .planner import ArrayPlan, plan_arrays, plan_conveyor, plan_hole_arrays, plan_window_arrays
 from .readout import packing_floor
 from .units import format_bytes
@@ -716,7 +717,7 @@ def _pages_under(offsets: np.ndarray, sizes: np.ndarray, page_size: int) -> np.n
     if span.max() <= 2:
         pages = (first, last)  # the common case: a block touches one or two pages
     else:
-        pages = (np.repeat(first - np.cumsum(span) + span, span) + np.arange(int(span.sum())),)
+        pages = (run_pages(first, span),)
     # A mask over the pages, not np.unique: no sort, and the wave's pages are few and close together.
     touched = np.zeros(int(last.max()) + 1, dtype=bool)
     for p in pages:

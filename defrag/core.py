@@ -591,7 +591,7 @@ class Core:
             return
         # Past the ceiling, a placement that stitches (it synchronizes anyway) first frees, in one batch,
         # what units strand.
-        if self.units_closed and store.units and backing.stranded_in_units():
+        if self.units_closed and store.units:
             broke = self._break_units(region, window)
         masks = backing.empty_masks(region, window)  # the same pages for the count and the choice
         donors = backing.count_empty(masks=masks)
@@ -625,12 +625,13 @@ class Core:
         CUDA graph is captured (it synchronizes). Returns the pages freed, or -1 after a driver fault,
         which rolls the batch back and is logged (the pages stay stranded, nothing is lost)."""
         backing, store = self.backing, self.space.store
-        if not self.scope(None).everything or self._capturing():
+        units = backing.partly_used_units(region, window)
+        if not units or not self.scope(None).everything or self._capturing():
             return 0
         masks = backing.empty_masks(region, window)
         spendable = store.available + backing.count_empty(masks=masks)
         chosen, used_total, freed = [], 0, 0
-        for unit_region, first, used, empty in backing.partly_used_units(region, window):
+        for unit_region, first, used, empty in units:
             if short is not None and freed >= short:
                 break
             if used_total + used > spendable:
@@ -658,9 +659,7 @@ class Core:
     def break_stranded_units(self) -> int:
         """Break every unit that blocks hold in part (`_break_units`, nothing kept out): for a rescue that
         works on single pages (meshing). Returns the pages freed (-1 after a driver fault, rolled back)."""
-        if not self.space.store.units or not self.backing.stranded_in_units():
-            return 0
-        return self._break_units(None, [])
+        return self._break_units(None, []) if self.space.store.units else 0
 
     def _capturing(self) -> bool:
         """Whether a CUDA graph is being captured on the legacy stream or the stream being placed for (a

@@ -140,7 +140,7 @@ class GrowthPolicy:
         ceiling; else 0 (each new page a handle of its own). Whether the pool still makes units at all
         is the core's (`Core.units_closed`)."""
         unit = capacity_pages // self.unit_share if self.unit_share else 0
-        if mapped_now + mapped_pages > self.unit_ceiling * capacity_pages:
+        if self.beyond_unit_ceiling(mapped_now + mapped_pages, capacity_pages):
             return 0
         return unit if unit >= 2 and mapped_pages >= self.unit_min * unit else 0
 

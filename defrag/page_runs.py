@@ -18,6 +18,14 @@ def page_run_arrays(pages: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return pages[starts], ends - starts
 
 
+def run_pages(firsts: np.ndarray, counts: np.ndarray) -> np.ndarray:
+    """(first page, page count) of each run -> every page of the runs, run by run, as an int64 array
+    (the inverse of `page_run_arrays`)."""
+    firsts = np.asarray(firsts, dtype=np.int64)
+    counts = np.asarray(counts, dtype=np.int64)
+    return np.repeat(firsts - np.cumsum(counts) + counts, counts) + np.arange(int(counts.sum()))
+
+
 def mask_runs(mask: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """A bool per page -> (starts, stops): the [start, stop) page indices of each run of True, in order,
     as int64 arrays."""

@@ -56,8 +56,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .compactor import PROGRESS_BYTES, Mover, PhaseTimer, move_blocks, progress_bar
 from .backing import with_whole_units
+from .compactor import PROGRESS_BYTES, Mover, PhaseTimer, move_blocks, progress_bar
 from .core import Block, Core, Scope
 from .errors import CudaError, NotSupportedError, PoolClosedError, ResidencyError
 from .units import format_bytes

@@ -47,7 +47,7 @@ import numpy as np
 
 from .driver import Driver
 from .errors import CudaError
-from .page_runs import page_runs
+from .page_runs import page_runs, run_pages
 
 # What backs a virtual page (Region.backing); see the module docstring.
 DEVICE, HOST, ASLEEP = 0, 1, 2
@@ -304,7 +304,7 @@ class Region:
         if self._units_at != self.units_version:
             firsts = np.flatnonzero(self.unit_start == np.arange(self.npages))
             lens = self.unit_len[firsts]
-            members = np.repeat(firsts - np.cumsum(lens) + lens, lens) + np.arange(int(lens.sum()))
+            members = run_pages(firsts, lens)
             self._units, self._units_at = (firsts, lens, members), self.units_version
         return self._units
 
@@ -548,7 +548,7 @@ class AddressSpace:
             if not self.host_mapped and unmapped:  # device pages only: the runs' books in one pass
                 firsts = np.fromiter((f for f, _ in runs[:unmapped]), dtype=np.int64, count=unmapped)
                 counts = np.fromiter((c for _, c in runs[:unmapped]), dtype=np.int64, count=unmapped)
-                pages = np.repeat(firsts - np.cumsum(counts) + counts, counts) + np.arange(int(counts.sum()))
+                pages = run_pages(firsts, counts)
                 handles = region.handles[pages].tolist()
                 region.handles[pages] = 0
                 region.clear_unit_pages(pages)

@@ -7,7 +7,7 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from defrag.page_runs import mask_runs, page_run_arrays, page_runs
+from defrag.page_runs import mask_runs, page_run_arrays, page_runs, run_pages
 
 
 @given(st.lists(st.integers(0, 300), max_size=120))
@@ -37,3 +37,11 @@ def test_a_masks_runs_are_its_true_pages_as_maximal_runs(bits):
     starts, stops = mask_runs(mask)
     assert starts.dtype == stops.dtype == np.int64
     assert list(zip(starts.tolist(), (stops - starts).tolist())) == page_runs(np.flatnonzero(mask).tolist())
+
+
+@given(st.sets(st.integers(0, 3000), max_size=200))
+def test_run_pages_gives_back_the_pages_its_runs_came_from(pages):
+    ordered = np.array(sorted(pages), dtype=np.int64)
+    firsts, counts = page_run_arrays(ordered)
+    back = run_pages(firsts, counts)
+    assert back.dtype == np.int64 and back.tolist() == ordered.tolist()
