@@ -20,7 +20,9 @@ storage mode) declines to the Python path, which does it all, errors included.
 The books themselves are native for every pool (`defrag.native`); the fast
 path is only the tensor-making half. `DEFRAG_FASTPATH=0` turns it off (every
 `pool.empty()` then takes the Python path, over the same native books, and
-its storages' releases come through Python owners).
+its storages' releases come through Python owners). `DEFRAG_FASTPATH=wait`
+(from when the build ran in the background) is the same as 1: the first pool
+waits for the native build, as every pool does.
 """
 
 from __future__ import annotations
@@ -31,8 +33,8 @@ module = None  # the native module once a pool loaded it (read without a lock: s
 
 
 def setting() -> str:
-    """DEFRAG_FASTPATH as "off" or "on" (the default); `SettingError` for a value that is neither
-    (`defrag.settings`)."""
+    """DEFRAG_FASTPATH as "off" or "on" (the default; "wait" is on too: the first pool waits for the native
+    build, as every pool does); `SettingError` for a value that is neither (`defrag.settings`)."""
     return "on" if settings.fastpath() else "off"
 
 

@@ -26,12 +26,13 @@ from dataclasses import dataclass
 from .errors import SettingError
 from .units import format_bytes, parse_size
 
-__all__ = ["Variable", "VARIABLES", "fastpath", "force_no_swap_data_ptr", "no_storage_ext", "device_size",
-           "ext_dir", "libnvvm", "gpu_rehearsal", "gpu_figures", "snapshots", "problems", "check_all", "unknown",
-           "report"]
+__all__ = ["Variable", "VARIABLES", "SWITCH", "parse_switch", "fastpath", "force_no_swap_data_ptr", "no_storage_ext",
+           "device_size", "ext_dir", "libnvvm", "gpu_rehearsal", "gpu_figures", "snapshots", "problems", "check_all",
+           "unknown", "report"]
 
 _TRUE = ("1", "true", "yes", "on")
 _FALSE = ("0", "false", "no", "off")
+SWITCH = "1 or 0 (also true/false, yes/no, on/off, any case)"  # what every on/off variable accepts
 _DEVICE_SIZE_DEFAULTS = {"CAPACITY": 16 << 30, "GRANULARITY": 2 << 20}
 
 
@@ -55,25 +56,25 @@ VARIABLES: dict[str, Variable] = {v.name: v for v in (
              "the memory-less device's size (dry replays; it holds no bytes)"),
     Variable("DEFRAG_MEMORYLESS_GRANULARITY", "a power of two of at least the host page size", "2MiB",
              "the memory-less device's page size"),
-    Variable("DEFRAG_FASTPATH", "1 or 0 (also true/false, yes/no, on/off)", "1",
+    Variable("DEFRAG_FASTPATH", SWITCH + ", or wait (the same as 1)", "1",
              "pool.empty's native fast path (off: the Python ladder serves every request, and defrag.install "
              "cannot work)"),
-    Variable("DEFRAG_FORCE_NO_SWAP_DATA_PTR", "1 or 0 (also true/false, yes/no, on/off)", "0",
+    Variable("DEFRAG_FORCE_NO_SWAP_DATA_PTR", SWITCH, "0",
              "on: defrag acts as if torch lacked UntypedStorage._swap_data_ptr_ (tests of the older-torch paths)"),
-    Variable("DEFRAG_NO_STORAGE_EXT", "1 or 0 (also true/false, yes/no, on/off)", "0",
+    Variable("DEFRAG_NO_STORAGE_EXT", SWITCH, "0",
              "on: the storage-swap extension is never built (torch < 2.12 then moves storages by rebinding only)"),
     Variable("DEFRAG_EXT_DIR", "a folder defrag can write (made if missing)", "$XDG_CACHE_HOME/defrag or "
              "~/.cache/defrag", "where the native module and extensions are built, once per torch version"),
     Variable("DEFRAG_KERNEL_CACHE", "a folder defrag can write (made if missing)", "$XDG_CACHE_HOME/defrag/kernels "
              "or ~/.cache/defrag/kernels, else a folder in the temp dir", "where the compiled move kernel is kept, "
              "once per machine, kernel source and compute capability"),
-    Variable("DEFRAG_CUDA_BACKEND", "1 or 0 (also true/false, yes/no, on/off)", "1",
+    Variable("DEFRAG_CUDA_BACKEND", SWITCH, "1",
              "on: defrag run and defrag.install hand PyTorch defrag's own CUDA allocator backend where it can be "
              "built; 0: PyTorch's pluggable-allocator route (the entry points alone)"),
     Variable("DEFRAG_LIBNVVM", "the path of a libnvvm.so", "unset: numba finds its own",
              "the libNVVM numba compiles the kernels with (one no newer than the driver)"),
-    Variable("DEFRAG_GPU_REHEARSAL", "1 or 0", "0",
-             "1: without a GPU, tests/gpu rehearse on the emulated device with 2 MiB pages"),
+    Variable("DEFRAG_GPU_REHEARSAL", SWITCH, "0",
+             "on: without a GPU, tests/gpu rehearse on the emulated device with 2 MiB pages"),
     Variable("DEFRAG_GPU_FIGURES", "a file path whose folder exists", "unset: not written",
              "tests/gpu append each figure they measure there, one JSON object a line"),
     Variable("DEFRAG_SNAPSHOTS", "a folder", "unset: benchmarks look in /work/shared/snapshots",
@@ -93,21 +94,28 @@ def _refuse(name: str, raw: str, why: str) -> SettingError:
     return SettingError(f"{name}={raw!r} {why}: use {v.accepts}, or unset it (default {v.default})")
 
 
-def _flag(name: str) -> bool:
-    raw = _raw(name)
-    if raw is None:
+def parse_switch(name: str, raw: str | None, extra: tuple[str, ...] = ()) -> bool:
+    """The one parser of every on/off variable: `raw` (None or "" for unset: the variable's default) as a
+    bool. Accepts 1/0, true/false, yes/no, on/off in any case, around spaces, and the `extra` words (read
+    as on); `SettingError` (one line: the variable, its value, what it accepts) for anything else."""
+    if raw is None or not raw.strip():
         return VARIABLES[name].default == "1"
     word = raw.strip().lower()
-    if word in _TRUE:
+    if word in _TRUE or word in extra:
         return True
     if word in _FALSE:
         return False
     raise _refuse(name, raw, "is not a switch")
 
 
+def _flag(name: str, extra: tuple[str, ...] = ()) -> bool:
+    return parse_switch(name, _raw(name), extra)
+
+
 def fastpath() -> bool:
-    """DEFRAG_FASTPATH: whether pools attach the native allocation fast path (default on)."""
-    return _flag("DEFRAG_FASTPATH")
+    """DEFRAG_FASTPATH: whether pools attach the native allocation fast path (default on). "wait" reads as
+    on: the first pool waits for the native build, as every pool does since the books are native."""
+    return _flag("DEFRAG_FASTPATH", ("wait",))
 
 
 def force_no_swap_data_ptr() -> bool:
@@ -222,14 +230,8 @@ def libnvvm() -> str | None:
 
 
 def gpu_rehearsal() -> bool:
-    """DEFRAG_GPU_REHEARSAL: exactly "1" (rehearse tests/gpu on the emulated device) or "0" (default).
-    Only those two: benchmarks/gpu_check.py, which cannot import defrag, tests for "1" itself."""
-    raw = _raw("DEFRAG_GPU_REHEARSAL")
-    if raw is None or raw.strip() == "0":
-        return False
-    if raw.strip() == "1":
-        return True
-    raise _refuse("DEFRAG_GPU_REHEARSAL", raw, "is not 1 or 0")
+    """DEFRAG_GPU_REHEARSAL: whether tests/gpu rehearse on the emulated device without a GPU (default off)."""
+    return _flag("DEFRAG_GPU_REHEARSAL")
 
 
 def gpu_figures() -> str | None:

@@ -37,7 +37,7 @@ JUNK = {
     "DEFRAG_KERNEL_CACHE": ("{file}", "is a file, not a folder"),
     "DEFRAG_CUDA_BACKEND": ("perhaps", "is not a switch"),
     "DEFRAG_LIBNVVM": ("{tmp}/no-libnvvm.so", "is not a file"),
-    "DEFRAG_GPU_REHEARSAL": ("yes", "is not 1 or 0"),
+    "DEFRAG_GPU_REHEARSAL": ("maybe", "is not a switch"),
     "DEFRAG_GPU_FIGURES": ("{tmp}/no-folder/figures.jsonl", "does not exist"),
     "DEFRAG_SNAPSHOTS": ("{tmp}/no-snapshots", "is not a folder"),
 }
@@ -94,7 +94,7 @@ def test_every_command_refuses_a_junk_variable_before_doing_anything(argv, tmp_p
     assert captured.out == "" and not (tmp_path / "ran").exists() and not (tmp_path / "bench-out").exists()
     (line,) = captured.err.strip().splitlines()
     assert line == (f"defrag {argv[0]}: error: DEFRAG_FASTPATH='banana' is not a switch: use 1 or 0 (also "
-                    f"true/false, yes/no, on/off), or unset it (default 1)")
+                    f"true/false, yes/no, on/off, any case), or wait (the same as 1), or unset it (default 1)")
 
 
 def test_two_junk_variables_are_two_lines(clean_env, capsys):
@@ -120,6 +120,45 @@ def test_the_readers_parse_what_the_table_says(clean_env, tmp_path):
     assert settings.ext_dir() == str(tmp_path / "new" / "folder") and not (tmp_path / "new").exists()
     clean_env.setenv("DEFRAG_GPU_REHEARSAL", "1")
     assert settings.gpu_rehearsal() is True
+
+
+SWITCH_READERS = {"DEFRAG_FASTPATH": settings.fastpath,
+                  "DEFRAG_FORCE_NO_SWAP_DATA_PTR": settings.force_no_swap_data_ptr,
+                  "DEFRAG_NO_STORAGE_EXT": settings.no_storage_ext, "DEFRAG_CUDA_BACKEND": settings.cuda_backend,
+                  "DEFRAG_GPU_REHEARSAL": settings.gpu_rehearsal}
+
+
+def test_every_switch_is_read_by_the_one_parser_and_accepts_the_same_spellings(clean_env):
+    """Issue 46: DEFRAG_GPU_REHEARSAL=yes was refused where DEFRAG_FASTPATH=yes was accepted."""
+    assert set(SWITCH_READERS) == {n for n, v in settings.VARIABLES.items() if v.accepts.startswith(settings.SWITCH)}
+    for name, read in SWITCH_READERS.items():
+        for word, on in (("1", True), ("0", False), ("true", True), ("FALSE", False), ("Yes", True), ("no", False),
+                         ("ON", True), ("off", False), (" yes ", True)):
+            clean_env.setenv(name, word)
+            assert read() is on, (name, word)
+        clean_env.setenv(name, "maybe")
+        with pytest.raises(SettingError) as raised:
+            read()
+        assert str(raised.value) == (f"{name}='maybe' is not a switch: use {settings.VARIABLES[name].accepts}, or "
+                                     f"unset it (default {settings.VARIABLES[name].default})")
+        assert "\n" not in str(raised.value)
+        clean_env.delenv(name)
+        assert read() is (settings.VARIABLES[name].default == "1")
+
+
+def test_fastpath_wait_is_accepted_as_the_guide_says(clean_env, capsys):
+    """Issue 46: docs/guide.md's DEFRAG_FASTPATH=wait was refused as 'not a switch'; it reads as on (the
+    first pool waits for the native build, as every pool does)."""
+    for word in ("wait", "WAIT"):
+        clean_env.setenv("DEFRAG_FASTPATH", word)
+        assert settings.fastpath() is True and fastpath.setting() == "on" and settings.problems() == []
+        assert fastpath.wait() is fastpath.module is not None
+    guide = (ROOT / "docs" / "guide.md").read_text()
+    assert "DEFRAG_FASTPATH=wait" in guide
+    for other in ("DEFRAG_GPU_REHEARSAL", "DEFRAG_CUDA_BACKEND"):  # "wait" is the fast path's word only
+        clean_env.setenv(other, "wait")
+        with pytest.raises(SettingError, match="is not a switch"):
+            SWITCH_READERS[other]()
 
 
 def test_the_defaults_are_the_drivers(clean_env):
