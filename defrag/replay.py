@@ -54,6 +54,7 @@ from pathlib import Path
 from .compactor import collector_paused
 from .dry import DryPool
 from .errors import CompactionError
+from .stats import counted
 from .traces.format import ALLOC, FREE, Trace, TraceError
 from .traces.snapshot import peaks_per_stretch
 from .traces.torch_model import CachingAllocatorModel
@@ -1413,7 +1414,8 @@ def _recorded_line(report: DeviceReport) -> str:
             f"end {format_bytes(rec.end_bytes)} ({len(rec.event) - 1} change{'' if len(rec.event) == 2 else 's'}"
             f"{'' if rec.end_from_segments else '; no segments list: the start is the least level that fits'})")
     ooms = {r.allocator: r.ooms for r in report.results}
-    diffs = [f"{name} {ratio - 1:+.1%}" + (f" ({ooms[name]} OOMs at this capacity)" if ooms.get(name) else "")
+    diffs = [f"{name} {ratio - 1:+.1%}" + (f" ({counted(ooms[name], 'OOM')} at this capacity)" if ooms.get(name)
+                                          else "")
              for name, ratio in report.recorded_vs_models().items()]
     if diffs:
         text += "; peak reserved against it: " + ", ".join(diffs)
@@ -1494,7 +1496,7 @@ def devices_figure(reports: list[DeviceReport]):
             x, y = r.series
             color, style, width = _PLOT_STYLE.get(r.allocator, (None, "-", 1))
             ax.step([i + 1 for i in x], [v / unit for v in y], where="post", lw=width, ls=style, color=color,
-                    label=f"{r.allocator}: reserved" + ("" if r.completed else f" ({r.ooms} OOMs)"))
+                    label=f"{r.allocator}: reserved" + ("" if r.completed else f" ({counted(r.ooms, 'OOM')})"))
         for i, o in enumerate(rep.ooms):
             ax.axvline(o["event"], color="tab:red", ls=":", lw=1, label="recorded OOM" if i == 0 else None)
         ax.axhline(rep.capacity / unit, color="grey", ls="--", lw=0.8, label=f"capacity ({format_bytes(rep.capacity)})")
@@ -1663,8 +1665,8 @@ def main(args) -> int:
     for rep in reports:
         st = rep.trace.stats()
         head = "" if rep.device is None else f"== device {rep.device}: "
-        print(f"\n{head}{st.events} events, {st.allocs} allocations"
-              + (f", {st.phases} phase markers" if st.phases else "")
+        print(f"\n{head}{counted(st.events, 'event')}, {counted(st.allocs, 'allocation')}"
+              + (f", {counted(st.phases, 'phase marker')}" if st.phases else "")
               + f", peak live {format_bytes(st.peak_live_bytes)}; capacity {format_bytes(rep.capacity)}"
               + ("" if rep.capacity_source == "--capacity" else f" ({rep.capacity_source})"))
         print(summary_sentence(rep))
@@ -1677,9 +1679,11 @@ def main(args) -> int:
             print("\n".join(_oom_lines(rep)))
         if rep.device is not None:
             m = rep.trace.meta
-            print(f"snapshot: {m['entries']} recorded actions, {m['initial_allocs']} blocks live before the first "
-                  f"({m['pre_trace_frees']} seen only as frees: ring buffer truncation), {m['skipped_entries']} "
-                  f"entries skipped, {m['recorded_ooms']} OOMs recorded")
+            print(f"snapshot: {counted(m['entries'], 'recorded action')}, {counted(m['initial_allocs'], 'block')} "
+                  f"live before the first ({m['pre_trace_frees']} seen only as "
+                  f"{'a free' if m['pre_trace_frees'] == 1 else 'frees'}: ring buffer truncation), "
+                  f"{counted(m['skipped_entries'], 'entry', 'entries')} skipped, {counted(m['recorded_ooms'], 'OOM')} "
+                  f"recorded")
     seconds = time.perf_counter() - t0
     print(f"\n{len(reports)} device{'s' if len(reports) != 1 else ''} replayed in {seconds:.1f} s")
     if plot:

@@ -438,6 +438,13 @@ def write_snapshot(path, data: dict) -> str:
     return path
 
 
+# ---------------------------------------------------------------------- counts in words
+def counted(n: int, noun: str, plural: str | None = None) -> str:
+    """`n` and `noun`, plural unless `n` is 1: "1 OOM", "2 OOMs", "0 allocations", "1 allocation";
+    `plural` for a noun that does not take an s ("1 entry", "2 entries")."""
+    return f"{n} {noun if n == 1 else (plural or noun + 's')}"
+
+
 # ---------------------------------------------------------------------- summary
 _WIDTH = 77  # characters per line, as torch.cuda.memory_summary()
 

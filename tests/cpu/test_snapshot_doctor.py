@@ -199,6 +199,7 @@ def test_cli_replays_every_device_and_explains_the_oom(tmp_path, capsys):
     text = capsys.readouterr().out
     assert "== device 0:" in text and "== device 1:" in text
     assert "OOM 1 at event" in text and "-> fragmentation (live + request = 50.00 MiB <= 64.00 MiB" in text
+    assert "0 OOMs recorded" in text and "1 OOM recorded" in text and "1 OOMs" not in text  # issue 46 item 11
     data = json.loads(out.read_text())
     assert [d["device"] for d in data["devices"]] == [0, 1]
     d0, d1 = data["devices"]
