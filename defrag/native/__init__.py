@@ -7,8 +7,8 @@ planner's best fit
 
 Every pool keeps its books here (`defrag.core.Core.books`), so the module is
 needed from the first pool on: `load_module()` builds it on first use with
-torch's own tooling (one line on stderr, about a minute, once per machine,
-Python and torch version; `defrag.extensions`), and every later process
+torch's own tooling (one line on stderr; about 40 s on a 2-core machine,
+`BUILD_TIME`; once per machine, Python and torch version; `defrag.extensions`), and every later process
 imports the built library (about 0.1 s). There is no slower fallback to
 switch to meanwhile. A machine that cannot build it gets NativeBuildError
 saying what to install.
@@ -43,6 +43,10 @@ def source_text() -> str:
     return "".join(parts)
 
 
+# How long the build takes, as the stderr line, README.md and docs/guide.md say it (one translation unit, so
+# one compiler process: 35-38 s measured on a 2-core machine, torch 2.13.0+cpu).
+BUILD_TIME = "about 40 s on a 2-core machine"
+
 _lock = threading.Lock()
 _module = None
 _extension = None
@@ -53,7 +57,7 @@ def _the_extension():
     if _extension is None:
         from ..extensions import CppExtension  # imports torch
 
-        _extension = CppExtension("defrag_native", "native", source_text(), "defrag's native module", "about 1 min")
+        _extension = CppExtension("defrag_native", "native", source_text(), "defrag's native module", BUILD_TIME)
     return _extension
 
 
