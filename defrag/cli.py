@@ -54,11 +54,20 @@ _PLUGGABLE_LACKS = ("allocations only: memory_stats and memory_summary, cudnn.be
                     "'CUDAPluggableAllocator does not yet support'; pool.stats() and defrag's own snapshots work")
 
 
-def _cuda_allocator_lines() -> list[str]:
+def _cuda_allocator_lines(gpu_usable: bool) -> list[str]:
     """Which route `defrag.install` of a CUDA pool takes here and what PyTorch's memory APIs do on it (starts
-    no build: a backend not built yet is compile-checked, from the cached result when there is one)."""
+    no build: a backend not built yet is compile-checked, from the cached result when there is one). Without
+    a usable GPU or without a CUDA build of torch, one short line: no CUDA route applies."""
+    import torch
+
     from . import cuda_backend, fastpath
 
+    if torch.version.cuda is None or not gpu_usable:
+        cpu_torch = f"torch {torch.__version__} is a CPU build"
+        why = (f"no usable GPU, and {cpu_torch}" if torch.version.cuda is None and not gpu_usable
+               else f"{cpu_torch}: a CUDA build of torch would use the GPU" if torch.version.cuda is None
+               else "no usable GPU")
+        return [f"defrag run / install on CUDA: does not apply here ({why})"]
     if fastpath.setting() == "off":
         return ["defrag run / install on CUDA: the ctypes fallback (DEFRAG_FASTPATH=0): " + _PLUGGABLE_LACKS]
     why = cuda_backend.unavailable_reason()
@@ -116,7 +125,7 @@ def doctor(args) -> int:
         lines.append(f"GPU: none usable ({reason})")
         lines.append("-> Pool(device=None) uses the emulated device (CPU tensors over emulated device memory); "
                      "kernels can run under the numba simulator (NUMBA_ENABLE_CUDASIM=1) for tests.")
-    lines.extend(_cuda_allocator_lines())
+    lines.extend(_cuda_allocator_lines(ok))
     emu = default_emulated_driver()
     lines.append(f"emulated device: '{emu.name}', capacity {format_bytes(emu.api.capacity)}, "
                  f"granularity {format_bytes(emu.granularity)} (DEFRAG_EMULATED_CAPACITY / DEFRAG_EMULATED_GRANULARITY)")
