@@ -551,8 +551,60 @@ def _table(rows: list[dict]) -> list[str]:
 GOAL_LABEL_KEYS = ("workload", "method", "pattern", "size_bytes", "blocks", "moves", "workers", "backend")
 
 
+def _num(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _g(value: float) -> str:
+    """Three significant digits, without an exponent: "0.874", "12.3", "1,650"."""
+    return f"{value:,.0f}" if abs(value) >= 1000 else f"{value:.3g}"
+
+
+def _x(value: float) -> str:
+    return f"{_g(value)}x"
+
+
+# What a goal row is judged on, as the summary and results.md show it beside the verdict: the first entry
+# whose keys the row holds (numbers, or booleans where a key is a yes/no), and whose goal text, where
+# `when` is given, holds that word. The order matters where a row holds several figures: install's train
+# rows are judged on the median of side-by-side pairs, not `ratio_x`; compaction_gpu's on its ms, not the
+# ratio to one copy; a workload on the ratio at the smallest capacity that completes.
+_GOAL_FIGURES: tuple = (
+    (("reserved_over_live_at_min_capacity_x",), None,
+     lambda r: f"reserved/live {_x(r['reserved_over_live_at_min_capacity_x'])} at the smallest capacity"),
+    (("map_plus_unmap", "cuCtxSynchronize", "reserved_over_live"), None,
+     lambda r: f"maps + unmaps {r['map_plus_unmap']:,}, synchronizes {r['cuCtxSynchronize']:,}, reserved/live "
+               f"{_x(r['reserved_over_live'])}"),
+    (("median_pair_ratio_x",), None, lambda r: f"{_x(r['median_pair_ratio_x'])} (median of pairs)"),
+    (("peak_reserved_gib", "expandable_peak_reserved_gib"), None,
+     lambda r: f"peak reserved {_g(r['peak_reserved_gib'])} GiB, expandable segments' "
+               f"{_g(r['expandable_peak_reserved_gib'])} GiB"),
+    (("ooms", "baseline_ooms"), None, lambda r: f"OOMs {r['ooms']}, the caching allocator's {r['baseline_ooms']}"),
+    (("trips_per_1000",), None, lambda r: f"{_g(r['trips_per_1000'])} trips per 1000 allocations"),
+    (("byte_errors",), None, lambda r: f"{r['byte_errors']} byte error{'' if r['byte_errors'] == 1 else 's'}"),
+    (("us_per_tensor",), None, lambda r: f"{_g(r['us_per_tensor'])} us per tensor"),
+    (("seconds_arrays",), None, lambda r: f"{_g(r['seconds_arrays'])} s"),
+    (("ms",), " ms", lambda r: f"{_g(r['ms'])} ms"),
+    (("ratio_x",), None, lambda r: _x(r["ratio_x"])),
+    (("speedup_x",), None, lambda r: _x(r["speedup_x"])),
+)
+_YES_NO = {"served": ("served", "NOT served"), "bytes_ok": ("every byte kept", "bytes LOST")}
+
+
+def goal_figure(row: dict) -> str | None:
+    """The figure a goal row is judged on, in words ("1.32x", "4.1 us per tensor", ...); None when the row
+    holds none (a benchmark that failed to measure, or a goal of yes/no answers only)."""
+    goal = str(row.get("goal", ""))
+    for keys, when, show in _GOAL_FIGURES:
+        if all(_num(row.get(k)) for k in keys) and (when is None or when in goal):
+            return show(row)
+    answers = [_YES_NO[k][0 if row[k] else 1] for k in _YES_NO if isinstance(row.get(k), bool)]
+    return ", ".join(answers) or None
+
+
 def goals_of(results: dict) -> list[dict]:
-    """Every goal of every benchmark: name, goal, met (True/False/None), and the row's label (`where`).
+    """Every goal of every benchmark: name, goal, met (True/False/None), the row's label (`where`) and
+    the figures it was judged on (`figures`, `goal_figure` of each row; [] where none).
 
     Rows that no label key tells apart state one goal, listed once: not met if any of them is not
     met, else met if any is, else not applicable here (None).
@@ -565,12 +617,16 @@ def goals_of(results: dict) -> list[dict]:
                 label = ", ".join(f"{k}={_fmt(r[k])}" for k in GOAL_LABEL_KEYS if k in r)
                 met = r.get("goal_met")
                 key = (name, r["goal"], label)
+                figure = goal_figure(r)
                 if key in seen:
                     g = seen[key]
                     both = (g["met"], met)
                     g["met"] = False if False in both else (True if True in both else None)
+                    if figure is not None and figure not in g["figures"]:
+                        g["figures"].append(figure)
                     continue
-                seen[key] = {"benchmark": name, "goal": r["goal"], "met": met, "where": label}
+                seen[key] = {"benchmark": name, "goal": r["goal"], "met": met, "where": label,
+                             "figures": [figure] if figure is not None else []}
                 out.append(seen[key])
     return out
 
@@ -596,11 +652,12 @@ def write_markdown(results: dict, path: Path) -> None:
                      "(host memory; kernels, where present, under numba's CPU simulator).")
     goals = goals_of(results)
     if goals:
-        lines += ["", "## Goals", "", "| benchmark | goal | where | met |", "|---|---|---|---|"]
+        lines += ["", "## Goals", "", "| benchmark | goal | where | measured | met |", "|---|---|---|---|---|"]
         for g in goals:
             v = verdict(g["met"], results["smoke"])
             met = {"met": "yes", "NOT met": "**no**"}.get(v, v)
-            lines.append(f"| {g['benchmark']} | {g['goal']} | {g['where']} | {met} |")
+            measured = "; ".join(g.get("figures") or [] if g["met"] is not None else []).replace("|", "\\|")
+            lines.append(f"| {g['benchmark']} | {g['goal']} | {g['where']} | {measured} | {met} |")
     for name, res in results["benchmarks"].items():
         lines += ["", f"## {name}", "", res["what"], ""]
         if res["status"] == "skipped":
@@ -700,15 +757,22 @@ def verdict(met, smoke: bool) -> str:
 
 
 def summary_lines(results: dict) -> list[str]:
+    """What `defrag bench` prints: each benchmark's time and rows, then each goal with the figure it was
+    judged on beside its verdict ("measured 1.32x, met"; no figure where the goal does not apply here)."""
+    from defrag.stats import counted
+
     smoke = bool(results.get("smoke"))
     lines = [f"  {SMOKE_NOTE}"] if smoke else []
     width = max([15, *map(len, results["benchmarks"])])
     for name, res in results["benchmarks"].items():
-        state = {"ok": f"{len(res['rows'])} rows", "skipped": f"skipped: {res.get('reason')}",
+        state = {"ok": counted(len(res["rows"]), "row"), "skipped": f"skipped: {res.get('reason')}",
                  "error": "ERROR (see results.md)"}[res["status"]]
         lines.append(f"  {name:<{width}} {res['seconds']:6.1f} s  {state}")
     for g in goals_of(results):
-        lines.append(f"  goal [{g['benchmark']}] {g['goal']} ({g['where']}): {verdict(g['met'], smoke)}")
+        figures = g.get("figures") if g["met"] is not None else None
+        measured = f"measured {'; '.join(figures)}, " if figures else ""
+        where = f" ({g['where']})" if g["where"] else ""
+        lines.append(f"  goal [{g['benchmark']}] {g['goal']}{where}: {measured}{verdict(g['met'], smoke)}")
     return lines
 
 

@@ -165,6 +165,14 @@ class _OneLineParser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
+# How long `defrag bench` takes, as its --help says: measured 2026-12-07 on the emulated device, 2 cores of an
+# AMD EPYC VM that ran other tests at the same time (1-minute load average 2.4-3.3): the full run 402 s (rescue
+# 98 s, install 58 s, sleep 40 s, alloc_mixed 35 s), --smoke 69 s (a first run also compiles the move kernel
+# under numba's simulator: 95 s).
+_BENCH_TIME = ("A full run takes about 7 min on a 2-core CPU (402 s measured on a busy one; less on a quiet "
+               "machine); --only NAMES runs a few.")
+
+
 def _bench_names() -> str:
     """The names `defrag bench --only` takes (runner.REGISTRY), for its --help; "" where benchmarks is absent."""
     try:
@@ -192,8 +200,10 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("doctor", help="versions, GPU and emulated device, and what will and won't work")
     p.set_defaults(func=doctor)
 
-    p = sub.add_parser("bench", help="microbenchmarks side by side with PyTorch's allocator")
-    p.add_argument("--smoke", action="store_true", help="tiny sizes: finishes in well under a minute on a CPU")
+    p = sub.add_parser("bench", help="microbenchmarks side by side with PyTorch's allocator",
+                       description=f"Microbenchmarks side by side with PyTorch's allocator. {_BENCH_TIME}")
+    p.add_argument("--smoke", action="store_true",
+                   help="tiny sizes, to check the runner (its figures are not judged): about 70 s on a busy 2-core CPU")
     p.add_argument("--device", default=None, help="'emulated' or 'cuda:N' (default: GPU if one works)")
     p.add_argument("--out", default="bench-out", help="folder for results.json, results.md and plots")
     p.add_argument("--only", default=None, metavar="NAMES",

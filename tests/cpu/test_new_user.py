@@ -63,3 +63,54 @@ def test_counted_says_one_in_the_singular():
     assert stats.counted(1, "OOM") == "1 OOM" and stats.counted(2, "OOM") == "2 OOMs"
     assert stats.counted(0, "allocation") == "0 allocations" and stats.counted(1, "allocation") == "1 allocation"
     assert stats.counted(1, "entry", "entries") == "1 entry" and stats.counted(3, "entry", "entries") == "3 entries"
+
+
+# ---------------------------------------------------------------------- item 8: bench shows its figures
+def _bench_results(smoke: bool) -> dict:
+    rows = [{"pattern": "round_trip", "size_bytes": 512, "method": "pool.empty + del", "us_per_op": 1.3,
+             "baseline_us_per_op": 1.0, "ratio_x": 1.3, "best_ratio_x": 1.1, "goal": "pool <= 3x torch.empty",
+             "goal_met": True},
+            {"pattern": "batch", "size_bytes": 512, "method": "pool.empty + del", "ratio_x": 3.25,
+             "goal": "pool <= 3x torch.empty", "goal_met": False}]
+    install = [{"workload": "training step: mlp", "ratio_x": 1.3, "median_pair_ratio_x": 1.04,
+                "goal": "training step under install <= 1.1x plain", "goal_met": True},
+               {"method": "pool.compact()", "ms": 12.5, "ratio_x": 0.5, "goal": "GPU: compaction in under 20 ms",
+                "goal_met": None},
+               {"workers": 2, "byte_errors": 0, "goal": "no byte error, no crash", "goal_met": True}]
+    return {"smoke": smoke, "seconds": 1.0,
+            "machine": {"emulated": True, "device_name": "emulated", "device": "emulated", "date": "d",
+                        "cpus_usable": 2, "cpu": "cpu", "torch": "t", "numba": "n", "numba_cudasim": True,
+                        "python": "p"},
+            "benchmarks": {"alloc_free": {"what": "w", "status": "ok", "seconds": 0.1, "rows": rows},
+                           "install": {"what": "w", "status": "ok", "seconds": 0.1, "rows": install},
+                           "one": {"what": "w", "status": "ok", "seconds": 0.1, "rows": rows[:1]}}}
+
+
+def test_bench_prints_the_figure_beside_each_verdict(tmp_path):
+    """`defrag bench --only alloc_free` printed "met" ten times and no figure; the ratios were only in
+    results.md."""
+    from defrag.benchmarks import runner
+
+    lines = runner.summary_lines(_bench_results(False))
+    goals = [ln.strip() for ln in lines if ln.strip().startswith("goal [")]
+    assert goals[0].endswith("(method=pool.empty + del, pattern=round_trip, size_bytes=512): measured 1.3x, met")
+    assert goals[0].startswith("goal [alloc_free] pool <= 3x torch.empty")
+    assert goals[1].endswith(": measured 3.25x, NOT met")
+    assert goals[2].endswith(": measured 1.04x (median of pairs), met")  # what install's goal is judged on
+    assert goals[3].endswith(": n/a here")  # a GPU goal on the emulated device shows no figure
+    assert goals[4].endswith(": measured 0 byte errors, met")
+    assert any(ln.strip() == "one                0.1 s  1 row" for ln in lines), lines  # not "1 rows"
+    smoke = [ln for ln in runner.summary_lines(_bench_results(True)) if "goal [alloc_free]" in ln]
+    assert smoke[0].endswith(": measured 1.3x, not judged (smoke)")
+    runner.write_markdown(_bench_results(False), tmp_path / "results.md")
+    md = (tmp_path / "results.md").read_text()
+    assert "| benchmark | goal | where | measured | met |" in md
+    assert "| pool <= 3x torch.empty | method=pool.empty + del, pattern=batch, size_bytes=512 | 3.25x | **no** |" in md
+
+
+def test_bench_help_says_how_long_a_run_takes():
+    from defrag import cli
+
+    help_text = " ".join(cli.build_parser()._subparsers._group_actions[0].choices["bench"].format_help().split())
+    assert re.search(r"a full run takes about \d+ min", help_text, re.I), help_text
+    assert re.search(r"--smoke .*about \d+ s", help_text), help_text
