@@ -31,6 +31,7 @@ from .errors import (CompactionError, ConcurrencyError, CudaError, CudaOutOfMemo
                      NotSupportedError, PoolAsleepError, PoolClosedError, ResidencyError, SettingError,
                      StaleAccessError)
 from .oom import OutOfMemoryError
+from .owners import no_moves
 from .pool import LiveTensor, Pool, compact, open_pools, save_snapshot
 from .residency import ResidencyReport
 from .retry import retry_on_oom
@@ -41,7 +42,7 @@ from .errors import CollectiveError
 __version__ = "0.1.0"
 
 __all__ = [
-    "Pool", "compact", "retry_on_oom", "save_snapshot", "CompactionReport", "CompactionError", "LiveTensor", "open_pools",
+    "Pool", "compact", "no_moves", "retry_on_oom", "save_snapshot", "CompactionReport", "CompactionError", "LiveTensor", "open_pools",
     "ConcurrencyError", "CudaError", "CudaOutOfMemoryError", "OutOfMemoryError", "PoolClosedError", "StaleAccessError",
     "parse_size", "format_bytes", "TorchAllocator", "install", "uninstall",
     "distributed", "CollectiveError",

@@ -67,6 +67,9 @@ def install(pool):
     CUDA: `install_cuda` below; returns its `CudaInstall` (native) or
     `TorchAllocator` (the ctypes fallback).
     """
+    from .owners import watch
+
+    watch(pool)  # exports of PyTorch-made blocks' addresses are recorded: those never move
     if pool.kind == "emulated":
         from . import cpu_allocator
 

@@ -671,13 +671,14 @@ class Core:
             return True
 
     # ------------------------------------------------------------------ the ladder
-    def allocate(self, nbytes: int, rescue=None, describe=None, stream: int = 0) -> Block:
+    def allocate(self, nbytes: int, rescue=None, describe=None, stream: int = 0, *, can_rewrite=None) -> Block:
         """Place `nbytes` for `stream`, climbing the ladder on failure; OutOfRoom when nothing helps.
 
         The ladder: place; wait for stream-ordered releases and place again;
         `rescue(nbytes, tried)` (a face's automatic compaction, returning a
         Block or None); then OutOfRoom, whose message `describe(block)` helps
-        write (the largest live blocks).
+        write (the largest live blocks); `can_rewrite(block)`, the face's verdict of what could move
+        (`Mover.can_rewrite`), its figures of what a compaction could free.
         """
         tried = []
         try:
@@ -699,11 +700,11 @@ class Core:
         self.counters["num_ooms"] += 1
         if self.history is not None:
             self.history.oom(nbytes)
-        raise self.out_of_room(nbytes, tried, describe)
+        raise self.out_of_room(nbytes, tried, describe, can_rewrite)
 
-    def out_of_room(self, nbytes: int, tried: list[str], describe=None) -> OutOfRoom:
+    def out_of_room(self, nbytes: int, tried: list[str], describe=None, can_rewrite=None) -> OutOfRoom:
         """The explained out-of-memory error for `nbytes` (`defrag.readout.out_of_room`)."""
-        return readout.out_of_room(self, nbytes, tried, describe)
+        return readout.out_of_room(self, nbytes, tried, describe, can_rewrite)
 
     # ------------------------------------------------------------------ statistics
     def reset_peaks(self) -> None:

@@ -59,11 +59,12 @@ import logging
 import math
 import traceback
 import weakref
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
 
-from . import copying, cpu_allocator, fastpath, residency
+from . import copying, cpu_allocator, fastpath, owners, residency
 from . import stats as observe
 from . import tensors as tz
 from . import threads
@@ -150,11 +151,36 @@ def compact(*, verify: bool = False, progress: bool | None = None, engine: str |
     after the pools before it were compacted (each compaction is
     all-or-nothing per wave on its own).
     """
-    return [p.compact(verify=verify, progress=progress, engine=engine, release=release, threads=threads, mesh=mesh)
-            for p in open_pools()]
+    pools = open_pools()
+    with safe_point(pools):
+        return [p.compact(verify=verify, progress=progress, engine=engine, release=release, threads=threads, mesh=mesh)
+                for p in pools]
 
 
-def _native_face_maker(regions: list):
+@contextmanager
+def safe_point(pools):
+    """With-block: a safe point for `pools` (the caller runs no torch operation, and no other thread may be
+    in the middle of one): the owners of their PyTorch-made blocks are matched once for all of them
+    (`defrag.owners.match`), and compactions inside may move those blocks. Nested safe points reuse the
+    outer match. Yields {pool id: OwnerMatch}."""
+    contexts = [p._context for p in pools if p._context.owners is None]
+    if not contexts:
+        yield {}
+        return
+    found = owners.match([p for p in pools if p._context.owners is None])
+    for context in contexts:
+        context.owners = found.get(context.id)
+    try:
+        yield found
+    finally:
+        for context in contexts:
+            context.owners = None
+
+
+ALLOCATOR_ORIGIN = 2  # books.h Origin kAllocator: placed for PyTorch's allocator entries
+
+
+def _native_face_maker(regions: list, torch_blocks_move):
     """`Core.make_face` for a pool whose native code places blocks (`pool.empty`'s fast path, threads
     Python never saw, PyTorch's allocator entries): the Block of such a block, made when Python first
     asks for it. No owner (a thread Python never saw, PyTorch's allocator): pinned, since that code
@@ -163,6 +189,10 @@ def _native_face_maker(regions: list):
     from torch.multiprocessing.reductions import StorageWeakRef
 
     def make(address, size, nbytes, region, origin, owner, weak, dtype, shape):
+        if origin == ALLOCATOR_ORIGIN:  # its owner is found at safe points (defrag.owners), not kept here
+            info = TensorInfo(dtype, shape, None, "allocator")
+            pins = 0 if torch_blocks_move() else 1
+            return Block(address, size, nbytes, regions[region], pins=pins, owner=None, info=info)
         storage_ref = StorageWeakRef.from_weakref(weak) if weak else None
         info = TensorInfo(dtype, shape, storage_ref, "empty" if storage_ref is not None else "allocator")
         return Block(address, size, nbytes, regions[region], pins=int(owner is None), owner=owner, info=info)
@@ -343,7 +373,7 @@ class Pool:
                          self.core.label, traceback.format_exc())
             return
         self.core.fast = cpp
-        self.core.make_face = _native_face_maker(self.core.space.regions)
+        self.core.make_face = _native_face_maker(self.core.space.regions, _weakly(self._movable_torch_blocks))
         cpp.set_room(_weakly(self._room))
         if type(self).empty is Pool.empty:  # a subclass's own empty() stays in charge
             # `pool.empty` straight into C++ (the same as `Pool.empty`, without its Python frame).
@@ -370,7 +400,9 @@ class Pool:
             with self.core.gate:
                 context.enter()
                 block = context.allocate(nbytes, compact=not allocator, stream=stream)
-                block.pins, block.owner = 1, None
+                # PyTorch's CPU allocator's block moves only at a safe point (defrag.owners); a C++
+                # thread's, or one PyTorch's CUDA allocator wraps in a DataPtr of its own, never does.
+                block.pins, block.owner = (0 if allocator and self._movable_torch_blocks() else 1), None
                 block.info = TensorInfo(None if allocator else torch.uint8, (nbytes,), None,
                                         "allocator" if allocator else "empty")
             return block.address, block
@@ -385,6 +417,12 @@ class Pool:
         except Exception as exc:
             _log.error("defrag: placing a block for native code failed\n%s", traceback.format_exc())
             return f"defrag: making room for {nbytes} bytes failed: {exc!r}"
+
+    def _movable_torch_blocks(self) -> bool:
+        """Whether PyTorch's blocks in this pool can move at safe points: this pool is PyTorch's CPU
+        allocator, whose DataPtrs the owner match recognizes (defrag.owners). The CUDA routes' DataPtrs
+        are PyTorch's own (the pluggable route) or the backend's: those blocks stay pinned."""
+        return cpu_allocator.installed() is self
 
     # ------------------------------------------------------------------ release
     def _on_release(self, block: Block) -> None:
@@ -774,8 +812,9 @@ class Pool:
 
     # ------------------------------------------------------------------ inspection
     def live_tensors(self) -> list[LiveTensor]:
-        """Every live block, in address order, as a `compact()` called from this thread sees it."""
-        with self.core.gate:
+        """Every live block, in address order, as a `compact()` called from this thread sees it (a safe
+        point: the owners of PyTorch-made blocks are matched first, `defrag.owners`)."""
+        with safe_point([self]), self.core.gate:
             self.core.drain()
             scope = self.core.scope(None)
             out = []
@@ -858,7 +897,7 @@ class Pool:
         Returns a `CompactionReport`.
         """
         self._context.relieve()
-        with self.core.gate:
+        with safe_point([self]), self.core.gate:
             self.core.check_open()
             scope = self.core.scope(threads)
             return compact_core(self.core, self._context.mover, verify=verify, progress=progress, engine=engine,

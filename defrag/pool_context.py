@@ -41,6 +41,7 @@ from dataclasses import dataclass, field
 import torch
 
 from . import fastpath
+from . import owners as owners_
 from . import tensors as tz
 from .capture import in_callback
 from .compactor import rescue
@@ -112,6 +113,12 @@ class PoolContext:
         self.on_release = on_release
         self.finalizer = finalizer
         self.mover = _TorchMover(self)
+        # The owners of PyTorch-made blocks found by the safe point of the compaction running now
+        # (`defrag.owners.match`; gate held); None outside one: then no PyTorch-made block moves.
+        self.owners: owners_.OwnerMatch | None = None
+        # PyTorch-made blocks moved, ever (the summary line and `--report` count them).
+        self.torch_moved_blocks = 0
+        self.torch_moved_bytes = 0
 
     @property
     def fast(self):
@@ -173,7 +180,8 @@ class PoolContext:
         """Place `nbytes` for `stream` (the ladder, with automatic compaction); OutOfMemoryError when
         nothing helps."""
         try:
-            return self.core.allocate(nbytes, self._rescue if compact else None, self._describe, stream)
+            return self.core.allocate(nbytes, self._rescue if compact else None, self._describe, stream,
+                                      can_rewrite=self.mover.can_rewrite)
         except OutOfRoom as room:
             error = OutOfMemoryError(room.message, **room.figures)
         for observer in list(self.on_oom):
@@ -184,7 +192,15 @@ class PoolContext:
         raise error
 
     def _rescue(self, nbytes: int, tried: list[str]) -> Block | None:
-        return rescue(self.core, self.mover, nbytes, tried, self.on_compact)
+        # The automatic trigger of a Python caller (pool.empty and the like): a safe point for PyTorch's
+        # blocks too, when no outer one matched their owners already.
+        if self.owners is not None or self.fast is None:
+            return rescue(self.core, self.mover, nbytes, tried, self.on_compact)
+        self.owners = owners_.match([self]).get(self.id)
+        try:
+            return rescue(self.core, self.mover, nbytes, tried, self.on_compact)
+        finally:
+            self.owners = None
 
     def _describe(self, block: Block) -> str:
         info = block.info
@@ -253,12 +269,32 @@ class _TorchMover:
         info = block.info
         if isinstance(info, SegmentInfo):
             return "a segment of PyTorch's allocator (capture): PyTorch sub-allocates inside it, so it never moves"
+        if owners_.moves_forbidden():
+            return owners_.NO_MOVES_REASON
+        if info is not None and info.origin == "allocator":
+            return self._torch_made_verdict(block)
         if info is None or info.storage_ref is None or info.storage_ref.expired():
             return "its storage is being released"
         if not self.context.can_swap and self.rebindable(block) is None:
             return ("torch < 2.12 lacks UntypedStorage._swap_data_ptr_ (and the storage-swap extension could not "
                     "be built), and views or other references to this storage exist that the pool cannot rewrite")
         return ""
+
+    def _torch_made_verdict(self, block: Block) -> str:
+        # A PyTorch-made block moves only where the safe point's match found its one owner, which the
+        # compaction rewrites in place (`FastPath.rebase`), and with no raw copy of its address known.
+        owners = self.context.owners
+        if owners is None:
+            return owners_.NOT_MATCHED
+        if not self.context.can_swap:
+            return ("made by PyTorch's allocator, and torch < 2.12 lacks UntypedStorage._swap_data_ptr_ (and the "
+                    "storage-swap extension could not be built)")
+        return owners.verdict(block.address)
+
+    @staticmethod
+    def _torch_made(block: Block) -> bool:
+        info = block.info
+        return isinstance(info, TensorInfo) and info.origin == "allocator"
 
     def rebindable(self, block: Block, storage=None) -> list | None:
         """Rebind mode: the tensors to rebind, if they are provably all users of the storage.
@@ -277,14 +313,30 @@ class _TorchMover:
 
     def grippable(self, blocks: list) -> list:
         # `grip_all`'s verdict without the storages: whether each has an owner to grip.
-        return [_owner_ref(block.info) is not None for block in blocks]
+        if owners_.moves_forbidden():
+            return [False] * len(blocks)
+        return [(not self._torch_made_verdict(block)) if self._torch_made(block) else _owner_ref(block.info) is not None
+                for block in blocks]
 
     def grip_all(self, blocks: list) -> list:
-        # `can_rewrite`'s verdict included: a segment or a dead storage has no grip.
+        # `can_rewrite`'s verdict included: a segment or a dead storage has no grip. PyTorch-made blocks:
+        # the storages the safe point's match found (one native call for all of them).
+        if owners_.moves_forbidden():
+            return [None] * len(blocks)
         lock = torch.UntypedStorage._new_with_weak_ptr  # `tz.strong_storage`, inlined
         swap = self.context.can_swap
+        made = [i for i, block in enumerate(blocks) if self._torch_made(block)]
+        owned = {}
+        if made and self.context.fast is not None and self.context.owners is not None:
+            found = self.context.fast.owner_storages([blocks[i].address for i in made])
+            owned = {i: storage for i, storage in zip(made, found)
+                     if storage is not None and not self._torch_made_verdict(blocks[i])}
         grips = []
-        for block in blocks:
+        for index, block in enumerate(blocks):
+            if self._torch_made(block):
+                storage = owned.get(index)
+                grips.append(None if storage is None or not swap else (storage, None))
+                continue
             ref = _owner_ref(block.info)
             storage = None if ref is None else lock(ref.cdata)
             if storage is None:
@@ -323,7 +375,14 @@ class _TorchMover:
         if not self._rebases():
             return None
         failed = self.rebase_all([grip[0] for grip in grips], addresses, olds)
+        if failed == -1:
+            self._count_torch_made(olds)
         return None if failed == -2 else failed
+
+    def _count_torch_made(self, olds: list) -> None:
+        made = [old.nbytes for old in olds if self._torch_made(old)]
+        self.context.torch_moved_blocks += len(made)
+        self.context.torch_moved_bytes += sum(made)
 
     def rebase_all(self, users: list, addresses: list, olds: list) -> int:
         """`FastPath.rebase` for a wave: each storage of `users` takes the memory at the same index of
@@ -337,8 +396,11 @@ class _TorchMover:
         swap_all = getattr(fastpath.module, "swap_storages", None) if self.context.swap_mode == "native" else None
         if swap_all is None:
             return None
-        return swap_all([held[0] for _, _, held, _ in dests], [dest for _, _, _, dest in dests],
-                        [old.address for old, _, _, _ in dests])
+        failed = swap_all([held[0] for _, _, held, _ in dests], [dest for _, _, _, dest in dests],
+                          [old.address for old, _, _, _ in dests])
+        if failed == -1:
+            self._count_torch_made([old for old, _, _, _ in dests])
+        return failed
 
     def commit(self, old: Block, new: Block, held, dest) -> None:
         user, rebind = held
@@ -346,6 +408,7 @@ class _TorchMover:
             # `new` is now the user's block; `old` is owned by the temporary `dest`. Sizes were
             # checked by `check`; `dest` was made on the pool's device.
             tz.swap_data(user, dest, self.context.swap_mode, checked=True)
+            self._count_torch_made([old])
         else:
             # Rebind mode: the known tensors (provably all users) take `dest`;
             # `old` dies with the old storage once the compaction's references go.

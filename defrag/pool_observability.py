@@ -32,6 +32,9 @@ class PoolObservability:
             core.drain()
             stats = core.stats_locked()
             stats.update(self.segments.totals())
+            # PyTorch's own tensors (defrag.install) moved at safe points (defrag.owners), ever.
+            stats["compaction.torch_moved_tensors"] = self.context.torch_moved_blocks
+            stats["compaction.torch_moved_bytes"] = self.context.torch_moved_bytes
             return stats
 
     def reset_peak_stats(self) -> None:

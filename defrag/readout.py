@@ -53,8 +53,9 @@ def packing_floor(core, scope, can_rewrite=None) -> tuple[int, int]:
     return len(pinned_pages), movable
 
 
-def out_of_room(core, nbytes: int, tried: list[str], describe=None) -> OutOfRoom:
-    """The explained out-of-memory error for `nbytes` (see `OutOfRoom`)."""
+def out_of_room(core, nbytes: int, tried: list[str], describe=None, can_rewrite=None) -> OutOfRoom:
+    """The explained out-of-memory error for `nbytes` (see `OutOfRoom`); `can_rewrite`: the face's verdict
+    of which blocks could move now (`Mover.can_rewrite`), for what a compaction could free."""
     st = stats(core)
     pinned = sum(b.size for b in core.blocks() if b.pins)
     largest = sorted((b for b in core.blocks() if not b.retired), key=lambda b: (-b.nbytes, -b.pins))[:5]
@@ -70,19 +71,20 @@ def out_of_room(core, nbytes: int, tried: list[str], describe=None) -> OutOfRoom
             (f"{format_bytes(b.nbytes)} {describe(b) if describe else ''}".strip()
              + (" (pinned)" if b.pins else "")) for b in largest))
     facts = tuple(lines)
-    lines.append("  suggestion: " + _suggestion(core, nbytes, st["allocated_bytes.all.current"], pinned))
+    floor = packing_floor(core, core.scope(None), can_rewrite)
+    lines.append("  suggestion: " + _suggestion(core, nbytes, st["allocated_bytes.all.current"], pinned, floor))
     P = core.page_size
     store = core.space.store
     free_pages = store.unmapped + (0 if store.device_full else store.creatable) + core.backing.empty
     return OutOfRoom("\n".join(lines), requested=nbytes, capacity=core.capacity,
                      live=st["allocated_bytes.all.current"], stranded=st["stranded_bytes"],
-                     pinned=pinned, tried=tuple(tried), movable=packing_floor(core, core.scope(None))[1],
+                     pinned=pinned, tried=tuple(tried), movable=floor[1],
                      reserved=st["reserved_bytes.all.current"], page_size=P,
                      device_total=core.driver.total_memory, device_full=bool(store.device_full),
                      capacity_needed=(core.capacity_pages - free_pages + -(-nbytes // P)) * P, facts=facts)
 
 
-def _suggestion(core, nbytes: int, live: int, pinned: int) -> str:
+def _suggestion(core, nbytes: int, live: int, pinned: int, floor: tuple[int, int]) -> str:
     """What would really make room for `nbytes`: only advice that is true of this pool and device."""
     device_total = core.driver.total_memory
     if nbytes > core.capacity:
@@ -95,7 +97,7 @@ def _suggestion(core, nbytes: int, live: int, pinned: int) -> str:
                 f"no more pages (other pools, PyTorch's caching allocator or other processes hold the rest), "
                 f"so a larger capacity would not help; free memory held outside this pool "
                 f"(torch.cuda.empty_cache(), other pools' trim()) or ask for less.")
-    pinned_pages, movable = packing_floor(core, core.scope(None))
+    pinned_pages, movable = floor
     free_after_compaction = core.capacity - (pinned_pages + -(-movable // core.page_size)) * core.page_size
     if nbytes <= free_after_compaction and not core.auto_compact:
         return "pool.compact() (or auto_compact=True) would make room for this request."

@@ -545,6 +545,8 @@ def summary(stats: dict, pool=None) -> str:
              f"{s['num_compactions.explicit']} / {s['num_compactions.automatic']}", ""),
         _row("Tensors moved", str(s["compaction.moved_tensors"]), ""),
         _row("Bytes moved", fb(s["compaction.moved_bytes"]), ""),
+        _row("PyTorch's own tensors moved (bytes)", f"{s.get('compaction.torch_moved_tensors', 0)} "
+             f"({fb(s.get('compaction.torch_moved_bytes', 0))})", ""),
         _row("Pages released", str(s["compaction.released_pages"]), ""),
         _row("Live blocks", str(s["live_blocks"]), ""),
         _row("Pinned blocks", str(s["pinned_blocks"]), ""),

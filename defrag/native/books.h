@@ -63,6 +63,13 @@ enum MeshRole : int8_t { kNoMesh = 0, kPrimary = 1, kTwin = 2 };
 // Who placed a block: the face's Python code (its ladder), the fast path (`pool.empty`, a thread
 // Python never saw), or PyTorch's CPU/CUDA allocator entries.
 enum Origin : uint8_t { kPython = 0, kFastPath = 1, kAllocator = 2 };
+// What the last owner match found for a PyTorch-made block: no storage reachable from Python starts
+// at it with its allocator's DataPtr; exactly one (`Record::storage`), which may take a new address;
+// or another storage over its bytes as well (two storages, or one made over exported memory).
+enum OwnerState : uint8_t { kNoOwnerFound = 0, kOwned = 1, kShared = 2 };
+// Why a PyTorch-made block never moves for the rest of its life: its address was handed to another
+// library (defrag.owners records the exports it sees).
+enum Fixed : uint8_t { kNotFixed = 0, kNumpy = 1, kDlpack = 2, kCudaArrayInterface = 3, kIpc = 4, kGraph = 5 };
 
 constexpr int kMaxDims = 8;
 
@@ -97,6 +104,11 @@ struct Record {
   int8_t ndim = 0;
   std::array<int64_t, kMaxDims> shape{};
   void* storage = nullptr;
+  // PyTorch-made blocks (origin kAllocator) only, written by the owner match at a safe point
+  // (module.cpp `FastPath::match_owners`): whether one storage alone owns the block (`storage` then
+  // names it), and why it never moves whatever the match finds (memory exported to another library).
+  OwnerState held = kNoOwnerFound;
+  Fixed fixed = kNotFixed;
 };
 
 // The block counters, in bytes and events, with their peaks (PyTorch's meaning: allocated blocks are
@@ -330,6 +342,18 @@ class Books : public std::enable_shared_from_this<Books> {
     Py_XINCREF(face);
     r->face = face;
     return r;
+  }
+
+  // The live blocks PyTorch's allocator entries placed (attached, not released or retired), sorted by
+  // address (mutex held): what an owner match reads and writes (`held`, `storage`, `fixed`).
+  std::vector<Record*> allocator_records_locked() const {
+    std::vector<Record*> out;
+    for (const auto& entry : table_) {
+      Record* r = entry.second;
+      if (r->origin == kAllocator && r->attached && !r->released && !r->retired) out.push_back(r);
+    }
+    std::sort(out.begin(), out.end(), [](const Record* a, const Record* b) { return a->address < b->address; });
+    return out;
   }
 
   // The record at `address` whose face is `face` (either may be checked alone: face nullptr skips it);

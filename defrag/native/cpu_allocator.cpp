@@ -62,6 +62,7 @@ c10::DataPtr PoolCpuAllocator::allocate(size_t n) {
     return previous_allocate(n);
   }
   if (n == 0) return c10::DataPtr(nullptr, c10::Device(c10::DeviceType::CPU));  // nothing to place or free
+  note_allocating_thread();
   if (n > static_cast<size_t>(kLargestRequest)) {
     g_cpu_counters.ooms += 1;
     TORCH_CHECK_WITH(OutOfMemoryError, false, "defrag: PyTorch asked the pool for ", n,
@@ -157,6 +158,7 @@ bool made_here(const at::Tensor& tensor) {
 }
 
 void bind_cpu_allocator(py::module_& m) {
+  g_allocator_deleter.store(&free_pooled, std::memory_order_release);
   m.def("install_cpu_allocator", &install, py::arg("fast_path"),
         "Make the pool of this FastPath PyTorch's CPU allocator (see cpu_allocator.cpp).");
   m.def("uninstall_cpu_allocator", &uninstall, "PyTorch's previous CPU allocator again; False when none was installed.");

@@ -46,6 +46,8 @@
 #include <torch/version.h>
 
 #include <sys/stat.h>
+#include <sys/syscall.h>
+#include <unistd.h>
 
 #include <new>
 #include <stdexcept>
@@ -59,6 +61,7 @@
 #include <memory>
 #include <mutex>
 #include <unordered_map>
+#include <unordered_set>
 #include <tuple>
 #include <utility>
 #include <vector>
@@ -94,6 +97,37 @@ bool python_exiting() {
 // A record's storage weak pointer (Record::storage) handed back: one weak count of ours.
 void drop_storage_weak(void* impl) noexcept {
   c10::weak_intrusive_ptr<c10::StorageImpl>::reclaim(static_cast<c10::StorageImpl*>(impl));
+}
+
+// The deleter of the DataPtrs PyTorch's CPU allocator entry makes over pool blocks (context == data:
+// `cpu_allocator.cpp`'s free_pooled), registered when that entry is bound: how an owner match and a
+// compaction's rebase recognize a storage that owns a PyTorch-made block (see `FastPath::match_owners`).
+std::atomic<c10::DeleterFnPtr> g_allocator_deleter{nullptr};
+
+// The Python threads that ever placed a block through PyTorch's allocator entries (their Linux thread
+// ids, noted once per thread, on its first allocation): at a safe point another of them still running
+// may be in the middle of an operation holding raw addresses (defrag.owners). Threads Python never
+// saw (a parallel region's workers, autograd's device threads) work for a Python thread's operation and
+// are not noted.
+std::mutex g_allocating_threads_mu;
+std::vector<int64_t> g_allocating_threads;
+thread_local bool t_allocating_thread_noted = false;
+
+inline void note_allocating_thread() noexcept {
+  if (t_allocating_thread_noted) return;
+  t_allocating_thread_noted = true;
+  if (PyGILState_GetThisThreadState() == nullptr) return;
+  try {
+    std::lock_guard<std::mutex> guard(g_allocating_threads_mu);
+    g_allocating_threads.push_back(static_cast<int64_t>(syscall(SYS_gettid)));
+  } catch (...) {
+    t_allocating_thread_noted = false;  // no memory: noted on a later allocation
+  }
+}
+
+std::vector<int64_t> allocating_threads() {
+  std::lock_guard<std::mutex> guard(g_allocating_threads_mu);
+  return g_allocating_threads;
 }
 
 // With the GIL: the Python objects releases let go of.
@@ -444,27 +478,42 @@ class FastPath {
       if (!THPStorage_Check(user)) throw py::value_error("rebase: expects UntypedStorages");
       impls[i] = THPStorage_Unpack(user).unsafeGetStorageImpl();
     }
+    // A storage of PyTorch's allocator entry (a PyTorch-made block whose owner a match found) names its
+    // record by address: its DataPtr's context is its data pointer, and so is the new one's.
+    const c10::DeleterFnPtr allocators = g_allocator_deleter.load(std::memory_order_acquire);
     std::vector<Record*> records(n);
+    std::vector<bool> by_address(n, false);
     for (size_t i = 0; i < n; ++i) {
       const c10::DataPtr& data = impls[i]->data_ptr();
-      if (data.get_deleter() != &release_record || data.device() != device_) return -2;
+      if (data.device() != device_) return -2;
+      if (data.get_deleter() == &release_record) {
+        records[i] = static_cast<Record*>(data.get_context());
+      } else if (allocators != nullptr && data.get_deleter() == allocators && data.get_context() == data.get()) {
+        by_address[i] = true;
+      } else {
+        return -2;
+      }
       if (reinterpret_cast<uintptr_t>(data.get()) != old_addresses[i] ||
           static_cast<int64_t>(impls[i]->nbytes()) != nbytes[i])
         return static_cast<int64_t>(i);
-      records[i] = static_cast<Record*>(data.get_context());
     }
     {
       std::lock_guard<std::mutex> guard(books_->mu);  // records' fields are read under it
       for (size_t i = 0; i < n; ++i) {
+        if (by_address[i]) {
+          records[i] = books_->find_locked(static_cast<int64_t>(old_addresses[i]), nullptr);
+          if (records[i] == nullptr || records[i]->origin != defrag_native::kAllocator) return -2;
+        }
         const Record* r = records[i];
         if (r->keep != books_) return -2;
         if (static_cast<uintptr_t>(r->address) != old_addresses[i]) return static_cast<int64_t>(i);
       }
     }
     for (size_t i = 0; i < n; ++i) {
-      c10::DataPtr old = impls[i]->set_data_ptr(
-          c10::DataPtr(reinterpret_cast<void*>(new_addresses[i]), records[i], &release_record, device_));
-      old.release_context();  // the same record: the storage's new DataPtr owns it
+      void* to = reinterpret_cast<void*>(new_addresses[i]);
+      c10::DataPtr old = impls[i]->set_data_ptr(by_address[i] ? c10::DataPtr(to, to, allocators, device_)
+                                                              : c10::DataPtr(to, records[i], &release_record, device_));
+      old.release_context();  // the same record: the storage's new DataPtr owns it (freed by address after)
     }
     return -1;
   }
@@ -540,6 +589,149 @@ class FastPath {
       last = books_->drop_lease_locked();
     }
     if (last && books_->keeper() != nullptr) Py_DECREF(books_->keeper());
+  }
+
+  // The owners of the PyTorch-made blocks, found at a safe point (defrag.owners: no operation is in
+  // flight on any thread that allocates from the pool). `objects`: what Python's collector tracks
+  // (gc.get_objects()). Every tensor among them, and its grad, names a storage; each storage on this
+  // device whose bytes meet a PyTorch-made block claims it. A block is owned (`kOwned`, its
+  // `Record::storage` then names that storage with one weak count of ours) when exactly one storage
+  // claims it, starting at its address, holding the allocator entry's own DataPtr (its deleter,
+  // context == data) of the block's nbytes; shared (`kShared`) when any other storage covers some of
+  // its bytes (a second storage, memory exported and imported back, a copy-on-write clone); else no
+  // owner is found (a workspace, a raw allocation, a storage only C++ holds: autograd's saved tensors
+  // whose Python tensor is gone). Every PyTorch-made block's state is rewritten; nothing else changes.
+  // Returns (tensors seen, storages seen, blocks owned, bytes owned, blocks shared).
+  py::tuple match_owners(const py::list& objects) {
+    std::unordered_map<PyTypeObject*, bool> is_tensor_type;
+    std::unordered_set<c10::StorageImpl*> claims;
+    int64_t tensors = 0;
+    auto claim = [&](const at::TensorBase& t) {
+      if (!t.defined() || !t.has_storage() || t.device() != device_) return;
+      c10::StorageImpl* impl = t.storage().unsafeGetStorageImpl();
+      if (impl != nullptr) claims.insert(impl);
+    };
+    for (py::handle o : objects) {
+      PyObject* obj = o.ptr();
+      PyTypeObject* type = Py_TYPE(obj);
+      auto known = is_tensor_type.find(type);
+      // By type, never by isinstance: an isinstance check may run Python (a metaclass's __instancecheck__,
+      // a deprecated module attribute's warning).
+      bool tensor = known != is_tensor_type.end()
+                        ? known->second
+                        : (is_tensor_type[type] = THPVariableClass != nullptr &&
+                                                  PyType_IsSubtype(type, reinterpret_cast<PyTypeObject*>(THPVariableClass)));
+      if (!tensor) continue;
+      tensors += 1;
+      const at::Tensor& t = THPVariable_Unpack(obj);
+      claim(t);
+      if (t.defined()) claim(t.unsafeGetTensorImpl()->grad());  // held in C++ (AutogradMeta) between steps
+    }
+    const c10::DeleterFnPtr ours = g_allocator_deleter.load(std::memory_order_acquire);
+    std::vector<void*> dropped;
+    int64_t owned = 0, owned_bytes = 0, shared = 0;
+    {
+      std::lock_guard<std::mutex> guard(books_->mu);
+      std::vector<Record*> records = books_->allocator_records_locked();
+      std::unordered_map<Record*, c10::StorageImpl*> owner;
+      for (Record* r : records) {
+        r->held = defrag_native::kNoOwnerFound;
+        if (r->storage != nullptr) dropped.push_back(r->storage);
+        r->storage = nullptr;
+      }
+      for (c10::StorageImpl* impl : claims) {
+        const c10::DataPtr& data = impl->data_ptr();
+        const auto start = static_cast<int64_t>(reinterpret_cast<uintptr_t>(data.get()));
+        const auto n = static_cast<int64_t>(impl->nbytes());
+        if (start == 0 || n <= 0) continue;
+        // The first block ending after `start`, then every block the storage's bytes meet.
+        auto it = std::upper_bound(records.begin(), records.end(), start,
+                                   [](int64_t a, const Record* r) { return a < r->address + r->nbytes; });
+        for (; it != records.end() && (*it)->address < start + n; ++it) {
+          Record* r = *it;
+          const bool alone = ours != nullptr && data.get_deleter() == ours && data.get_context() == data.get() &&
+                             start == r->address && n == r->nbytes;
+          if (!alone) {
+            r->held = defrag_native::kShared;
+          } else if (r->held == defrag_native::kNoOwnerFound) {
+            r->held = defrag_native::kOwned;
+            owner[r] = impl;
+          } else if (r->held == defrag_native::kOwned && owner[r] != impl) {
+            r->held = defrag_native::kShared;
+          }
+        }
+      }
+      for (Record* r : records) {
+        if (r->held == defrag_native::kShared) {
+          shared += 1;
+        } else if (r->held == defrag_native::kOwned) {
+          c10::StorageImpl* impl = owner[r];
+          c10::raw::weak_intrusive_ptr::incref(impl);
+          r->storage = impl;
+          owned += 1;
+          owned_bytes += r->nbytes;
+        }
+      }
+    }
+    for (void* weak : dropped) drop_storage_weak(weak);
+    return py::make_tuple(tensors, static_cast<int64_t>(claims.size()), owned, owned_bytes, shared);
+  }
+
+  // What the last owner match says of each PyTorch-made block: {address: held + 4 * fixed} (the
+  // books.h enums OwnerState and Fixed).
+  py::dict owner_states() {
+    std::vector<std::pair<int64_t, int>> states;
+    {
+      std::lock_guard<std::mutex> guard(books_->mu);
+      for (const Record* r : books_->allocator_records_locked())
+        states.emplace_back(r->address, static_cast<int>(r->held) + 4 * static_cast<int>(r->fixed));
+    }
+    py::dict out;
+    for (const auto& [address, code] : states) out[py::int_(address)] = py::int_(code);
+    return out;
+  }
+
+  // The storages that own the PyTorch-made blocks at `addresses` (found by the last owner match, still
+  // alive, still there and not fixed), else None each: what a compaction grips before it moves them.
+  py::list owner_storages(const std::vector<int64_t>& addresses) {
+    std::vector<c10::intrusive_ptr<c10::StorageImpl>> strong(addresses.size());
+    {
+      std::lock_guard<std::mutex> guard(books_->mu);
+      for (size_t i = 0; i < addresses.size(); ++i) {
+        Record* r = books_->find_locked(addresses[i], nullptr);
+        if (r == nullptr || r->origin != defrag_native::kAllocator || r->released || r->retired ||
+            r->held != defrag_native::kOwned || r->fixed != defrag_native::kNotFixed || r->storage == nullptr)
+          continue;
+        auto* impl = static_cast<c10::StorageImpl*>(r->storage);
+        c10::raw::weak_intrusive_ptr::incref(impl);
+        auto weak = c10::weak_intrusive_ptr<c10::StorageImpl>::reclaim(impl);
+        auto locked = weak.lock();
+        if (locked && reinterpret_cast<uintptr_t>(locked->data_ptr().get()) == static_cast<uintptr_t>(r->address))
+          strong[i] = std::move(locked);
+      }
+    }
+    py::list out(addresses.size());
+    for (size_t i = 0; i < addresses.size(); ++i) {
+      if (!strong[i]) {
+        out[i] = py::none();
+        continue;
+      }
+      PyObject* wrapped = THPStorage_Wrap(c10::Storage(std::move(strong[i])));
+      if (wrapped == nullptr) throw py::error_already_set();
+      out[i] = py::reinterpret_steal<py::object>(wrapped);
+    }
+    return out;
+  }
+
+  // The PyTorch-made block at `address` never moves again (its address went to another library:
+  // `code` says how, books.h Fixed). False when no such block is here.
+  bool mark_fixed(int64_t address, int code) {
+    if (code <= 0 || code > defrag_native::kGraph) throw py::value_error("mark_fixed: unknown code");
+    std::lock_guard<std::mutex> guard(books_->mu);
+    Record* r = books_->find_locked(address, nullptr);
+    if (r == nullptr || r->origin != defrag_native::kAllocator || r->released) return false;
+    if (r->fixed == defrag_native::kNotFixed) r->fixed = static_cast<defrag_native::Fixed>(code);
+    return true;
   }
 
   // The pool closed: no more fast allocations; every later release of a record a native context
@@ -879,6 +1071,7 @@ py::dict counters_dict(Books& books) {
 // `cuda_allocator.cpp` (later sources, same unit).
 void bind_cpu_allocator(py::module_& m);
 void bind_cuda_allocator(py::module_& m);
+void bind_op_rescue(py::module_& m);  // op_rescue.cpp
 
 }  // namespace
 
@@ -1090,6 +1283,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            py::arg("keeper"), py::arg("close_hook"))
       .def("close", &Books::close);
   defrag_native::bind_books_mesh(books_class);
+  m.def("allocating_threads", &allocating_threads,
+        "Linux thread ids of the Python threads that ever placed a block through PyTorch's allocator entries.");
 #ifdef DEFRAG_SWAP_STORAGES
   m.def("swap_storages", &swap_storages, "A compaction wave's storage swaps, after every check (see the source).");
 #endif
@@ -1106,6 +1301,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            py::arg("stride"), py::arg("dtype"))
       .def("storages", &FastPath::storages, py::arg("addresses"), py::arg("faces"), py::arg("nbytes"))
       .def("rebase", &FastPath::rebase)
+      .def("match_owners", &FastPath::match_owners, py::arg("objects"))
+      .def("owner_states", &FastPath::owner_states)
+      .def("owner_storages", &FastPath::owner_storages, py::arg("addresses"))
+      .def("mark_fixed", &FastPath::mark_fixed, py::arg("address"), py::arg("code"))
       .def("close", &FastPath::close)
       .def("take_lease", &FastPath::take_lease)
       .def("drop_lease", &FastPath::drop_lease)
@@ -1121,4 +1320,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_readonly("misses", &FastPath::misses);
   bind_cpu_allocator(m);
   bind_cuda_allocator(m);
+  bind_op_rescue(m);
 }

@@ -82,7 +82,7 @@ for a, b in zip(plain_state + plain_losses, state + losses):
 stats = pool.stats()
 counters = cpu_allocator.counters()
 assert counters["blocks"] > 500 and counters["declined"] == 0 and counters["ooms"] == 0, counters
-assert stats["pinned_blocks"] == stats["live_blocks"] > 0, stats
+assert stats["pinned_blocks"] == 0 < stats["live_blocks"], stats  # PyTorch's blocks move at safe points
 print("counters", counters)
 z = torch.empty(0)  # zero bytes: nothing placed
 assert z.numel() == 0
@@ -114,7 +114,8 @@ try:
     raise SystemExit("no OOM")
 except torch.OutOfMemoryError as e:
     message = str(e)
-assert "cannot allocate 1.00 GiB" in message and "(PyTorch's CPU allocator) (pinned)" in message, message
+assert "cannot allocate 1.00 GiB" in message and "(PyTorch's CPU allocator)" in message, message
+assert "(pinned)" not in message, message  # PyTorch's blocks move between operations
 # It goes on: the pool still serves, nothing was counted for the failed request.
 assert pool.stats()["allocated_bytes.all.current"] == before
 t = torch.ones(3)
