@@ -61,8 +61,8 @@ def refused_inside_allocator(error: OutOfMemoryError) -> str:
 
     The error's facts (request, capacity, live, stranded, tried, largest
     tensors), then what is true there in place of the pool's own suggestion:
-    PyTorch keeps the raw address of every block it hands out, so none can
-    move and compaction cannot help them; how much is stranded between them;
+    the request came from inside an operation, which holds its tensors' raw
+    addresses, so nothing moves there; how much is stranded between them;
     the capacity that would have served the request now (`--capacity` under
     `defrag run`), unless the device is the limit; freeing what the
     program no longer needs; and, for data the program owns, a `defrag.Pool`
@@ -81,8 +81,8 @@ def refused_inside_allocator(error: OutOfMemoryError) -> str:
     knob = (f"run with {_capacity_option} {_as_option(need)} or more ({enough})" if _capacity_option
             else f"make the installed pool with defrag.Pool(capacity={_as_option(need)!r}) or more ({enough})")
     where = "defrag run" if _capacity_option else "defrag.install"
-    why = (f"  why: under {where} the pool is PyTorch's allocator, and PyTorch keeps the raw address of every "
-           f"block it hands out, so its blocks ({fb(unmovable)} live) cannot move and compaction cannot help them")
+    why = (f"  why: under {where} the pool is PyTorch's allocator, and this request came from inside an operation, "
+           f"which holds its tensors' raw addresses: nothing moves there ({fb(unmovable)} of PyTorch's blocks live)")
     helps = []
     fragmented = nbytes <= capacity and live + nbytes <= capacity
     if f["device_full"]:
@@ -109,6 +109,10 @@ def refused_inside_allocator(error: OutOfMemoryError) -> str:
                                                     f"the device's {fb(device)}")
     helps.append("free what the program no longer needs before this request")
     if fragmented:
+        between = ("defrag run --rescue (the failed operation runs again once, after a compaction that moves "
+                   "PyTorch's tensors too) or --compact-at step" if _capacity_option else
+                   "defrag.compact() between steps, where no operation runs")
+        helps.append(f"let PyTorch's tensors move between operations: {between}")
         helps.append("keep the program's own large, long-lived data (KV caches, buffers) in a defrag.Pool "
                      "(pool.empty, pool.adopt): tensors there can move, and compacting them between steps gives "
                      "back the pages between them")

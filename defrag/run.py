@@ -47,8 +47,8 @@ from .arguments import UsageError
 
 __all__ = ["main", "parse", "RunArgs", "summary_line"]
 
-USAGE = ("usage: defrag run [--capacity C] [--device D] [--report PATH] [--record PATH] script.py [args ...]\n"
-         "       defrag run [--capacity C] [--device D] [--report PATH] [--record PATH] -m module [args ...]")
+USAGE = ("usage: defrag run [--capacity C] [--device D] [--report PATH] [--record PATH] [--rescue]\n"
+         "                  [--compact-at step [--compact-min SIZE]] script.py [args ...]  (or -m module [args ...])")
 
 HELP = USAGE + """
 
@@ -63,12 +63,22 @@ options (before the script or -m):
                    snapshot (PyTorch's pickle format): `defrag replay PATH` replays it, PyTorch's
                    memory_viz draws it (the newest 1,000,000 events are kept, about
                    0.5 KiB of host memory each)
+  --rescue         an operation that runs out of memory runs again once, after a compaction that
+                   moves PyTorch's tensors too (at that safe point the operation has unwound)
+  --compact-at step
+                   compact after each optimizer.step() (torch's global optimizer hooks) when the
+                   pool's stranded bytes reach --compact-min; PyTorch's tensors move there too
+  --compact-min SIZE
+                   the stranded bytes that make --compact-at step compact (default: 1/16 of the
+                   capacity)
   -m MODULE        run a library module as a script, like python -m
   -h, --help       show this help
 
 Prints one summary line on stderr at the end; exits with the program's exit code."""
 
-_VALUED = ("--capacity", "--device", "--report", "--record")
+_VALUED = ("--capacity", "--device", "--report", "--record", "--compact-at", "--compact-min")
+_FLAGS = ("--rescue",)
+COMPACT_AT = ("step",)
 RECORD_ENTRIES = 1_000_000  # events `--record` keeps (the newest); a training step makes a few hundred
 
 
@@ -80,6 +90,9 @@ class RunArgs:
     device: str | None = None
     report: str | None = None
     record: str | None = None
+    rescue: bool = False
+    compact_at: str | None = None
+    compact_min: str | None = None
     script: str | None = None
     module: str | None = None
     args: list[str] = field(default_factory=list)
@@ -111,7 +124,11 @@ def parse(argv: list[str]) -> RunArgs:
                     raise UsageError(f"{name} needs a value")
                 value = argv[i + 1]
                 i += 1
-            setattr(out, name[2:], value)
+            setattr(out, name[2:].replace("-", "_"), value)
+            i += 1
+            continue
+        if token in _FLAGS:
+            setattr(out, token[2:], True)
             i += 1
             continue
         if token.startswith("-m"):  # "-m module" or "-mmodule", as python takes it
@@ -135,6 +152,11 @@ def _checked(args: RunArgs):
     anything runs."""
     from .arguments import capacity_fits, device_arg, out_file_arg, size_arg
 
+    if args.compact_at is not None and args.compact_at not in COMPACT_AT:
+        raise UsageError(f"--compact-at {args.compact_at}: the one safe point it knows is 'step' (after each "
+                         f"optimizer.step())")
+    if args.compact_min is not None and args.compact_at is None:
+        raise UsageError("--compact-min needs --compact-at step")
     if args.script is not None:
         path = Path(args.script)
         if not path.exists():
@@ -170,6 +192,8 @@ def _checked(args: RunArgs):
         capacity = size_arg(args.capacity, "--capacity", at_least=driver.granularity,
                             at_least_what=f"one page ({driver.granularity} bytes)")
         capacity_fits(capacity, driver, why="the program's pool")
+    if args.compact_min is not None:
+        size_arg(args.compact_min, "--compact-min", at_least=1, at_least_what="one byte")
     return driver, capacity, report, record
 
 
@@ -195,6 +219,32 @@ def _open_pool(driver, capacity: int, *, record: bool = False):
         raise UsageError(f"cannot install the pool here: {exc}") from None
     set_capacity_option("--capacity")  # an OOM inside PyTorch's allocator names the option, not Pool(capacity=)
     return pool
+
+
+def _compact_after_steps(pool, min_stranded: int):
+    """`--compact-at step`: after every `optimizer.step()` of any optimizer (torch's global post hook), a
+    compaction of every open pool (one safe point: PyTorch's tensors move too) when `pool`'s stranded
+    bytes reach `min_stranded`. A step that needs none costs one look at the pool's free ranges. Returns
+    the hook's handle; `counts` on it says how many steps ran and how many compacted."""
+    import torch
+
+    from .pool import compact
+
+    counts = {"steps": 0, "compactions": 0}
+
+    def after_step(optimizer, args, kwargs):
+        counts["steps"] += 1
+        if pool.closed:
+            return
+        with pool.core.gate:
+            stranded, _ = pool.core.stranded()
+        if stranded >= min_stranded:
+            compact()
+            counts["compactions"] += 1
+
+    handle = torch.optim.optimizer.register_optimizer_step_post_hook(after_step)
+    handle.counts = counts
+    return handle
 
 
 def _program_frames(tb):
@@ -315,7 +365,19 @@ def summary(pool, exit_code: int, seconds: float) -> dict:
         "ooms": stats["num_ooms"],
         "compactions": stats["num_compactions"],
         "allocations": stats["num_allocs"],
+        # PyTorch's own tensors moved at safe points (defrag.owners), and operations rescued (--rescue).
+        "torch_moved_tensors": stats["compaction.torch_moved_tensors"],
+        "torch_moved_bytes": stats["compaction.torch_moved_bytes"],
+        "rescued_operations": _rescued(),
     }
+
+
+def _rescued() -> int:
+    from . import fastpath
+
+    if fastpath.module is None:
+        return 0
+    return int(fastpath.module.rescue_counters()["rescued"])
 
 
 def summary_line(figures: dict) -> str:
@@ -325,6 +387,7 @@ def summary_line(figures: dict) -> str:
     was live: then a whole page reserved reads as thousands of percent, so it
     is given in bytes.
     """
+    from .stats import counted
     from .units import format_bytes
 
     over = figures["reserved_over_live"]
@@ -337,8 +400,12 @@ def summary_line(figures: dict) -> str:
     return (f"defrag run: exit {figures['exit_code']} in {figures['seconds']:.1f} s on {figures['device']} · "
             f"peak live {format_bytes(figures['peak_live_bytes'])} · peak reserved "
             f"{format_bytes(figures['peak_reserved_bytes'])}{over_text} of {format_bytes(figures['capacity_bytes'])} · "
-            f"fragmentation at exit {figures['fragmentation_at_exit'] * 100:.1f}% · {figures['ooms']} OOMs · "
-            f"{figures['compactions']} compactions · {figures['allocations']} allocations in the pool")
+            f"fragmentation at exit {figures['fragmentation_at_exit'] * 100:.1f}% · {counted(figures['ooms'], 'OOM')} · "
+            f"{counted(figures['compactions'], 'compaction')} · {counted(figures['allocations'], 'allocation')} in the pool"
+            + (f" · moved {figures['torch_moved_tensors']} of PyTorch's tensors "
+               f"({format_bytes(figures['torch_moved_bytes'])})" if figures.get("torch_moved_tensors") else "")
+            + (f" · {counted(figures['rescued_operations'], 'operation')} rescued" if figures.get("rescued_operations")
+               else ""))
 
 
 def _write_report(path: Path, figures: dict, pool, args: RunArgs) -> None:
@@ -375,6 +442,18 @@ def main(argv: list[str]) -> int:
         return 0
     driver, capacity, report, record = _checked(args)
     pool = _open_pool(driver, capacity, record=record is not None)
+    if args.rescue:
+        from . import rescue
+
+        try:
+            rescue.enable()
+        except RuntimeError as exc:
+            raise UsageError(f"--rescue: {exc}") from None
+    if args.compact_at == "step":
+        from .arguments import size_arg
+
+        _compact_after_steps(pool, size_arg(args.compact_min, "--compact-min") if args.compact_min is not None
+                             else max(capacity // 16, pool.page_size))
     started = time.perf_counter()
     try:
         code = _run_program(args)

@@ -28,7 +28,7 @@ from ..errors import NativeBuildError
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
 SOURCES = ("heap.h", "planner.h", "plan_attempt.h", "streams.h", "books.h", "module.cpp", "pool_allocator.h",
-           "cpu_allocator.cpp", "cuda_allocator.cpp", "pool_abi.h", "pool_abi.cpp")  # in dependency order
+           "cpu_allocator.cpp", "cuda_allocator.cpp", "pool_abi.h", "pool_abi.cpp", "op_rescue.cpp")  # in dependency order
 _LOCAL_INCLUDE = re.compile(r'^\s*(#pragma once|#include "[^"]+")\s*$')
 
 

@@ -1,8 +1,9 @@
 """An out-of-memory error under `defrag run` says what is true there (defrag/oom.py).
 
 Under `defrag run` the pool is PyTorch's allocator: every block is PyTorch's,
-which keeps its raw address, so nothing can move and compaction cannot
-help. The error says so, how much is stranded between those blocks, the
+and a request from inside an operation (whose tensors' raw addresses the
+operation holds) moves nothing. The error says so, names the safe points
+where PyTorch's tensors do move (`--rescue`, `--compact-at step`), how much is stranded between those blocks, the
 `--capacity` that would have served the request (and the program completes
 with it), freeing what the program no longer needs, and a `defrag.Pool` for
 the data the program owns; never "unpin tensors" (the user pinned nothing),
@@ -72,8 +73,9 @@ def suggested_capacity(message: str) -> str:
 @needs_native
 def test_fragmentation_between_pytorchs_blocks_names_the_stranded_bytes_and_a_capacity_that_works(tmp_path):
     message = the_error(defrag_run(tmp_path, "64MiB", "frag", "40"))
-    assert "PyTorch keeps the raw address of every block it hands out" in message
-    assert "its blocks (16.00 MiB live) cannot move" in message
+    assert "this request came from inside an operation, which holds its tensors' raw addresses" in message
+    assert "nothing moves there (16.00 MiB of PyTorch's blocks live)" in message
+    assert "let PyTorch's tensors move between operations: defrag run --rescue" in message
     assert "48.00 MiB is free but stranded between PyTorch's blocks" in message and "(fragmentation)" in message
     assert "in a defrag.Pool (pool.empty, pool.adopt)" in message
     assert "free what the program no longer needs" in message
@@ -172,4 +174,4 @@ def test_tensors_the_pool_can_move_are_named_with_compaction_between_steps(pinne
     pool.unpin(keep[0])
     message = refusal(pool, 40 * MiB, fits=("retry_on_oom",))
     assert "compact this pool's own 256.00 KiB of movable tensors between steps (pool.compact()" in message
-    assert "its blocks (15.75 MiB live) cannot move" in message
+    assert "nothing moves there (15.75 MiB of PyTorch's blocks live)" in message
