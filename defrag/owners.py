@@ -195,8 +195,9 @@ def patch_exports() -> None:
     """Make every export of a tensor's address that Python can see record it (`_fix`): `Tensor.numpy`
     (and so `__array__`), `Tensor.__dlpack__`, `torch.utils.dlpack.to_dlpack`,
     `Tensor.__cuda_array_interface__` and `UntypedStorage._share_cuda_`. Once per process; each export
-    costs one storage lookup more. Exports made before this ran are not known: `defrag.install` runs it
-    before the program's first tensor."""
+    costs one storage lookup more. Not seen: exports made before this ran, and calls through a reference
+    to one of those functions taken before it ran (`from torch.utils.dlpack import to_dlpack` before
+    `defrag.install`); under `defrag run` it runs before the program's first line."""
     global _patched
     if _patched:
         return
@@ -216,7 +217,12 @@ def patch_exports() -> None:
 
     torch.Tensor.numpy = exporting(torch.Tensor.numpy, NUMPY)
     torch.Tensor.__dlpack__ = exporting(torch.Tensor.__dlpack__, DLPACK)
+    for name in ("_to_dlpack", "_to_dlpack_versioned"):  # what __dlpack__ and to_dlpack call
+        if hasattr(torch._C, name):
+            setattr(torch._C, name, exporting(getattr(torch._C, name), DLPACK))
     dlpack.to_dlpack = exporting(dlpack.to_dlpack, DLPACK)
+    if hasattr(torch, "to_dlpack"):
+        torch.to_dlpack = dlpack.to_dlpack
     interface = torch.Tensor.__dict__.get("__cuda_array_interface__")
     if isinstance(interface, property) and interface.fget is not None:
         torch.Tensor.__cuda_array_interface__ = property(exporting(interface.fget, CUDA_ARRAY_INTERFACE))

@@ -226,7 +226,7 @@ def _compact_after_steps(pool, min_stranded: int):
     compaction of every open pool (one safe point: PyTorch's tensors move too) when `pool`'s stranded
     bytes reach `min_stranded`. A step that needs none costs one look at the pool's free ranges. Returns
     the hook's handle; `counts` on it says how many steps ran and how many compacted."""
-    import torch
+    from torch.optim.optimizer import register_optimizer_step_post_hook
 
     from .pool import compact
 
@@ -242,7 +242,7 @@ def _compact_after_steps(pool, min_stranded: int):
             compact()
             counts["compactions"] += 1
 
-    handle = torch.optim.optimizer.register_optimizer_step_post_hook(after_step)
+    handle = register_optimizer_step_post_hook(after_step)
     handle.counts = counts
     return handle
 
