@@ -49,8 +49,8 @@ import torch
 
 from . import fastpath
 
-# books.h OwnerState and Fixed, as the native match writes them (`owner_states`: held + 4 * fixed).
-OWNED, SHARED = 1, 2
+# books.h OwnerState and Fixed, as the native match writes them (`owner_codes`: held + 4 * fixed).
+OWNED, SHARED, NOT_MATCHED_CODE = 1, 2, 3
 NUMPY, DLPACK, CUDA_ARRAY_INTERFACE, IPC, GRAPH = 1, 2, 3, 4, 5
 
 HELD_REASONS = {
@@ -97,9 +97,10 @@ NO_MOVES_REASON = "a defrag.no_moves() block is running"
 
 @dataclass
 class OwnerMatch:
-    """What one safe point found for one pool's PyTorch-made blocks."""
+    """What one safe point found for one pool's PyTorch-made blocks (the verdicts live in the books'
+    records, read back through `fast`)."""
 
-    states: dict = field(default_factory=dict)  # address -> held + 4 * fixed (native codes)
+    fast: object = None  # the pool's native FastPath
     busy: str = ""  # another allocating Python thread that runs ("" when none)
     tensors: int = 0  # Python tensors seen (all pools)
     storages: int = 0  # distinct storages they name (all pools)
@@ -110,12 +111,20 @@ class OwnerMatch:
 
     def verdict(self, address: int) -> str:
         """Why the PyTorch-made block at `address` may not move ("" when it may)."""
-        code = self.states.get(address)
-        if code is None:
-            return NOT_MATCHED  # placed after the match
+        return self.verdicts([address])[0]
+
+    def verdicts(self, addresses: list) -> list:
+        """`verdict` of each of `addresses`, in one call to the books."""
+        return [self._reason(code) for code in self.fast.owner_codes(addresses)]
+
+    def _reason(self, code: int) -> str:
+        if code < 0:
+            return "not a live block of PyTorch's allocator"
         fixed, held = code >> 2, code & 3
         if fixed:
             return FIXED_REASONS.get(fixed, "exported")
+        if held == NOT_MATCHED_CODE:
+            return NOT_MATCHED  # placed after the match
         if held != OWNED:
             return HELD_REASONS[held]
         return self.busy
@@ -150,7 +159,7 @@ def match(pools) -> dict:
         out = {}
         for pool_id, fast in fasts:
             tensors, storages, owned, owned_bytes, shared = fast.match_owners(objects)
-            out[pool_id] = OwnerMatch(fast.owner_states(), busy, tensors, storages, owned, owned_bytes, shared)
+            out[pool_id] = OwnerMatch(fast, busy, tensors, storages, owned, owned_bytes, shared)
     finally:
         del objects
     elapsed = time.perf_counter() - start

@@ -315,8 +315,23 @@ class _TorchMover:
         # `grip_all`'s verdict without the storages: whether each has an owner to grip.
         if owners_.moves_forbidden():
             return [False] * len(blocks)
-        return [(not self._torch_made_verdict(block)) if self._torch_made(block) else _owner_ref(block.info) is not None
-                for block in blocks]
+        verdicts = self._torch_made_verdicts(blocks)
+        return [(not verdicts[i]) if i in verdicts else _owner_ref(block.info) is not None
+                for i, block in enumerate(blocks)]
+
+    def _torch_made_verdicts(self, blocks: list) -> dict:
+        """{index: `_torch_made_verdict`} for the PyTorch-made blocks among `blocks`, in one call to the books."""
+        made = [i for i, block in enumerate(blocks) if self._torch_made(block)]
+        if not made:
+            return {}
+        owners, why = self.context.owners, None
+        if owners is None:
+            why = owners_.NOT_MATCHED
+        elif not self.context.can_swap:
+            why = self._torch_made_verdict(blocks[made[0]])
+        if why is not None:
+            return dict.fromkeys(made, why)
+        return dict(zip(made, owners.verdicts([blocks[i].address for i in made])))
 
     def grip_all(self, blocks: list) -> list:
         # `can_rewrite`'s verdict included: a segment or a dead storage has no grip. PyTorch-made blocks:
@@ -325,12 +340,12 @@ class _TorchMover:
             return [None] * len(blocks)
         lock = torch.UntypedStorage._new_with_weak_ptr  # `tz.strong_storage`, inlined
         swap = self.context.can_swap
-        made = [i for i, block in enumerate(blocks) if self._torch_made(block)]
+        verdicts = self._torch_made_verdicts(blocks)
+        made = [i for i, why in verdicts.items() if not why]
         owned = {}
-        if made and self.context.fast is not None and self.context.owners is not None:
+        if made:
             found = self.context.fast.owner_storages([blocks[i].address for i in made])
-            owned = {i: storage for i, storage in zip(made, found)
-                     if storage is not None and not self._torch_made_verdict(blocks[i])}
+            owned = {i: storage for i, storage in zip(made, found) if storage is not None}
         grips = []
         for index, block in enumerate(blocks):
             if self._torch_made(block):

@@ -66,7 +66,8 @@ enum Origin : uint8_t { kPython = 0, kFastPath = 1, kAllocator = 2 };
 // What the last owner match found for a PyTorch-made block: no storage reachable from Python starts
 // at it with its allocator's DataPtr; exactly one (`Record::storage`), which may take a new address;
 // or another storage over its bytes as well (two storages, or one made over exported memory).
-enum OwnerState : uint8_t { kNoOwnerFound = 0, kOwned = 1, kShared = 2 };
+// kNotMatched: placed since the last match (or never matched).
+enum OwnerState : uint8_t { kNoOwnerFound = 0, kOwned = 1, kShared = 2, kNotMatched = 3 };
 // Why a PyTorch-made block never moves for the rest of its life: its address was handed to another
 // library (defrag.owners records the exports it sees).
 enum Fixed : uint8_t { kNotFixed = 0, kNumpy = 1, kDlpack = 2, kCudaArrayInterface = 3, kIpc = 4, kGraph = 5 };
@@ -107,7 +108,7 @@ struct Record {
   // PyTorch-made blocks (origin kAllocator) only, written by the owner match at a safe point
   // (module.cpp `FastPath::match_owners`): whether one storage alone owns the block (`storage` then
   // names it), and why it never moves whatever the match finds (memory exported to another library).
-  OwnerState held = kNoOwnerFound;
+  OwnerState held = kNotMatched;
   Fixed fixed = kNotFixed;
 };
 

@@ -603,71 +603,92 @@ class FastPath {
   // whose Python tensor is gone). Every PyTorch-made block's state is rewritten; nothing else changes.
   // Returns (tensors seen, storages seen, blocks owned, bytes owned, blocks shared).
   py::tuple match_owners(const py::list& objects) {
+    // The storages named by Python's tensors (and their grads), this device's only. One pass over the
+    // objects, by type (the last type's answer kept: runs of one type are common).
     std::unordered_map<PyTypeObject*, bool> is_tensor_type;
-    std::unordered_set<c10::StorageImpl*> claims;
+    PyTypeObject* last_type = nullptr;
+    bool last_is_tensor = false;
+    std::vector<c10::StorageImpl*> claims;
     int64_t tensors = 0;
     auto claim = [&](const at::TensorBase& t) {
       if (!t.defined() || !t.has_storage() || t.device() != device_) return;
       c10::StorageImpl* impl = t.storage().unsafeGetStorageImpl();
-      if (impl != nullptr) claims.insert(impl);
+      if (impl != nullptr) claims.push_back(impl);
     };
     for (py::handle o : objects) {
       PyObject* obj = o.ptr();
       PyTypeObject* type = Py_TYPE(obj);
-      auto known = is_tensor_type.find(type);
-      // By type, never by isinstance: an isinstance check may run Python (a metaclass's __instancecheck__,
-      // a deprecated module attribute's warning).
-      bool tensor = known != is_tensor_type.end()
-                        ? known->second
-                        : (is_tensor_type[type] = THPVariableClass != nullptr &&
-                                                  PyType_IsSubtype(type, reinterpret_cast<PyTypeObject*>(THPVariableClass)));
-      if (!tensor) continue;
+      if (type != last_type) {
+        auto known = is_tensor_type.find(type);
+        // By type, never by isinstance: an isinstance check may run Python (a metaclass's
+        // __instancecheck__, a deprecated module attribute's warning).
+        last_is_tensor = known != is_tensor_type.end()
+                             ? known->second
+                             : (is_tensor_type[type] = THPVariableClass != nullptr &&
+                                                       PyType_IsSubtype(type, reinterpret_cast<PyTypeObject*>(THPVariableClass)));
+        last_type = type;
+      }
+      if (!last_is_tensor) continue;
       tensors += 1;
       const at::Tensor& t = THPVariable_Unpack(obj);
       claim(t);
       if (t.defined()) claim(t.unsafeGetTensorImpl()->grad());  // held in C++ (AutogradMeta) between steps
     }
+    std::sort(claims.begin(), claims.end());
+    claims.erase(std::unique(claims.begin(), claims.end()), claims.end());
+    // Each claim's bytes, read once (outside the books' mutex: the storages are the program's).
+    struct Claim {
+      int64_t start, end;
+      c10::StorageImpl* impl;
+      bool alone_shape;  // the allocator entry's own DataPtr (deleter, context == data)
+    };
     const c10::DeleterFnPtr ours = g_allocator_deleter.load(std::memory_order_acquire);
+    std::vector<Claim> spans;
+    spans.reserve(claims.size());
+    for (c10::StorageImpl* impl : claims) {
+      const c10::DataPtr& data = impl->data_ptr();
+      const auto start = static_cast<int64_t>(reinterpret_cast<uintptr_t>(data.get()));
+      const auto n = static_cast<int64_t>(impl->nbytes());
+      if (start == 0 || n <= 0) continue;
+      spans.push_back({start, start + n, impl,
+                       ours != nullptr && data.get_deleter() == ours && data.get_context() == data.get()});
+    }
+    std::sort(spans.begin(), spans.end(), [](const Claim& a, const Claim& b) { return a.start < b.start; });
     std::vector<void*> dropped;
     int64_t owned = 0, owned_bytes = 0, shared = 0;
     {
       std::lock_guard<std::mutex> guard(books_->mu);
-      std::vector<Record*> records = books_->allocator_records_locked();
-      std::unordered_map<Record*, c10::StorageImpl*> owner;
+      std::vector<Record*> records = books_->allocator_records_locked();  // sorted by address
+      std::vector<c10::StorageImpl*> owner(records.size(), nullptr);
       for (Record* r : records) {
         r->held = defrag_native::kNoOwnerFound;
         if (r->storage != nullptr) dropped.push_back(r->storage);
         r->storage = nullptr;
       }
-      for (c10::StorageImpl* impl : claims) {
-        const c10::DataPtr& data = impl->data_ptr();
-        const auto start = static_cast<int64_t>(reinterpret_cast<uintptr_t>(data.get()));
-        const auto n = static_cast<int64_t>(impl->nbytes());
-        if (start == 0 || n <= 0) continue;
-        // The first block ending after `start`, then every block the storage's bytes meet.
-        auto it = std::upper_bound(records.begin(), records.end(), start,
-                                   [](int64_t a, const Record* r) { return a < r->address + r->nbytes; });
-        for (; it != records.end() && (*it)->address < start + n; ++it) {
-          Record* r = *it;
-          const bool alone = ours != nullptr && data.get_deleter() == ours && data.get_context() == data.get() &&
-                             start == r->address && n == r->nbytes;
+      // Both sorted: walk the records alongside the claims (a claim may cover several records).
+      size_t first = 0;
+      for (const Claim& c : spans) {
+        while (first < records.size() && records[first]->address + records[first]->nbytes <= c.start) ++first;
+        for (size_t k = first; k < records.size() && records[k]->address < c.end; ++k) {
+          Record* r = records[k];
+          const bool alone = c.alone_shape && c.start == r->address && c.end - c.start == r->nbytes;
           if (!alone) {
             r->held = defrag_native::kShared;
           } else if (r->held == defrag_native::kNoOwnerFound) {
             r->held = defrag_native::kOwned;
-            owner[r] = impl;
-          } else if (r->held == defrag_native::kOwned && owner[r] != impl) {
+            owner[k] = c.impl;
+          } else if (r->held == defrag_native::kOwned && owner[k] != c.impl) {
             r->held = defrag_native::kShared;
           }
         }
       }
-      for (Record* r : records) {
+      for (size_t k = 0; k < records.size(); ++k) {
+        Record* r = records[k];
         if (r->held == defrag_native::kShared) {
           shared += 1;
         } else if (r->held == defrag_native::kOwned) {
-          c10::StorageImpl* impl = owner[r];
-          c10::raw::weak_intrusive_ptr::incref(impl);
-          r->storage = impl;
+          c10::raw::weak_intrusive_ptr::incref(owner[k]);
+          r->storage = owner[k];
           owned += 1;
           owned_bytes += r->nbytes;
         }
@@ -677,17 +698,16 @@ class FastPath {
     return py::make_tuple(tensors, static_cast<int64_t>(claims.size()), owned, owned_bytes, shared);
   }
 
-  // What the last owner match says of each PyTorch-made block: {address: held + 4 * fixed} (the
-  // books.h enums OwnerState and Fixed).
-  py::dict owner_states() {
-    std::vector<std::pair<int64_t, int>> states;
-    {
-      std::lock_guard<std::mutex> guard(books_->mu);
-      for (const Record* r : books_->allocator_records_locked())
-        states.emplace_back(r->address, static_cast<int>(r->held) + 4 * static_cast<int>(r->fixed));
+  // What the last owner match says of the PyTorch-made block at each of `addresses`: held + 4 * fixed
+  // (books.h OwnerState and Fixed), or -1 where no live PyTorch-made block starts.
+  std::vector<int> owner_codes(const std::vector<int64_t>& addresses) {
+    std::vector<int> out(addresses.size(), -1);
+    std::lock_guard<std::mutex> guard(books_->mu);
+    for (size_t i = 0; i < addresses.size(); ++i) {
+      const Record* r = books_->find_locked(addresses[i], nullptr);
+      if (r != nullptr && r->origin == defrag_native::kAllocator && r->attached && !r->released && !r->retired)
+        out[i] = static_cast<int>(r->held) + 4 * static_cast<int>(r->fixed);
     }
-    py::dict out;
-    for (const auto& [address, code] : states) out[py::int_(address)] = py::int_(code);
     return out;
   }
 
@@ -1302,7 +1322,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("storages", &FastPath::storages, py::arg("addresses"), py::arg("faces"), py::arg("nbytes"))
       .def("rebase", &FastPath::rebase)
       .def("match_owners", &FastPath::match_owners, py::arg("objects"))
-      .def("owner_states", &FastPath::owner_states)
+      .def("owner_codes", &FastPath::owner_codes, py::arg("addresses"))
       .def("owner_storages", &FastPath::owner_storages, py::arg("addresses"))
       .def("mark_fixed", &FastPath::mark_fixed, py::arg("address"), py::arg("code"))
       .def("close", &FastPath::close)
