@@ -563,6 +563,11 @@ class Driver:
         """The device's value of a `CUdevice_attribute` (cuDeviceGetAttribute)."""
         return int(_check("cuDeviceGetAttribute", self._api.cuDeviceGetAttribute(attribute, self.device)))
 
+    def driver_version(self) -> int:
+        """The CUDA driver's version as cuDriverGetVersion reports it (12080 for 12.8; 0 on the emulated
+        device, which is no CUDA driver)."""
+        return int(_check("cuDriverGetVersion", self._api.cuDriverGetVersion()))
+
     def multiprocessors(self) -> int:
         """How many SMs the device has."""
         return self.attribute(cu.CUdevice_attribute.CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
@@ -606,8 +611,9 @@ class Driver:
         """Launch a 1-D grid of the kernel on `stream` (cuLaunchKernel). `params` is the address of an
         array of pointers to the kernel's parameters, read by the driver during this call."""
         self.make_current()
+        # `extra` is a void_ptr in cuda-bindings: 0 (NULL), never None (TypeError "an integer is required").
         _check("cuLaunchKernel", self._api.cuLaunchKernel(function, int(grid), 1, 1, int(block), 1, 1, 0,
-                                                          cu.CUstream(int(stream)), int(params), None))
+                                                          cu.CUstream(int(stream)), int(params), 0))
 
     # ------------------------------------------------------------ teardown
     def close(self) -> None:

@@ -82,6 +82,7 @@ documentation leaves open (those return CUDA_ERROR_INVALID_VALUE).
 from __future__ import annotations
 
 import ctypes
+import functools
 import itertools
 import logging
 import mmap
@@ -94,6 +95,7 @@ from cuda.bindings import driver as cu
 
 from . import host_kernels
 from .address_books import AddressBooks
+from .signatures import SIGNATURES, conform
 from .host_memory import MEMFD_NAME, TOMBSTONE_NAME  # noqa: F401  (still named from here: the memfds' names)
 from .host_memory import PROT_NONE, PROT_READ, PROT_RW, HostMemory
 
@@ -141,6 +143,10 @@ class EmulatedCuda:
     #: What does each call's host side (`host_memory`): real memfd pages and mmap here, an address
     #: counter with no bytes for `MemorylessCuda`. Built with (granularity, the device's lock).
     host_memory_class: type[HostMemory] = HostMemory
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        _take_arguments_as_the_binding_does(cls)  # entry points a subclass defines are checked too
 
     def __init__(self, *, capacity: int = DEFAULT_CAPACITY, granularity: int = DEFAULT_GRANULARITY,
                  device_count: int = 1, name: str = "defrag emulated device",
@@ -277,8 +283,6 @@ class EmulatedCuda:
         """Only the attributes defrag asks about (SM count, compute capability, host NUMA VMM support);
         others: CUDA_ERROR_INVALID_VALUE."""
         self._count("cuDeviceGetAttribute")
-        if not isinstance(attrib, cu.CUdevice_attribute):
-            raise TypeError(f"attrib must be a CUdevice_attribute, got {type(attrib).__name__}")
         if (e := self._need_init()) is not None:
             return (e, 0)
         if not 0 <= int(dev) < self.device_count:
@@ -410,9 +414,10 @@ class EmulatedCuda:
 
     # ---------------------------------------------------------------- physical
     def _prop_kind(self, prop) -> str | None:
-        """"device" or "host" (a host NUMA location this device accepts), None for an invalid prop."""
-        if not isinstance(prop, cu.CUmemAllocationProp):
-            raise TypeError(f"prop must be a cuda.bindings.driver.CUmemAllocationProp, got {type(prop).__name__}")
+        """"device" or "host" (a host NUMA location this device accepts), None for an invalid prop (None,
+        the NULL the binding passes for it, included)."""
+        if prop is None:
+            return None
         if prop.type != cu.CUmemAllocationType.CU_MEM_ALLOCATION_TYPE_PINNED:
             return None
         where = prop.location.type
@@ -425,10 +430,8 @@ class EmulatedCuda:
 
     def cuMemGetAllocationGranularity(self, prop, option):
         self._count("cuMemGetAllocationGranularity")
-        if self._prop_kind(prop) is None:
+        if self._prop_kind(prop) is None or option not in (0, 1):  # MINIMUM, RECOMMENDED
             return (R.CUDA_ERROR_INVALID_VALUE, 0)
-        if not isinstance(option, cu.CUmemAllocationGranularity_flags):
-            raise TypeError("option must be a CUmemAllocationGranularity_flags")
         return (R.CUDA_SUCCESS, self.granularity)
 
     def cuMemCreate(self, size, prop, flags):
@@ -656,10 +659,7 @@ class EmulatedCuda:
     def cuMemSetAccess(self, ptr, size, desc, count):
         self._count("cuMemSetAccess")
         ptr, size, count = int(ptr), int(size), int(count)
-        descs = list(desc)
-        for d in descs:
-            if not isinstance(d, cu.CUmemAccessDesc):
-                raise TypeError(f"desc entries must be CUmemAccessDesc, got {type(d).__name__}")
+        descs = list(desc or ())
         if self._current_device() is None:
             return (R.CUDA_ERROR_INVALID_CONTEXT,)
         with self._lock:
@@ -758,7 +758,9 @@ class EmulatedCuda:
 
     def cuMemFreeHost(self, p):
         self._count("cuMemFreeHost")
-        ptr = int(p)
+        if not isinstance(p, int):  # a Python buffer: never one of this device's pinned buffers
+            return (R.CUDA_ERROR_INVALID_VALUE,)
+        ptr = p
         with self._lock:
             size = self._pinned.pop(ptr, None)
             if size is None:
@@ -772,11 +774,15 @@ class EmulatedCuda:
 
     def cuMemcpyDtoH(self, dstHost, srcDevice, ByteCount):
         self._count("cuMemcpyDtoH")
-        return self._pinned_copy(int(dstHost), int(srcDevice), int(ByteCount), to_device=False)
+        if not isinstance(dstHost, int):  # a Python buffer: not pinned memory of this device
+            return (R.CUDA_ERROR_INVALID_VALUE,)
+        return self._pinned_copy(dstHost, int(srcDevice), int(ByteCount), to_device=False)
 
     def cuMemcpyHtoD(self, dstDevice, srcHost, ByteCount):
         self._count("cuMemcpyHtoD")
-        return self._pinned_copy(int(dstDevice), int(srcHost), int(ByteCount), to_device=True)
+        if not isinstance(srcHost, int):
+            return (R.CUDA_ERROR_INVALID_VALUE,)
+        return self._pinned_copy(int(dstDevice), srcHost, int(ByteCount), to_device=True)
 
     def _pinned_copy(self, dst: int, src: int, nbytes: int, *, to_device: bool):
         """A copy between device memory and a pinned host buffer: the device end must be mapped with
@@ -800,11 +806,15 @@ class EmulatedCuda:
 
     def cuMemcpyHtoDAsync(self, dstDevice, srcHost, ByteCount, hStream):
         self._count("cuMemcpyHtoDAsync")
-        return self._pinned_copy_async(int(dstDevice), int(srcHost), int(ByteCount), int(hStream), to_device=True)
+        if not isinstance(srcHost, int):  # a Python buffer: not pinned memory of this device
+            return (R.CUDA_ERROR_INVALID_VALUE,)
+        return self._pinned_copy_async(int(dstDevice), srcHost, int(ByteCount), int(hStream), to_device=True)
 
     def cuMemcpyDtoHAsync(self, dstHost, srcDevice, ByteCount, hStream):
         self._count("cuMemcpyDtoHAsync")
-        return self._pinned_copy_async(int(dstHost), int(srcDevice), int(ByteCount), int(hStream), to_device=False)
+        if not isinstance(dstHost, int):
+            return (R.CUDA_ERROR_INVALID_VALUE,)
+        return self._pinned_copy_async(dstHost, int(srcDevice), int(ByteCount), int(hStream), to_device=False)
 
     def _pinned_copy_async(self, dst: int, src: int, nbytes: int, stream: int, *, to_device: bool):
         """A copy between device memory and a pinned host buffer ordered on `stream`: checked now, run
@@ -932,7 +942,10 @@ class EmulatedCuda:
         self._count("cuModuleLoadData")
         if self._current_device() is None:
             return (R.CUDA_ERROR_INVALID_CONTEXT, cu.CUmodule(0))
-        kernels = host_kernels.load(image)
+        if not image:  # NULL
+            return (R.CUDA_ERROR_INVALID_VALUE, cu.CUmodule(0))
+        # An address (int) names an image in memory this device cannot read as one: not a host-twin image.
+        kernels = None if isinstance(image, int) else host_kernels.load(image)
         if kernels is None:
             return (R.CUDA_ERROR_INVALID_IMAGE, cu.CUmodule(0))
         with self._lock:
@@ -952,8 +965,6 @@ class EmulatedCuda:
 
     def cuModuleGetFunction(self, hmod, name):
         self._count("cuModuleGetFunction")
-        if not isinstance(name, bytes):
-            raise TypeError(f"name must be bytes, as cuda-python takes it, got {type(name).__name__}")
         with self._lock:
             kernels = self._modules.get(int(hmod))
             if kernels is None:
@@ -967,8 +978,6 @@ class EmulatedCuda:
 
     def cuFuncGetAttribute(self, attrib, hfunc):
         self._count("cuFuncGetAttribute")
-        if not isinstance(attrib, cu.CUfunction_attribute):
-            raise TypeError(f"attrib must be a CUfunction_attribute, got {type(attrib).__name__}")
         with self._lock:
             entry = self._functions.get(int(hfunc))
         if entry is None:
@@ -994,7 +1003,9 @@ class EmulatedCuda:
                        hStream, kernelParams, extra):
         """Run a host twin with the launch's parameters, now or (under `async_work`) at its stream's
         turn. `kernelParams` must be the address of an array of pointers to the 8-byte parameters (the
-        form defrag passes); their values are read now, as the driver copies them at the launch."""
+        form defrag passes), and `extra` 0 (NULL: the binding takes an integer there, never None);
+        their values are read now, as the driver copies them at the launch. The binding's other forms
+        (a buffer, a tuple of values and types, an `extra` array) are CUDA_ERROR_INVALID_VALUE here."""
         self._count("cuLaunchKernel")
         device = self._current_device()
         if device is None:
@@ -1007,7 +1018,7 @@ class EmulatedCuda:
         grid = (int(gridDimX), int(gridDimY), int(gridDimZ))
         block = (int(blockDimX), int(blockDimY), int(blockDimZ))
         if (min(grid + block) < 1 or block[0] * block[1] * block[2] > host_kernels.MAX_BLOCK
-                or int(sharedMemBytes) < 0 or extra is not None
+                or int(sharedMemBytes) < 0 or extra != 0
                 or not isinstance(kernelParams, int) or not kernelParams):
             return (R.CUDA_ERROR_INVALID_VALUE,)
         pointers = (ctypes.c_void_p * kernel.params).from_address(kernelParams)
@@ -1082,6 +1093,25 @@ class EmulatedCuda:
             for ptr in list(self._pinned):
                 self.cuMemFreeHost(ptr)
 
+
+def _take_arguments_as_the_binding_does(cls) -> None:
+    """Wrap each driver entry point `cls` itself defines so that its arguments pass `signatures.conform`
+    first: a call the real cuda-bindings function refuses (a TypeError, an OverflowError) is refused here
+    the same way, before any rule or effect of the call, and the body gets them as ints where the binding
+    converts them to C integers or handles."""
+    for name in SIGNATURES:
+        method = cls.__dict__.get(name)
+        if method is None or getattr(method, "__conforming__", False):
+            continue
+
+        def entry(self, *args, _name=name, _method=method, **kwargs):
+            return _method(self, *conform(_name, args, kwargs))
+        functools.update_wrapper(entry, method)
+        entry.__conforming__ = True
+        setattr(cls, name, entry)
+
+
+_take_arguments_as_the_binding_does(EmulatedCuda)
 
 _devices: "weakref.WeakSet[EmulatedCuda]" = weakref.WeakSet()  # every emulated device of this process
 
