@@ -247,14 +247,21 @@ def _compact_after_steps(pool, min_stranded: int):
     return handle
 
 
+# Frames that run the program, not the program's own: this module's, runpy's, and the import machinery's
+# (`-m module` compiles the module through it).
+_RUNNER_FILES = frozenset({os.path.abspath(__file__), os.path.abspath(runpy.__file__), "<frozen runpy>",
+                           "<frozen importlib._bootstrap>", "<frozen importlib._bootstrap_external>"})
+
+
 def _program_frames(tb):
-    """The traceback from the program's own first frame on (runpy's and this module's frames dropped)."""
-    mine = {os.path.abspath(__file__), os.path.abspath(runpy.__file__), "<frozen runpy>"}
+    """The traceback from the program's own first frame on (the frames that ran it dropped), as
+    `python prog.py` prints it; None when no frame is the program's: a SyntaxError in the script itself,
+    which Python prints as its file, line and caret only."""
     start = tb
-    while start is not None and (start.tb_frame.f_code.co_filename in mine
-                                 or os.path.abspath(start.tb_frame.f_code.co_filename) in mine):
+    while start is not None and (start.tb_frame.f_code.co_filename in _RUNNER_FILES
+                                 or os.path.abspath(start.tb_frame.f_code.co_filename) in _RUNNER_FILES):
         start = start.tb_next
-    return start or tb
+    return start
 
 
 def _exit_code(exc: SystemExit) -> int:
@@ -316,14 +323,11 @@ def _run_program(args: RunArgs) -> int:
         return 0
     except SystemExit as exc:
         return _exit_code(exc)
-    except KeyboardInterrupt:
-        traceback.print_exc()
-        return 130
     except UsageError:
         raise
-    except BaseException as exc:  # noqa: BLE001 - the program's own uncaught exception, reported as Python would
+    except BaseException as exc:  # noqa: BLE001 - the program's own uncaught exception (Ctrl-C too), as Python would
         traceback.print_exception(type(exc), exc, _program_frames(exc.__traceback__))
-        return 1
+        return 130 if isinstance(exc, KeyboardInterrupt) else 1
     finally:
         sys.argv = saved_argv
         sys.path[:] = saved_path
