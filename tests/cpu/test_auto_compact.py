@@ -217,7 +217,7 @@ def test_every_rescuable_oom_is_rescued(block, keep, pins, seed):
     rng = random.Random(seed)
     drv = Driver.emulated(capacity=8 * MiB, granularity=PAGE)
     pool = defrag.Pool(device=drv, capacity="1MiB", auto_compact=False)
-    live = {}
+    live, big = {}, None
     try:
         for i in range(pool.capacity // block):
             live[i] = pool.empty(block, dtype=torch.uint8)
@@ -238,8 +238,10 @@ def test_every_rescuable_oom_is_rescued(block, keep, pins, seed):
         pool.check_invariants()
     finally:
         live.clear()
+        big = None
         pool.close()
-        gc.collect()
+        if drv.api.state()["handles"]:
+            gc.collect()  # ~0.1-0.2 s a collection, 60 examples: only when something is still held
 
 
 def test_split_free_bytes_are_merged_into_a_hole(make_pool):

@@ -410,8 +410,10 @@ class MeshMachine(RuleBasedStateMachine):
     def teardown(self):
         self.tensors.clear()
         self.pool.close()
-        gc.collect()
-        assert self.driver.api.state() == {"handles": 0, "mappings": 0, "reservations": 0, "used_bytes": 0}
+        clean = {"handles": 0, "mappings": 0, "reservations": 0, "used_bytes": 0}
+        if self.driver.api.state() != clean:
+            gc.collect()  # ~0.1 s a collection: only when something is still held
+        assert self.driver.api.state() == clean
 
 
 TestMeshMachine = MeshMachine.TestCase
