@@ -108,7 +108,8 @@ def refused_inside_allocator(error: OutOfMemoryError) -> str:
         helps.append(knob if need <= device else f"no capacity: this request would need {fb(need)}, more than "
                                                     f"the device's {fb(device)}")
     helps.append("free what the program no longer needs before this request")
-    if fragmented:
+    note = _rescue_note()
+    if fragmented and not note:
         between = ("defrag run --rescue (the failed operation runs again once, after a compaction that moves "
                    "PyTorch's tensors too) or --compact-at step" if _capacity_option else
                    "defrag.compact() between steps, where no operation runs")
@@ -121,4 +122,16 @@ def refused_inside_allocator(error: OutOfMemoryError) -> str:
                      f"or defrag.retry_on_oom): not tried inside PyTorch's allocator, where an op may hold its "
                      f"inputs' addresses")
     lines = [*f["facts"], why + ".", "  what would help: " + "; or ".join(helps) + "."]
+    if note:  # the operation's second run, after a rescue (defrag run --rescue): what it moved
+        lines.insert(len(f["facts"]), note)
     return "\n".join(lines)
+
+
+_rescue_note = str  # () -> "" or what the rescue of the failing operation did (`set_rescue_note`)
+
+
+def set_rescue_note(note) -> None:
+    """`note() -> str`: what the rescue of the operation now running again did ("" when none runs again);
+    `refused_inside_allocator` adds it to its message (`defrag.rescue.enable` sets it)."""
+    global _rescue_note
+    _rescue_note = note

@@ -41,9 +41,13 @@ last_note = ""
 def enable() -> None:
     """Rescue the calling thread's operations that run out of memory (see the module docstring).
     RuntimeError when the native module cannot (its dispatcher key is taken)."""
+    from . import oom
     from .native import load_module
 
-    load_module().enable_rescue(_rescue)
+    module = load_module()
+    module.enable_rescue(_rescue)
+    # A request refused inside the operation's second run says what the rescue moved and could not.
+    oom.set_rescue_note(lambda: last_note if module.rescue_retrying() else "")
 
 
 def disable() -> bool:
@@ -66,19 +70,20 @@ def counters() -> dict:
 
 def _rescue(addresses: list) -> bool:
     """Called by the fallback, with the GIL, after an operation ran out of memory: compact at this safe
-    point with the operation's arguments (`addresses`, their storages') pinned. True when it freed
-    pages (the operation runs again). Never raises (it is called across the C boundary)."""
+    point with the operation's arguments (`addresses`, their storages') pinned.
+    True when the compaction ran (the operation runs again, once, even if nothing was freed: its second
+    failure's message then says what the rescue did); False when it failed. Never raises (it is called
+    across the C boundary)."""
     global last_note
     try:
         from .pool import open_pools, safe_point
 
         pools = [p for p in open_pools() if not p.closed]
-        freed, moved, stuck = False, 0, Counter()
+        moved, stuck = 0, Counter()
         with safe_point(pools):
             for pool in pools:
                 with _pinned(pool, addresses):
                     report = pool.compact()
-                freed = freed or bool(report.released_pages or report.mesh_freed_pages)
                 moved += report.moved_bytes
         for pool in pools:  # a safe point of its own: the owners as they are after the moves
             for t in pool.live_tensors():
@@ -87,7 +92,8 @@ def _rescue(addresses: list) -> bool:
         worst = "; ".join(f"{format_bytes(n)} {why}" for why, n in stuck.most_common(2))
         last_note = (f"  rescue: at the failed operation, a compaction moved {format_bytes(moved)} of tensors"
                      + (f"; could not move {format_bytes(sum(stuck.values()))} ({worst})" if stuck else ""))
-        return freed
+        # Run it again even when nothing was freed: its second failure then says what the rescue did.
+        return True
     except Exception:
         _log.error("defrag: the rescue of an operation that ran out of memory failed\n%s", traceback.format_exc())
         return False

@@ -41,6 +41,7 @@ std::atomic<int64_t> g_ops_rescued{0};   // operations that failed, were rescued
 std::atomic<int64_t> g_ops_failed{0};    // operations whose rescue found nothing or whose retry failed too
 std::atomic<int64_t> g_ops_mutating{0};  // OOMs of operations that write an argument: never retried
 thread_local int t_rescuing = 0;         // inside Python's rescue on this thread
+thread_local int t_retrying = 0;         // running an operation again after a rescue, on this thread
 
 // The storage addresses of every tensor among `args` (tensors, lists of them, optional tensors).
 void tensor_addresses(const c10::IValue& v, std::vector<int64_t>& out) {
@@ -118,12 +119,18 @@ void rescue_fallback(const c10::OperatorHandle& op, c10::DispatchKeySet, torch::
   }
   if (stack->size() > base) stack->erase(stack->begin() + static_cast<std::ptrdiff_t>(base), stack->end());
   for (c10::IValue& v : saved) stack->push_back(std::move(v));
+  t_retrying += 1;  // the OOM message of a second failure says what the rescue did (rescue.last_note)
   try {
     op.callBoxed(stack);
   } catch (const c10::OutOfMemoryError&) {
+    t_retrying -= 1;
     g_ops_failed += 1;
     throw;
+  } catch (...) {
+    t_retrying -= 1;
+    throw;
   }
+  t_retrying -= 1;
   g_ops_rescued += 1;
 }
 
@@ -165,6 +172,8 @@ void bind_op_rescue(py::module_& m) {
         "Rescue the calling thread's operations that run out of memory (see op_rescue.cpp).");
   m.def("disable_rescue", &disable_rescue, "The calling thread's operations are no longer rescued.");
   m.def("rescue_counters", &rescue_counters);
+  m.def("rescue_retrying", []() { return t_retrying > 0; },
+        "Whether the calling thread runs an operation again after a rescue (inside its retry).");
 }
 
 }  // namespace

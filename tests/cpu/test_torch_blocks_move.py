@@ -223,6 +223,15 @@ def test_the_rescue_retries_a_failed_operation_once_and_never_an_in_place_one():
         except torch.OutOfMemoryError:
             pass
         assert rescue.counters()["mutating"] == 1 and rescue.counters()["rescued"] == 1, rescue.counters()
+        # What no compaction can serve fails again; the message says what the rescue moved and could not.
+        try:
+            torch.zeros(280 << 20, dtype=torch.uint8)
+            raise SystemExit("no OOM")
+        except torch.OutOfMemoryError as e:
+            message = str(e)
+        assert "  rescue: at the failed operation, a compaction moved" in message, message
+        assert "defrag run --rescue" not in message, message  # it ran: not advised again
+        assert rescue.counters()["failed"] == 1, rescue.counters()
         assert rescue.disable() is True and rescue.disable() is False
         print("ok")
     """)
