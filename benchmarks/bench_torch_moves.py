@@ -5,7 +5,7 @@ programs under `defrag run`, whose CPU tensors live in the pool).
 Rows, each measured in this run (children: PyTorch's allocator is process-wide):
 
 - ``owner match``: `defrag.owners.match` at a safe point with N live PyTorch-made tensors in a process
-  that also holds 200k ordinary Python objects: the walk (`gc.get_objects()` and the native match), median
+  that also holds 200k ordinary Python objects (20k in smoke mode): the walk (`gc.get_objects()` and the native match), median
   of 5 (goal at 100k tensors: <= 50 ms).
 - ``operation rescue``: 100k small operations (`a + b` on 16 floats), per operation: plain, under
   `--rescue`'s C++ dispatcher fallback, and under a Python `TorchDispatchMode` (`defrag.retry_on_oom`);
@@ -40,11 +40,11 @@ MiB = 1 << 20
 MATCH = """
 import gc, json, statistics, sys, time, torch, defrag
 from defrag import owners
-n = int(sys.argv[1])
+n, m = int(sys.argv[1]), int(sys.argv[2])
 pool = defrag.Pool("emulated", capacity="2GiB")
 defrag.install(pool)
 tensors = [torch.empty(16) for _ in range(n)]
-others = [{"a": i, "b": [i]} for i in range(200_000)]  # what a program holds besides its tensors
+others = [{"a": i, "b": [i]} for i in range(m)]  # what a program holds besides its tensors
 gc.collect()
 times, found = [], None
 for _ in range(6):
@@ -187,7 +187,7 @@ def bench_owner_match(device: str, smoke: bool) -> list[dict]:
     _emulated_only(device)
     rows = []
     for n in ((10_000,) if smoke else (10_000, 100_000)):
-        proc, _ = _python(MATCH, str(n))
+        proc, _ = _python(MATCH, str(n), "20000" if smoke else "200000")
         if proc.returncode:
             raise RuntimeError(proc.stderr[-2000:])
         row = json.loads(proc.stdout.strip().splitlines()[-1])
@@ -222,7 +222,10 @@ def _steps(proc) -> tuple[list[str], list[float]]:
 def bench_compact_at_step(device: str, smoke: bool) -> list[dict]:
     """GPT-2 trained plain, under defrag run, and under --compact-at step (see the module docstring)."""
     _emulated_only(device)
-    steps = "6" if smoke else "20"
+    if smoke:
+        raise Skip("a full run only (four GPT-2 programs, about a minute); tests/cpu/test_torch_blocks_move.py "
+                   "checks --compact-at step on every run of the tests")
+    steps = "20"
     sides = {"python": None, "defrag run": (), "--compact-at step": ("--compact-at", "step"),
              "--compact-at step --compact-min 1": ("--compact-at", "step", "--compact-min", "1")}
     rows, plain = [], None
@@ -263,7 +266,10 @@ def _completes(requests: str, capacity_mib: int, moves: bool):
 def bench_serving(device: str, smoke: bool) -> list[dict]:
     """The smallest capacity a serving loop completes at, with PyTorch's tensors moving and without."""
     _emulated_only(device)
-    requests = "8" if smoke else "24"
+    if smoke:
+        raise Skip("a full run only (a capacity search of about twenty serving programs); "
+                   "tests/cpu/test_torch_blocks_move.py checks --rescue on every run of the tests")
+    requests = "24"
     proc, _ = _python(SERVING, requests)
     if proc.returncode:
         raise RuntimeError(proc.stderr[-2000:])

@@ -123,6 +123,20 @@ REGISTRY: dict[str, Benchmark] = {b.name: b for b in [
               "trace replays with compaction on/off (and PyTorch's allocator on a GPU): peak live, peak reserved, "
               "OOMs (goal: peak reserved <= 1.02x peak live + one page at the smallest capacity that completes)",
               "bench_workloads:plot_workloads"),
+    Benchmark("owner_match", "bench_torch_moves:bench_owner_match",
+              "the owner match at a safe point (defrag.owners: which storage owns each PyTorch-made block) with "
+              "10k and 100k live tensors among 200k other objects (goal at 100k: <= 50 ms)"),
+    Benchmark("op_rescue", "bench_torch_moves:bench_op_rescue",
+              "defrag run --rescue's happy path per operation: 100k small ops plain, under the C++ dispatcher "
+              "fallback, and under a Python TorchDispatchMode (goal: the fallback <= 1 us over plain)"),
+    Benchmark("compact_at_step", "bench_torch_moves:bench_compact_at_step",
+              "transformers' GPT-2 trained 20 steps (AdamW, varying lengths): python, defrag run, --compact-at step "
+              "and a compaction every step: losses bit-identical, PyTorch's tensors moved, and the hook's cost on a "
+              "step that needs none (goal: <= 1% of the step)"),
+    Benchmark("serving", "bench_torch_moves:bench_serving",
+              "a serving loop of transformers' generate keeping conversations' KV caches and dropping them out of "
+              "order: the smallest capacity that completes under defrag run with --rescue and without (goal: "
+              "lower with moves, tokens identical)"),
     Benchmark("page_calls", "bench_page_calls:bench_page_calls",
               "driver calls per dry replay (the serving trace at 80 GiB, the shared snapshots): maps, unmaps, "
               "SetAccess, synchronizes under the growth policy vs stitching first, same run (goals, serving "
