@@ -22,7 +22,8 @@ needs_native = pytest.mark.skipif(fastpath.setting() == "off", reason="DEFRAG_FA
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SUMMARY = re.compile(r"^defrag run: exit (\d+) in [\d.]+ s on emulated · peak live .+ · peak reserved .+ · "
-                     r"fragmentation at exit [\d.]+% · (\d+) OOMs · (\d+) compactions · (\d+) allocations in the pool$")
+                     r"stranded at exit (?:0 B|[\d.]+ \S+ \((?:<1|\d+)% of reserved\)) · (\d+) OOMs? · "
+                     r"(\d+) compactions? · (\d+) allocations? in the pool$")
 
 
 def run(argv, cwd, defrag=True):
@@ -246,7 +247,8 @@ def test_a_tiny_programs_overhead_is_in_bytes_not_thousands_of_percent():
     from defrag.run import summary_line
 
     base = {"exit_code": 0, "seconds": 0.1, "device": "emulated", "capacity_bytes": 1 << 30, "page_size_bytes": 2 << 20,
-            "fragmentation_at_exit": 0.0, "ooms": 0, "compactions": 0, "allocations": 2}
+            "stranded_at_exit_bytes": 0, "reserved_at_exit_bytes": 0, "fragmentation_at_exit": 0.0, "ooms": 0,
+            "compactions": 0, "allocations": 2}
     tiny = summary_line({**base, "peak_live_bytes": 1024, "peak_reserved_bytes": 2 << 20,
                          "reserved_over_live": (2 << 20) / 1024})
     assert "%  over" not in tiny and "% over live" not in tiny
