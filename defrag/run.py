@@ -12,7 +12,9 @@ prints one summary line on stderr (the program's stdout stays the program's
 own): peak live, peak reserved, the bytes stranded at exit in partly used
 pages and their share of the reserved bytes (once the program's own objects
 are collected), OOMs, compactions; with
-``--report PATH`` it also writes the pool's stats as JSON.
+``--report PATH`` it also writes the pool's stats as JSON, with the first and
+the last out-of-memory refusal as they were then (the request, live, stranded
+and reserved bytes, the capacity the message advised, the pool's stats).
 
 What it guarantees: the install happens before the program's first line
 runs, so every allocation the program makes goes to the pool (except those
@@ -417,6 +419,62 @@ def summary_line(figures: dict) -> str:
                else ""))
 
 
+class _OomWatch:
+    """`pool.on_oom`: the run's first and last out-of-memory refusals as they were at that moment (the
+    report's `first_oom` and `last_oom`; its stats are otherwise taken at exit)."""
+
+    def __init__(self, pool, started: float):
+        self.pool, self.started = pool, started
+        self.first = self.last = None
+
+    def __call__(self, error) -> None:
+        self.last = _oom_figures(error, self.pool, time.perf_counter() - self.started)
+        if self.first is None:
+            self.first = self.last
+
+
+def _advised_capacity(figures: dict) -> str | None:
+    """The capacity the out-of-memory message advises ("run with --capacity X or more"), as it is typed
+    there; None where it advises none (the device is the limit, or the request needs more than it has).
+    The same cases as `defrag.oom.refused_inside_allocator`."""
+    from .oom import _as_option
+
+    if "facts" not in figures or figures["device_full"]:
+        return None
+    nbytes, capacity, need, device = (figures["requested"], figures["capacity"], figures["capacity_needed"],
+                                      figures["device_total"])
+    if nbytes > capacity:
+        return _as_option(need) if nbytes <= device else None
+    return _as_option(need) if need <= device else None
+
+
+def _oom_figures(error, pool, seconds: float) -> dict:
+    """One refusal for the report: the request, what was live, stranded and reserved then, the capacity
+    the message advises, and the pool's stats at that moment."""
+    from .units import parse_size
+
+    f = error.figures
+    advised = _advised_capacity(f)
+    try:
+        stats = pool.stats()
+    except Exception as exc:  # noqa: BLE001 - an observer must not fail the OOM the program gets
+        stats = {"error": repr(exc)}
+    return {
+        "seconds": round(seconds, 3),
+        "requested_bytes": f.get("requested"),
+        "capacity_bytes": f.get("capacity"),
+        "live_bytes": f.get("live"),
+        "stranded_bytes": f.get("stranded"),
+        "reserved_bytes": f.get("reserved"),
+        "pinned_bytes": f.get("pinned"),
+        "device_full": f.get("device_full"),
+        "advised_capacity": advised,  # as the message's "run with --capacity X" types it
+        "advised_capacity_bytes": parse_size(advised) if advised else None,
+        "tried": list(f.get("tried", ())),
+        "stats": stats,
+    }
+
+
 def _stranded_text(figures: dict) -> str:
     """What is stranded at exit, in bytes first: "stranded at exit 1.20 MiB (25% of reserved)". A small
     run's few stranded KiB are a large share of its few reserved pages; the bytes say how little that is."""
@@ -431,10 +489,11 @@ def _stranded_text(figures: dict) -> str:
     return f"stranded at exit {format_bytes(stranded)} ({percent}% of reserved)"
 
 
-def _write_report(path: Path, figures: dict, pool, args: RunArgs) -> None:
+def _write_report(path: Path, figures: dict, pool, args: RunArgs, ooms: _OomWatch | None = None) -> None:
     """The report as JSON, written whole or not at all (a temporary file renamed into place)."""
     report = {"program": {"script": args.script, "module": args.module, "args": args.args},
-              "summary": figures, "allocator": _allocator_counters(pool), "stats": pool.stats()}
+              "summary": figures, "allocator": _allocator_counters(pool), "stats": pool.stats(),
+              "first_oom": ooms.first if ooms else None, "last_oom": ooms.last if ooms else None}
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     tmp.write_text(json.dumps(report, indent=2, default=str) + "\n")
     os.replace(tmp, path)
@@ -478,6 +537,8 @@ def main(argv: list[str]) -> int:
         _compact_after_steps(pool, size_arg(args.compact_min, "--compact-min") if args.compact_min is not None
                              else max(capacity // 16, pool.page_size))
     started = time.perf_counter()
+    ooms = _OomWatch(pool, started)
+    pool.on_oom.append(ooms)
     try:
         code = _run_program(args)
     except UsageError:  # -m a.b whose package has no b: nothing of the program ran
@@ -495,7 +556,7 @@ def main(argv: list[str]) -> int:
     figures = summary(pool, code, seconds)
     if report is not None:
         try:
-            _write_report(report, figures, pool, args)
+            _write_report(report, figures, pool, args, ooms)
         except OSError as exc:
             print(f"defrag run: could not write the report {report}: {exc}", file=sys.stderr)
     if record is not None:
