@@ -854,7 +854,11 @@ def _rescue_by_moving(core: Core, mover: Mover, nbytes: int, tried: list[str], c
     core.last_auto_compact = now
     try:
         report = compact_core(core, mover, automatic=True, release=False, scope=scope, callbacks=callbacks)
-    except (CompactionError, CudaError) as exc:
+    except Exception as exc:  # noqa: BLE001 - rolled back like a CompactionError: the OOM names it
+        if not isinstance(exc, (CompactionError, CudaError)):
+            _log.error("defrag: automatic compaction failed (a defrag bug: please report it)\n%s",
+                       traceback.format_exc())  # text, not exc_info: a kept log record holds no frames
+            exc = f"{type(exc).__name__}: {exc}; a defrag bug"
         tried.append(f"automatic compaction did not run or was rolled back ({exc})")
         return None
     tried.append(f"automatic compaction (moved {report.moved_tensors} tensors, released {report.released_pages} pages)")
@@ -873,7 +877,11 @@ def _rescue_by_moving(core: Core, mover: Mover, nbytes: int, tried: list[str], c
         return None
     try:
         compact_core(core, mover, automatic=True, release=False, hole_for=size, scope=scope, callbacks=callbacks)
-    except (CompactionError, CudaError) as exc:
+    except Exception as exc:  # noqa: BLE001 - as above
+        if not isinstance(exc, (CompactionError, CudaError)):
+            _log.error("defrag: automatic compaction failed (a defrag bug: please report it)\n%s",
+                       traceback.format_exc())  # text, not exc_info: a kept log record holds no frames
+            exc = f"{type(exc).__name__}: {exc}; a defrag bug"
         tried.append(f"{what[0]} compaction did not run or was rolled back ({exc})")
         return None
     return _place_again(core, nbytes, tried, what[1])

@@ -12,7 +12,10 @@ of a compaction: stream order keeps the waves in turn):
   compiled once per machine, a persistent table, cuLaunchKernel through the
   driver). While the kernel is not loaded yet (a first process still
   compiling it, or a machine where it cannot be built) every move goes to
-  the copy engine: a compaction never waits for a compile. On the emulated
+  the copy engine: a compaction never waits for a compile. A wave whose
+  launch path raises anything but a driver error (`CudaError`) turns the
+  launcher off for the process and copies that wave with the copy engine
+  (a driver error is raised: the compaction rolls that wave back). On the emulated
   device the kernel is its host twin (`defrag.kernels.host`), so the GPU's
   launch path runs there too; on the memory-less device, "driver";
 - "memmove": the emulated device's host memory, one `memmove` per move;
@@ -105,8 +108,26 @@ def _copy_auto(core, stream: int, moves) -> None:
             copy(base + d, base + s, n, stream)
         small = ~big
         src, dst, size = src[small], dst[small], size[small]
-    if size.size:
+    if size.size and not _launch(launcher, base, span, src, dst, size, stream):
+        copy = driver.copy
+        for s, d, n in zip(src.tolist(), dst.tolist(), size.tolist()):
+            copy(base + d, base + s, n, stream)
+
+
+def _launch(launcher, base, span, src, dst, size, stream) -> bool:
+    """`launcher.move(...)`; False (the launcher turned off, `MoveLauncher.fail`) when its launch path
+    raised anything but a CudaError: the caller copies these moves another way. Copying them again is
+    safe whatever the failed launch queued: within a wave no destination overlaps a source."""
+    from .errors import CudaError
+
+    try:
         launcher.move(base, span, src, dst, size, stream)
+    except CudaError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - a launch path that cannot work here (e.g. a binding's TypeError)
+        launcher.fail(f"{type(exc).__name__}: {exc}")
+        return False
+    return True
 
 
 def _copy_kernel(core, stream: int, moves) -> None:
@@ -114,8 +135,8 @@ def _copy_kernel(core, stream: int, moves) -> None:
         launcher = launcher_for(core.driver)
         if launcher is not None and launcher.wait():
             base, span, src, dst, size = arena_of(moves)
-            launcher.move(base, span, src, dst, size, stream)
-            return
+            if _launch(launcher, base, span, src, dst, size, stream):
+                return
     from .kernels import batched_move, device_arena
     base, span, rel = relative(moves)
     arena = device_arena(base, span)
@@ -181,9 +202,10 @@ def prepare(driver) -> None:
 
 
 def _gpu_image(driver):
-    def source():
-        from .kernels.image import move_image
-        return move_image(driver.compute_capability())
+    def source(rebuild: bool = False):
+        from .kernels.image import move_image, toolchain_versions
+        return move_image(driver.compute_capability(), toolchain=toolchain_versions(driver.driver_version()),
+                          rebuild=rebuild)
     return source
 
 

@@ -14,7 +14,12 @@ launch, and it keys the cache on the defining file's modification time only,
 not on `_mix.py`, which the kernels also compile.
 
 The cache key is a hash of the kernels' sources (`SOURCES`), the numba-cuda
-version, the compute capability and `FORMAT`. Where: ``$DEFRAG_KERNEL_CACHE``
+version, the compute capability, `FORMAT`, and the toolchain that turns them
+into a cubin (`toolchain_versions()`: libNVVM's version and file, nvJitLink's version,
+the CUDA driver's version, since numba links with the driver where it has no
+nvJitLink): an upgraded compiler or driver builds its own image. A cached
+image the driver refuses to load is built again (`move_image(...,
+rebuild=True)`, which `kernels.launch` asks for). Where: ``$DEFRAG_KERNEL_CACHE``
 when set; else ``$XDG_CACHE_HOME/defrag/kernels`` (``~/.cache/defrag/kernels``);
 when that cannot be written (a read-only home), a per-user folder in the
 temporary directory; when none can, the image lives in memory for this
@@ -66,10 +71,40 @@ def numba_cuda_version() -> str:
         return "unknown"
 
 
-def cache_key(cc: tuple[int, int], *, sources: tuple[str, ...] = SOURCES, folder: Path = HERE) -> str:
-    """The cache key of the move kernel's image for compute capability `cc` (see the module docstring)."""
+def _library_identity(name: str) -> str:
+    """The version and file (resolved path, size) of the NVIDIA library `name` that cuda-bindings loads
+    ("nvvm", "nvJitLink"), or "none" where there is none: what decides how numba-cuda compiles here."""
+    try:
+        if name == "nvvm":
+            from cuda.bindings import nvvm as lib
+        else:
+            from cuda.bindings import nvjitlink as lib
+        version = ".".join(map(str, lib.version()))
+    except Exception:  # noqa: BLE001 - not installed, not loadable: the key says so
+        return f"{name} none"
+    where = ""
+    try:
+        from cuda.pathfinder import load_nvidia_dynamic_lib
+
+        path = os.path.realpath(load_nvidia_dynamic_lib(name).abs_path)
+        where = f" {path} {os.path.getsize(path)}"
+    except Exception:  # noqa: BLE001 - an older cuda-pathfinder: the version alone
+        pass
+    return f"{name} {version}{where}"
+
+
+def toolchain_versions(driver_version: int | None = None) -> str:
+    """What builds the image here, in words, for the cache key: libNVVM's and nvJitLink's versions and
+    files, and the CUDA driver's version (`Driver.driver_version()`; None: not asked)."""
+    return f"{_library_identity('nvvm')}; {_library_identity('nvJitLink')}; driver {driver_version}"
+
+
+def cache_key(cc: tuple[int, int], *, sources: tuple[str, ...] = SOURCES, folder: Path = HERE,
+              toolchain: str = "") -> str:
+    """The cache key of the move kernel's image for compute capability `cc` built by `toolchain` (see the
+    module docstring and `toolchain_versions()`)."""
     h = hashlib.sha256(f"defrag-kernel-image {FORMAT} {NAME} {MOVE_SIGNATURE} {numba_cuda_version()} "
-                       f"sm_{cc[0]}{cc[1]}".encode())
+                       f"sm_{cc[0]}{cc[1]} {toolchain}".encode())
     for name in sources:
         h.update(name.encode() + b"\0" + (folder / name).read_bytes())
     return h.hexdigest()[:32]
@@ -109,12 +144,12 @@ def load_cached(key: str, dirs: list[Path] | None = None) -> KernelImage | None:
     return None
 
 
-def store(image: KernelImage, key: str, dirs: list[Path] | None = None) -> Path | None:
+def store(image: KernelImage, key: str, dirs: list[Path] | None = None, *, toolchain: str = "") -> Path | None:
     """Write `image` under `key` into the first folder that takes it; returns that folder, or None when
     none could (the image is then used from memory by this process only)."""
     meta = {"key": key, "entry": image.entry, "params": image.params, "bytes": len(image.data),
             "sha256": hashlib.sha256(image.data).hexdigest(), "numba_cuda": numba_cuda_version(),
-            "format": FORMAT}
+            "format": FORMAT, "toolchain": toolchain}
     for folder in dirs if dirs is not None else cache_dirs():
         data_path, meta_path = _files(folder, key)
         try:
@@ -141,16 +176,35 @@ def store(image: KernelImage, key: str, dirs: list[Path] | None = None) -> Path 
     return None
 
 
-def move_image(cc: tuple[int, int], *, build=None, dirs: list[Path] | None = None) -> KernelImage:
+def move_image(cc: tuple[int, int], *, build=None, dirs: list[Path] | None = None, toolchain: str | None = None,
+               rebuild: bool = False) -> KernelImage:
     """The move kernel's image for `cc`: cached, else built (`build(cc)`, default `build_move_image`)
-    and stored. Raises what building raises (`KernelUnavailableError` without a usable numba-cuda)."""
-    key = cache_key(cc)
-    image = load_cached(key, dirs)
-    if image is not None:
-        return image
+    and stored. `toolchain` is part of the key (default: `toolchain_versions()` without the driver's version).
+    `rebuild=True`: built and stored even where the cache holds one (the driver refused that one).
+    Raises what building raises (`KernelUnavailableError` without a usable numba-cuda)."""
+    if toolchain is None:
+        toolchain = toolchain_versions()
+    key = cache_key(cc, toolchain=toolchain)
+    if not rebuild:
+        image = load_cached(key, dirs)
+        if image is not None:
+            return image
     image = (build or build_move_image)(cc)
-    store(image, key, dirs)
+    store(image, key, dirs, toolchain=toolchain)
     return image
+
+
+ELF_MAGIC = b"\x7fELF"
+
+
+def cubin_bytes(cubin) -> bytes:
+    """The bytes of what numba-cuda's `get_cubin` returns: bytes-like up to numba-cuda 0.2x, a cuda.core
+    `ObjectCode` (the bytes in `.code`; a str there is the file that holds them) from 0.30 on."""
+    if not isinstance(cubin, (bytes, bytearray, memoryview)):
+        code = getattr(cubin, "code", None)
+        if code is not None:
+            cubin = Path(code).read_bytes() if isinstance(code, (str, os.PathLike)) else code
+    return bytes(cubin)
 
 
 def entry_params(ptx: str, entry: str) -> list[str] | None:
@@ -179,4 +233,8 @@ def build_move_image(cc: tuple[int, int]) -> KernelImage:
         raise KernelUnavailableError(
             f"the compiled move kernel's entry {entry} takes parameters {params}, not the {abi.PARAMS} 8-byte "
             f"ones kernels.abi packs (a numba-cuda whose kernel ABI changed?): launches go through numba")
-    return KernelImage(bytes(kernel.library.get_cubin(cc=cc)), entry, abi.PARAMS, "built")
+    data = cubin_bytes(kernel.library.get_cubin(cc=cc))
+    if not data.startswith(ELF_MAGIC):
+        raise KernelUnavailableError(f"numba-cuda's cubin for sm_{cc[0]}{cc[1]} is not an ELF image "
+                                     f"({len(data)} bytes starting {data[:8]!r}): launches go through numba")
+    return KernelImage(data, entry, abi.PARAMS, "built")

@@ -1,11 +1,20 @@
 """The move kernel launched straight through a defrag `Driver`: tens of microseconds of host work per wave.
 
 `MoveLauncher(driver, image)` loads a module image once (`load`, or `start` to
-do it in a background thread), then `move(...)` launches one wave:
+do it in a background thread), then `move(...)` launches one wave. A load that
+failed is tried again after a delay (`RETRY_DELAYS`) by the next `load` or
+`start`, unless it cannot succeed in this process (`KernelUnavailableError`:
+no numba-cuda, another kernel ABI). A cached image the driver refuses
+(`origin == "cache"`) is built again once, through ``image_source(rebuild=True)``.
+A wave whose launch path raises anything but a `CudaError` (a binding that
+takes other arguments than these) turns the launcher off for the process
+(`fail`): the caller copies with the copy engine instead.
 
 - the segment table goes through a few reused *slots*, each a page-locked
   host staging buffer (`Driver.alloc_host`), a device buffer
-  (`Driver.alloc`) and an event: the table is written into a slot's
+  (`Driver.alloc`) and an event, all made when the kernel loads (never in
+  a wave, which may run inside an OOM rescue on a full GPU): the table is
+  written into a slot's
   staging buffer, copied to its device buffer on the wave's stream
   (cuMemcpyHtoDAsync), and the slot's event is recorded after the kernel.
   A slot is reused only once its event has completed (its copy has read
@@ -30,10 +39,14 @@ from __future__ import annotations
 import ctypes
 import logging
 import threading
+import time
 
 import numpy as np
 
+from defrag.errors import CudaError
+
 from . import abi
+from .arena import KernelUnavailableError
 from ._tables import WORD, segment_table
 from .geometry import THREADS_PER_BLOCK, launch_geometry
 
@@ -41,6 +54,7 @@ _log = logging.getLogger("defrag")
 
 SLOTS = 3
 FIRST_SEGMENTS = 4096  # a slot's first table holds this many segments (3 x 4097 int64: 96 KiB)
+RETRY_DELAYS = (10.0, 60.0, 600.0)  # seconds after the 1st, 2nd, 3rd and later failed loads before another try
 
 
 class _Slot:
@@ -92,8 +106,10 @@ class MoveLauncher:
     """One device's move kernel, loaded from `image` and launched through `driver` (see the module docstring).
 
     States: not loaded; `ready` (loaded, launches go ahead); or failed
-    (`error` says why: the caller uses another copy engine). `load()` and
-    `start()` are idempotent; `wait()` waits for a load in progress.
+    (`error` says why: the caller uses another copy engine; `retry_at` says
+    when `load()` or `start()` tries again, None for never). `load()` and
+    `start()` are idempotent while loaded or not due; `wait()` waits for a
+    load in progress.
     """
 
     def __init__(self, driver, image_source, *, threads: int = THREADS_PER_BLOCK):
@@ -113,52 +129,103 @@ class MoveLauncher:
         self._slots: list[_Slot] = []
         self._next = 0
         self._params = abi.MoveParams()
+        self.failures = 0  # failed loads so far
+        self.retry_at: float | None = None  # time.monotonic() from which a failed load is tried again
+        self._clock = time.monotonic
+
+    def _retry_due(self) -> bool:
+        """Whether a finished, failed load should be tried again now."""
+        return (self._loaded.is_set() and not self.ready and self.retry_at is not None
+                and self._clock() >= self.retry_at)
 
     # ------------------------------------------------------------------ loading
     def start(self) -> None:
-        """Load in a background thread (at pool creation: the first compaction then finds it loaded)."""
+        """Load in a background thread (at pool creation: the first compaction then finds it loaded); after
+        a failed load, once its retry is due, try again the same way."""
         with self._lock:
-            if self._loaded.is_set() or self._thread is not None:
+            if self._thread is not None and self._thread.is_alive():
                 return
+            if self._loaded.is_set():
+                if not self._retry_due():
+                    return
+            elif self._thread is not None:
+                return
+            self._loaded.clear()
             self._thread = threading.Thread(target=self.load, name="defrag-kernel-load", daemon=True)
             self._thread.start()
 
     def load(self) -> bool:
-        """Get the image (cached or compiled), load it, ask its occupancy and the SM count; True when
-        ready. Any failure is kept in `error` (logged once), not raised."""
+        """Get the image (cached or compiled), load it, ask its occupancy and the SM count, make the
+        slots' tables; True when ready. Any failure is kept in `error` (logged), not raised; a failed load
+        is made again once its retry is due (`retry_at`)."""
         with self._load_lock:
-            if self._loaded.is_set():
+            if self._loaded.is_set() and not self._retry_due():
                 return self.ready
             return self._load()
 
+    def _image(self, rebuild: bool = False):
+        image = self._image_source(rebuild=True) if rebuild else self._image_source()
+        if image.params != abi.PARAMS:
+            raise KernelUnavailableError(f"the image's entry takes {image.params} parameters, not {abi.PARAMS}")
+        return image
+
     def _load(self) -> bool:
+        drv = self.driver
         try:
-            image = self._image_source()
-            if image.params != abi.PARAMS:
-                raise ValueError(f"the image's entry takes {image.params} parameters, not {abi.PARAMS}")
-            drv = self.driver
-            module = drv.load_module(image.data)
+            image = self._image()
+            try:
+                module = drv.load_module(image.data)
+            except CudaError as exc:
+                if getattr(image, "origin", "") != "cache":
+                    raise
+                # A cubin this driver cannot load (another driver or toolkit wrote it): build it again.
+                _log.warning("defrag: the driver refused the cached move kernel image (%s); building it again", exc)
+                image = self._image(rebuild=True)
+                module = drv.load_module(image.data)
             try:
                 function = drv.get_function(module, image.entry)
                 blocks_per_sm = drv.occupancy(function, self.threads)
                 if blocks_per_sm < 1:
-                    raise ValueError(f"the kernel cannot run {self.threads} threads per block (occupancy 0)")
+                    raise KernelUnavailableError(f"the kernel cannot run {self.threads} threads per block "
+                                                 f"(occupancy 0)")
                 self.registers = drv.function_registers(function)
                 self.sm_count = drv.multiprocessors()
                 self._slots = [_Slot(drv) for _ in range(SLOTS)]
+                for slot in self._slots:  # now, not in a wave: a wave may be an OOM rescue on a full GPU
+                    slot.fit(FIRST_SEGMENTS)
             except BaseException:
                 self._close_slots()
                 drv.unload_module(module)
                 raise
             self.module, self.function, self.blocks_per_sm = module, function, blocks_per_sm
             self.origin = getattr(image, "origin", "")
-            self.ready = True
+            self.ready, self.error, self.retry_at = True, None, None
         except Exception as exc:  # noqa: BLE001 - any reason the kernel cannot be launched this way
+            self.failures += 1
             self.error = f"{type(exc).__name__}: {exc}"
-            _log.warning("defrag: the move kernel could not be loaded (%s); copies use the copy engine", self.error)
+            if isinstance(exc, KernelUnavailableError):  # no numba-cuda, another kernel ABI: not in this process
+                self.retry_at = None
+                again = "not tried again in this process"
+            else:
+                delay = RETRY_DELAYS[min(self.failures, len(RETRY_DELAYS)) - 1]
+                self.retry_at = self._clock() + delay
+                again = f"tried again in {delay:.0f} s"
+            _log.warning("defrag: the move kernel could not be loaded (%s); copies use the copy engine (%s)",
+                         self.error, again)
         finally:
             self._loaded.set()
         return self.ready
+
+    def fail(self, reason: str) -> None:
+        """Turn the launcher off for this process: a wave's launch path raised something a driver error
+        does not explain (`reason`), so every later wave would too. `ready` is False from now on (the
+        module stays loaded until `close`)."""
+        with self._lock:
+            if not self.ready:
+                return
+            self.ready, self.error, self.retry_at = False, reason, None
+        _log.error("defrag: the move kernel's launch failed (%s); copies use the copy engine from now on "
+                   "(a defrag bug: please report it)", reason)
 
     def wait(self, timeout: float | None = None) -> bool:
         """Load now if nothing started it; else wait for the load in progress. Whether ready."""

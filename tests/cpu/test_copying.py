@@ -339,9 +339,10 @@ def test_queued_copies_finish_before_the_compaction_returns_and_before_any_unmap
     pool.check_invariants()
 
 
+# The tables' buffers (cuMemAlloc, cuMemAllocHost) are made when the kernel loads, not in a wave: a fault
+# there is a failed load (tests/cpu/test_first_gpu_run.py).
 FAULTS = [("cuLaunchKernel", 1), ("cuLaunchKernel", 2), ("cuMemcpyHtoDAsync", 1), ("cuEventRecord", 2),
-          ("cuMemAlloc", 1), ("cuMemAllocHost", 1), ("cuMemcpyDtoDAsync", 1), ("cuMemcpyDtoDAsync", 3),
-          ("cuCtxSynchronize", 2)]
+          ("cuMemcpyDtoDAsync", 1), ("cuMemcpyDtoDAsync", 3), ("cuCtxSynchronize", 2)]
 
 
 @pytest.mark.parametrize("call, nth", FAULTS)

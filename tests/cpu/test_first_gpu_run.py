@@ -265,3 +265,254 @@ def test_every_driver_call_of_a_pool_session_is_one_the_real_binding_takes():
                 "cuEventRecord", "cuModuleLoadData", "cuModuleGetFunction", "cuCtxSynchronize", "cuMemFreeHost",
                 "cuCtxGetCurrent", "cuMemcpyDtoHAsync", "cuMemAddressFree", "cuMemFree", "cuModuleUnload"}
     assert expected <= set(check.checked), sorted(expected - set(check.checked))
+
+
+# ---------------------------------------------------------------------------------------- 10: the image
+def _fake_numba(monkeypatch, cubin):
+    """numba-cuda's compile of the move kernel, as 0.30 answers it (`get_cubin` as given), on a CPU."""
+    import sys
+    import types
+
+    from defrag import kernels
+    from defrag.kernels import abi, arena
+
+    ptx = (".visible .entry _Z4move(\n" + ",\n".join(f"\t.param .u64 p{i}" for i in range(abi.PARAMS))
+           + "\n)\n{\n}\n")
+
+    class Library:
+        def get_asm_str(self, cc):
+            return ptx
+
+        def get_cubin(self, cc):
+            return cubin
+
+    class Kernel:
+        def compile(self, signature):
+            return types.SimpleNamespace(entry_name="_Z4move", library=Library())
+
+    fake = types.SimpleNamespace(move_kernel=Kernel())
+    monkeypatch.setattr(arena, "require_backend", lambda: False)  # as on a GPU
+    monkeypatch.setitem(sys.modules, "defrag.kernels._device", fake)
+    monkeypatch.setattr(kernels, "_device", fake, raising=False)
+
+
+CUBIN = b"\x7fELF\x02\x01\x01" + bytes(57)
+
+
+def test_a_cubin_that_numba_cuda_returns_as_an_object_code_is_the_image(monkeypatch):
+    """numba-cuda 0.30's `get_cubin` returns a cuda.core ObjectCode (bytes() of it is a TypeError): the
+    image is its `.code`; bytes as older numba-cuda returns them still work."""
+    object_code = pytest.importorskip("cuda.core").ObjectCode
+    from defrag.kernels import abi, image
+
+    _fake_numba(monkeypatch, object_code.from_cubin(CUBIN))
+    built = image.build_move_image((9, 0))
+    assert (built.data, built.entry, built.params, built.origin) == (CUBIN, "_Z4move", abi.PARAMS, "built")
+    _fake_numba(monkeypatch, bytearray(CUBIN))
+    assert image.build_move_image((9, 0)).data == CUBIN
+    _fake_numba(monkeypatch, b"// PTX, not a cubin")
+    from defrag.kernels import KernelUnavailableError
+
+    with pytest.raises(KernelUnavailableError, match="not an ELF image"):
+        image.build_move_image((9, 0))
+
+
+def test_the_cache_key_follows_the_toolchain_and_the_driver(tmp_path):
+    """A new libNVVM, nvJitLink or driver builds its own image (the cache key names them)."""
+    from defrag.kernels import abi, image
+
+    built = []
+
+    def build(cc):
+        built.append(cc)
+        return image.KernelImage(CUBIN, "_Z4move", abi.PARAMS, "built")
+    dirs = [tmp_path]
+    one = "nvvm 2.0 /cuda-13.0/libnvvm.so.4 1000; nvJitLink none; driver 13000"
+    assert image.move_image((9, 0), build=build, dirs=dirs, toolchain=one).origin == "built"
+    assert image.move_image((9, 0), build=build, dirs=dirs, toolchain=one).origin == "cache"
+    assert image.move_image((9, 0), build=build, dirs=dirs, toolchain=one.replace("13000", "13010")).origin == "built"
+    assert image.move_image((9, 0), build=build, dirs=dirs, toolchain=one.replace("1000;", "1001;")).origin == "built"
+    assert len(built) == 3
+    words = image.toolchain_versions(12080)
+    assert words.startswith("nvvm ") and "; nvJitLink " in words and words.endswith("; driver 12080")
+
+
+def test_a_rebuild_replaces_the_cached_image(tmp_path):
+    from defrag.kernels import abi, image
+
+    made = iter([CUBIN, CUBIN[:-1] + b"\x01"])
+
+    def build(cc):
+        return image.KernelImage(next(made), "_Z4move", abi.PARAMS, "built")
+    dirs = [tmp_path]
+    first = image.move_image((9, 0), build=build, dirs=dirs, toolchain="t")
+    again = image.move_image((9, 0), build=build, dirs=dirs, toolchain="t", rebuild=True)
+    assert again.origin == "built" and again.data != first.data
+    assert image.move_image((9, 0), build=build, dirs=dirs, toolchain="t").data == again.data
+
+
+def test_the_gpu_image_source_keys_on_the_driver_and_can_rebuild(monkeypatch):
+    from defrag import copying
+    from defrag.kernels import image
+
+    asked = []
+    monkeypatch.setattr(image, "move_image", lambda cc, **kw: asked.append((cc, kw)) or "image")
+
+    class FakeGpu:
+        def compute_capability(self):
+            return (9, 0)
+
+        def driver_version(self):
+            return 13000
+    source = copying._gpu_image(FakeGpu())
+    assert source() == "image" and source(rebuild=True) == "image"
+    (cc, kw), (_, kw2) = asked
+    assert cc == (9, 0) and kw["toolchain"].endswith("driver 13000") and not kw["rebuild"] and kw2["rebuild"]
+
+
+# ---------------------------------------------------------------------------------------- 12: the launcher
+def _emulated_driver():
+    return Driver.emulated(capacity=4 * MiB, granularity=64 * KiB)
+
+
+def _twin():
+    from defrag import copying
+    from defrag.kernels import host
+
+    return copying._host_image(host.ENTRY)
+
+
+def test_the_launchers_tables_are_made_when_it_loads_not_in_a_wave():
+    """A wave may run inside an OOM rescue on a full GPU: it allocates nothing (tables up to
+    FIRST_SEGMENTS segments), the load made them."""
+    from defrag.kernels.launch import SLOTS, MoveLauncher
+
+    from .test_copying import PAGE, Region, _apply, random_wave
+
+    region = Region(8, seed=4)
+    drv = region.drv
+    launcher = MoveLauncher(drv, _twin())
+    assert launcher.load()
+    assert drv.faults.calls.get("cuMemAlloc", 0) == SLOTS and drv.faults.calls.get("cuMemAllocHost", 0) == SLOTS
+    assert drv.api.kernel_state()["linear_buffers"] == SLOTS
+    drv.faults.inject("cuMemAlloc", R.CUDA_ERROR_OUT_OF_MEMORY, repeat=True)  # a full GPU from now on
+    drv.faults.inject("cuMemAllocHost", R.CUDA_ERROR_OUT_OF_MEMORY, repeat=True)
+    rng = np.random.default_rng(4)
+    expected = region.host.copy()
+    for _ in range(2 * SLOTS):
+        src, dst, size = random_wave(rng, rng.integers(1, 40, 60) * 16, 8 * PAGE)
+        _apply(expected, src, dst, size)
+        launcher.move(region.base, region.size, src, dst, size)
+    drv.synchronize()
+    assert np.array_equal(region.host, expected) and drv.faults.injected == []
+    drv.faults.clear()
+    launcher.close()
+    region.close()
+
+
+def test_a_failed_load_is_tried_again_once_due_and_a_hopeless_one_never():
+    from defrag.kernels import KernelUnavailableError
+    from defrag.kernels.launch import RETRY_DELAYS, MoveLauncher
+
+    drv = _emulated_driver()
+    launcher = MoveLauncher(drv, _twin())
+    now = [100.0]
+    launcher._clock = lambda: now[0]
+    drv.faults.inject("cuModuleLoadData", R.CUDA_ERROR_OUT_OF_MEMORY)  # a GPU full at that moment
+    assert launcher.load() is False and "CUDA_ERROR_OUT_OF_MEMORY" in launcher.error
+    assert launcher.retry_at == 100.0 + RETRY_DELAYS[0]
+    now[0] += RETRY_DELAYS[0] - 1
+    assert launcher.load() is False and drv.faults.calls["cuModuleLoadData"] == 1  # not due: not tried
+    now[0] += 1
+    assert launcher.load() is True and launcher.error is None and drv.faults.calls["cuModuleLoadData"] == 2
+    launcher.close()
+
+    # The background route (a GPU's `start`) tries again the same way.
+    launcher = MoveLauncher(drv, _twin())
+    launcher._clock = lambda: now[0]
+    drv.faults.inject("cuModuleGetFunction", R.CUDA_ERROR_UNKNOWN)
+    launcher.start()
+    assert launcher.wait(30) is False and launcher.loaded
+    launcher.start()  # not due: nothing
+    assert launcher.wait(30) is False
+    now[0] = launcher.retry_at
+    launcher.start()
+    assert launcher.wait(30) is True and launcher.failures == 1
+    launcher.close()
+
+    def hopeless():
+        raise KernelUnavailableError("no numba-cuda here")
+    launcher = MoveLauncher(drv, hopeless)
+    assert launcher.load() is False and launcher.retry_at is None
+    now[0] += 1e9
+    assert launcher.load() is False and launcher.failures == 1
+    assert drv.api.kernel_state() == {"linear_buffers": 0, "linear_bytes": 0, "modules": 0, "events": 0}
+    drv.close()
+
+
+def test_a_cached_image_the_driver_refuses_is_built_again():
+    from defrag.kernels import abi, image
+    from defrag.kernels.launch import MoveLauncher
+
+    drv = _emulated_driver()
+    twin, asked = _twin(), []
+
+    def source(rebuild=False):
+        asked.append(rebuild)
+        if rebuild:
+            return twin()
+        return image.KernelImage(CUBIN, "defrag_batched_move", abi.PARAMS, "cache")  # not loadable here
+    launcher = MoveLauncher(drv, source)
+    assert launcher.load() and asked == [False, True] and launcher.origin == "host"
+    launcher.close()
+    built = MoveLauncher(drv, lambda: image.KernelImage(CUBIN, "x", abi.PARAMS, "built"))
+    assert not built.load() and "CUDA_ERROR_INVALID_IMAGE" in built.error  # a fresh build is not built again
+    drv.close()
+
+
+def test_a_launch_path_that_raises_a_type_error_turns_the_kernel_off_and_copies_the_wave(make_pool, monkeypatch):
+    """A TypeError from the launch path (the binding refusing an argument) is no reason to lose a
+    compaction: the launcher is off for the process, every move goes to the copy engine."""
+    from defrag import copying
+
+    from .test_copying import _fragmented, _intact
+
+    pool = make_pool("4MiB", auto_compact=False)
+    keep = _fragmented(pool)
+
+    def refused(*args, **kwargs):
+        raise TypeError("an integer is required")
+    monkeypatch.setattr(pool.driver, "launch", refused)
+    report = pool.compact(engine="auto", verify=True)
+    launcher = copying.launcher_for(pool.driver)
+    assert report.moved_tensors > 0 and not launcher.ready and "TypeError" in launcher.error
+    assert pool.driver.faults.calls["cuMemcpyDtoDAsync"] >= report.moved_tensors
+    assert _intact(keep)
+    pool.compact(engine="auto", verify=True)  # and later compactions too
+    assert _intact(keep)
+    pool.check_invariants()
+
+
+def test_a_copy_path_type_error_in_an_automatic_compaction_is_an_explained_oom(make_pool, monkeypatch):
+    """The allocation that triggered the compaction raises OutOfMemoryError naming the failure (not the
+    TypeError itself), every tensor keeps its bytes, and the pool rescues the request once it is fixed."""
+    from defrag import compactor
+
+    from .test_compaction import fragment
+
+    pool = make_pool("1MiB", auto_mesh=False)
+    survivors = fragment(pool)
+    real = compactor.copy_ranges
+
+    def refused(*args, **kwargs):
+        raise TypeError("an integer is required")
+    monkeypatch.setattr(compactor, "copy_ranges", refused)
+    with pytest.raises(defrag.OutOfMemoryError, match="TypeError: an integer is required; a defrag bug"):
+        pool.empty(pool.capacity // 2, dtype=torch.uint8)
+    assert all(check_pattern(t, s) for s, t in survivors.items())
+    pool.check_invariants()
+    monkeypatch.setattr(compactor, "copy_ranges", real)
+    pool.min_compact_interval = 0.0
+    big = pool.empty(pool.capacity // 2, dtype=torch.uint8)
+    fill_pattern(big, 9)
+    assert check_pattern(big, 9) and all(check_pattern(t, s) for s, t in survivors.items())
