@@ -765,7 +765,8 @@ class _Workers:
                 _, _, j, slot, spec = heapq.heappop(queue)
                 deliver(j, slot, _task(spec), spec)
             return out
-        with ProcessPoolExecutor(self.n, mp_context=self.context) as pool:
+        with ProcessPoolExecutor(self.n, mp_context=self.context, initializer=_end_with_parent,
+                                 initargs=(os.getpid(),)) as pool:
             running: dict = {}
             while queue or running:
                 while queue and len(running) < self.n:
@@ -776,6 +777,30 @@ class _Workers:
                     j, slot, spec = running.pop(fut)
                     deliver(j, slot, fut.result(), spec)
         return out
+
+
+def _end_with_parent(parent: int) -> None:
+    """A worker's first act: end when the process that started it dies.
+
+    A parent killed by a timeout or the OOM killer never shuts its pool
+    down, and its workers would each keep a core busy until their task is
+    done. On Linux the kernel sends the worker SIGKILL when its parent dies
+    (``prctl(PR_SET_PDEATHSIG)``: a worker holds nothing that needs
+    cleaning up); a parent that died before that call is caught by the
+    check after it (the worker was re-parented, so its parent is no longer
+    `parent`). Elsewhere only that check applies.
+    """
+    if sys.platform.startswith("linux"):
+        try:
+            import ctypes
+            import signal
+
+            libc = ctypes.CDLL(None, use_errno=True)
+            libc.prctl(1, int(signal.SIGKILL), 0, 0, 0)  # 1: PR_SET_PDEATHSIG
+        except (OSError, AttributeError):  # no libc to call: the check below still runs
+            pass
+    if os.getppid() != parent:
+        os._exit(1)
 
 
 def default_workers() -> int:
