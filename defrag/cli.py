@@ -73,14 +73,16 @@ def _cuda_allocator_lines(gpu_usable: bool) -> list[str]:
     why = cuda_backend.unavailable_reason()
     if why is None:
         lines = [f"defrag run / install on CUDA: defrag's CUDA allocator backend ({cuda_backend.status()}) -> "
-                 f"answered from the pool: {_BACKEND_SERVES}"]
+                 f"answered from the pool: {_BACKEND_SERVES}",
+                 f"  backend build: {cuda_backend.build_line()}"]
         features = cuda_backend.features()
         missing = {k: v for k, v in (features or {}).items() if isinstance(v, str) and v.startswith("NOT served")}
         if missing:
             lines.append("  not reached on this torch: " + "; ".join(f"{k} ({v})" for k, v in missing.items()))
         return lines
     lines = [f"defrag run / install on CUDA: PyTorch's pluggable allocator route, because the backend is "
-             f"unavailable ({why}) -> {_PLUGGABLE_LACKS}"]
+             f"unavailable ({why}) -> {_PLUGGABLE_LACKS}",
+             f"  backend build: {cuda_backend.build_line()}"]
     check = cuda_backend.compile_check()
     if check["ok"] is None:
         lines.append(f"  backend source: not compile-checked here ({check['reason']})")

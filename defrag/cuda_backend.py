@@ -80,25 +80,22 @@ def torch_version() -> tuple[int, int]:
 
 
 def cuda_include_dir() -> str | None:
-    """A CUDA toolkit's include folder (cuda_runtime_api.h): torch's CUDA_HOME, else $CUDA_HOME, else the
-    folder of the `nvcc` on PATH, else /usr/local/cuda; None when none has the header."""
-    candidates = []
-    try:
-        from torch.utils import cpp_extension
+    """The include folder of the CUDA toolkit the backend's build uses (`extensions.find_cuda_home`: one
+    whose include/ holds cuda_runtime.h, checked), so the compile check and the build agree; None when
+    there is none."""
+    from .extensions import find_cuda_home
 
-        if cpp_extension.CUDA_HOME:
-            candidates.append(cpp_extension.CUDA_HOME)
-    except ImportError:
-        pass
-    candidates += [os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH")]
-    nvcc = shutil.which("nvcc")
-    if nvcc:
-        candidates.append(os.path.dirname(os.path.dirname(os.path.realpath(nvcc))))
-    candidates.append("/usr/local/cuda")
-    for home in candidates:
-        if home and os.path.isfile(os.path.join(home, "include", "cuda_runtime_api.h")):
-            return os.path.join(home, "include")
-    return None
+    home, _ = find_cuda_home()
+    return os.path.join(home, "include") if home else None
+
+
+def build_line() -> str:
+    """What the backend's build uses here, in words, for `defrag doctor` (starts nothing): the toolkit
+    and how it was found, the arch flags and where they came from; or why a build is impossible."""
+    from .extensions import cuda_build
+
+    build, why = cuda_build()
+    return f"builds with {build.describe()}" if build else f"cannot be built here: {why}"
 
 
 def unavailable_reason() -> str | None:
@@ -110,13 +107,15 @@ def unavailable_reason() -> str | None:
     if torch.version.cuda is None:
         return f"torch {torch.__version__} is built without CUDA (no libc10_cuda to link)"
     try:
-        from torch.utils import cpp_extension
+        from torch.utils import cpp_extension  # noqa: F401
     except ImportError as exc:
         return f"torch.utils.cpp_extension cannot be imported ({exc})"
-    if cpp_extension.CUDA_HOME is None:
-        return "no CUDA toolkit found to build against (set CUDA_HOME)"
-    from .extensions import missing_tools
+    from .extensions import cuda_build, missing_tools
 
+    if not _the_extension().is_built():  # a library built earlier needs no toolkit to be loaded
+        build, why = cuda_build()
+        if build is None:
+            return why
     return missing_tools()
 
 

@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import ctypes
 import gc
+import os
 import re
 from collections import Counter
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -516,3 +518,211 @@ def test_a_copy_path_type_error_in_an_automatic_compaction_is_an_explained_oom(m
     big = pool.empty(pool.capacity // 2, dtype=torch.uint8)
     fill_pattern(big, 9)
     assert check_pattern(big, 9) and all(check_pattern(t, s) for s, t in survivors.items())
+
+
+# ---------------------------------------------------------------------------------------- B: extension builds
+def _toolkit(root, *, headers=True):
+    """A fake CUDA toolkit under `root`: bin/nvcc and, with `headers`, include/cuda_runtime.h and
+    include/crt/host_config.h."""
+    (root / "bin").mkdir(parents=True)
+    (root / "bin" / "nvcc").write_text("#!/bin/sh\nexit 0\n")
+    (root / "bin" / "nvcc").chmod(0o755)
+    if headers:
+        (root / "include" / "crt").mkdir(parents=True)
+        (root / "include" / "cuda_runtime.h").write_text("// fake\n")
+        (root / "include" / "crt" / "host_config.h").write_text("// fake\n")
+    return root
+
+
+def _wrapper_on_path(monkeypatch, tmp_path, target):
+    """/usr/local/bin/nvcc as these machines have it: a shell script that execs the toolkit's nvcc, alone
+    on PATH (with the folder of `c++`, which builds need)."""
+    import shutil
+
+    wrapper_bin = tmp_path / "usr-local" / "bin"
+    wrapper_bin.mkdir(parents=True)
+    (wrapper_bin / "nvcc").write_text(f'#!/bin/sh\nexec {target}/bin/nvcc "$@"\n')
+    (wrapper_bin / "nvcc").chmod(0o755)
+    tools = {os.path.dirname(shutil.which(t)) for t in ("c++", "ninja") if shutil.which(t)}
+    monkeypatch.setenv("PATH", os.pathsep.join([str(wrapper_bin), *sorted(tools)]))
+    monkeypatch.delenv("CUDA_HOME", raising=False)
+    monkeypatch.delenv("CUDA_PATH", raising=False)
+    return wrapper_bin / "nvcc"
+
+
+
+def test_a_wrapper_nvcc_on_path_yields_the_toolkit_it_runs(monkeypatch, tmp_path):
+    """torch takes the folder above the `nvcc` on PATH (/usr/local for /usr/local/bin/nvcc, no headers);
+    the build and the compile check take the toolkit the wrapper runs, checked for its headers."""
+    from defrag import cuda_backend, extensions
+
+    real = _toolkit(tmp_path / "cuda-13.0")
+    wrapper = _wrapper_on_path(monkeypatch, tmp_path, real)
+    home, how = extensions.find_cuda_home()
+    assert home == str(real) and str(wrapper) in how and str(real / "bin" / "nvcc") in how
+    assert cuda_backend.cuda_include_dir() == str(real / "include")
+
+    # A toolkit without headers is passed over, with what was tried when nothing has them.
+    bare = _toolkit(tmp_path / "cuda-bare", headers=False)
+    _wrapper_on_path(monkeypatch, tmp_path / "second", bare)
+    monkeypatch.setattr(extensions, "_wheel_homes", lambda: [])
+    home, tried = extensions.find_cuda_home(system=())
+    assert home is None and str(bare) in tried and "cuda_runtime.h" in tried
+    monkeypatch.setenv("CUDA_HOME", str(real))  # the user's choice comes first
+    assert extensions.find_cuda_home(system=()) == (str(real), "$CUDA_HOME")
+
+
+class _Captured:
+    """`cpp_extension.load` replaced: records its arguments and what torch's build would see."""
+
+    def __init__(self, fail: str | None = None):
+        self.calls, self.fail = [], fail
+
+    def __call__(self, name, sources, **kwargs):
+        from torch.utils import cpp_extension
+
+        self.calls.append({**kwargs, "CUDA_HOME": cpp_extension.CUDA_HOME,
+                           "TORCH_CUDA_ARCH_LIST": os.environ.get("TORCH_CUDA_ARCH_LIST"),
+                           "$CUDA_HOME": os.environ.get("CUDA_HOME")})
+        if self.fail:
+            raise RuntimeError(self.fail)
+        import types
+
+        return types.SimpleNamespace(__name__=name)
+
+
+@pytest.fixture
+def cuda_probe(monkeypatch, tmp_path):
+    """A CUDA extension in a build folder of its own, a fake toolkit behind a wrapper nvcc, and
+    `cpp_extension.load` captured (nothing compiles)."""
+    from torch.utils import cpp_extension
+
+    from defrag import extensions
+
+    if extensions.missing_tools():
+        pytest.skip(f"no build tools here: {extensions.missing_tools()}")
+    monkeypatch.setenv("DEFRAG_EXT_DIR", str(tmp_path / "ext"))
+    monkeypatch.delenv("TORCH_CUDA_ARCH_LIST", raising=False)
+    toolkit = _toolkit(tmp_path / "cuda-13.0")
+    _wrapper_on_path(monkeypatch, tmp_path, toolkit)
+    captured = _Captured()
+    monkeypatch.setattr(cpp_extension, "load", captured)
+    ext = extensions.CppExtension("defrag_probe_cuda", "probe_cuda", "int probe;", "a CUDA probe", "no time",
+                                  with_cuda=True)
+    return ext, captured, toolkit
+
+
+def test_a_cuda_build_carries_explicit_arch_flags_and_leaves_torch_cuda_uninitialized(cuda_probe, monkeypatch):
+    from torch.utils import cpp_extension
+
+    from defrag import extensions
+
+    ext, captured, toolkit = cuda_probe
+    home_before = cpp_extension.CUDA_HOME
+    # The arch flags from the driver (cuda-python's device attributes; an emulated device stands in for a
+    # GPU): never torch.cuda.get_device_capability(), which initializes CUDA and PyTorch's allocator.
+    monkeypatch.setattr(extensions, "_driver_capabilities", lambda api=None: ([(9, 0)], ""))
+    assert ext.load() is not None, ext.failure()
+    (call,) = captured.calls
+    assert call["with_cuda"] is True
+    assert call["extra_cuda_cflags"] == ["-gencode=arch=compute_90,code=sm_90",
+                                         "-gencode=arch=compute_90,code=compute_90"]
+    assert call["TORCH_CUDA_ARCH_LIST"] == "9.0+PTX"  # older torch reads the variable, not the flags
+    assert call["CUDA_HOME"] == call["$CUDA_HOME"] == str(toolkit)  # not torch's /usr/local guess
+    assert cpp_extension.CUDA_HOME == home_before and "TORCH_CUDA_ARCH_LIST" not in os.environ  # restored
+    assert not torch.cuda.is_initialized()
+
+    ext.reset_for_tests()  # TORCH_CUDA_ARCH_LIST, when set, decides
+    monkeypatch.setenv("TORCH_CUDA_ARCH_LIST", "8.0 9.0a;10.0+PTX")
+    monkeypatch.setattr(extensions.CppExtension, "_import_built", lambda self, folder: None)
+    assert ext.load() is not None
+    assert captured.calls[-1]["extra_cuda_cflags"] == [
+        "-gencode=arch=compute_80,code=sm_80", "-gencode=arch=compute_90a,code=sm_90a",
+        "-gencode=arch=compute_100,code=sm_100", "-gencode=arch=compute_100,code=compute_100"]
+    assert not torch.cuda.is_initialized()
+
+
+def test_the_driver_gives_each_devices_compute_capability_through_cuda_python():
+    from defrag import extensions
+
+    assert extensions._driver_capabilities(EmulatedCuda(capacity=4 * MiB, granularity=64 * KiB)) == ([(9, 0)], "")
+    archs, where = extensions.cuda_archs(EmulatedCuda(capacity=4 * MiB, granularity=64 * KiB))
+    assert archs == ["9.0+PTX"] and where == "the CUDA driver's devices"
+    if _no_gpu_driver() is not None:
+        caps, why = extensions._driver_capabilities()
+        assert caps == [] and why
+
+
+def test_an_impossible_cuda_build_falls_back_to_the_pluggable_route_with_one_line(cuda_probe, monkeypatch, caplog):
+    """No GPU to ask and no TORCH_CUDA_ARCH_LIST: nothing is compiled, nothing is remembered on disk,
+    the backend is unavailable with one line saying why, and the install takes the pluggable route."""
+    from defrag import allocator_install, cuda_backend, extensions
+
+    ext, captured, _ = cuda_probe
+    monkeypatch.setattr(extensions, "_driver_capabilities", lambda api=None: ([], "no CUDA driver library"))
+    assert ext.load() is None and captured.calls == []
+    (line,) = ext.failure().splitlines()
+    assert "no GPU to build for" in line and "TORCH_CUDA_ARCH_LIST" in line
+    assert not list((Path(ext.build_directory())).glob("build-failed-*"))
+
+    monkeypatch.setattr(torch.version, "cuda", "13.0")  # as a CUDA build of torch would
+    monkeypatch.setattr(cuda_backend, "_extension", None)
+    monkeypatch.setattr(cuda_backend, "_module", None)
+    why = cuda_backend.unavailable_reason()
+    assert why is not None and "TORCH_CUDA_ARCH_LIST" in why and "\n" not in why
+    with caplog.at_level("WARNING", logger="defrag"):
+        note = allocator_install._install_backend(None, 0)  # the backend cannot be had: the pluggable route
+    assert note is not None and "TORCH_CUDA_ARCH_LIST" in note and "\n" not in note
+    assert any("pluggable allocator route" in r.getMessage() for r in caplog.records)
+    assert not torch.cuda.is_initialized()
+
+
+def test_a_failed_build_is_remembered_per_toolkit_so_a_fixed_cuda_home_is_built_again(cuda_probe, monkeypatch, tmp_path):
+    from defrag import extensions
+
+    ext, captured, toolkit = cuda_probe
+    monkeypatch.setenv("TORCH_CUDA_ARCH_LIST", "9.0")
+    captured.fail = "Error building extension 'defrag_probe_cuda': fatal error: cuda_runtime.h: No such file"
+    assert ext.load() is None and len(captured.calls) == 1
+    assert len(list(Path(ext.build_directory()).glob("build-failed-*"))) == 1
+    ext.reset_for_tests()
+    assert ext.load() is None and len(captured.calls) == 1  # the same build: not tried again
+    assert "an earlier build" in ext.failure()
+    ext.reset_for_tests()
+    monkeypatch.setenv("TORCH_CUDA_ARCH_LIST", "9.0;10.0")  # other arch flags: tried again
+    assert ext.load() is None and len(captured.calls) == 2
+    ext.reset_for_tests()
+    other = _toolkit(tmp_path / "cuda-fixed")
+    monkeypatch.setenv("CUDA_HOME", str(other))  # the user fixed CUDA_HOME: built again, against it
+    captured.fail = None
+    assert ext.load() is not None and len(captured.calls) == 3
+    assert captured.calls[-1]["CUDA_HOME"] == str(other)
+    key = {extensions.CppExtension._failure_marker(ext, "f", plan)
+           for plan in (None, extensions.cuda_build()[0])}
+    assert len(key) == 2
+
+
+def test_doctor_reports_the_toolkit_and_arch_flags_the_backend_build_will_use(cuda_probe, monkeypatch):
+    from defrag import cli, cuda_backend, fastpath
+
+    _, _, toolkit = cuda_probe
+    monkeypatch.setattr(torch.version, "cuda", "13.0")
+    monkeypatch.setattr(cuda_backend, "_extension", None)
+    monkeypatch.setattr(cuda_backend, "_module", None)
+    monkeypatch.setattr(cuda_backend, "compile_check",
+                        lambda **kw: {"ok": None, "reason": "not here", "seconds": 0.0, "cached": False})
+    monkeypatch.setattr(fastpath, "setting", lambda: "on")
+    monkeypatch.setenv("TORCH_CUDA_ARCH_LIST", "9.0")
+    lines = cli._cuda_allocator_lines(True)
+    (build,) = [ln for ln in lines if ln.startswith("  backend build:")]
+    assert f"CUDA toolkit {toolkit} (nvcc on PATH" in build and "arch 9.0 (from TORCH_CUDA_ARCH_LIST)" in build
+    monkeypatch.delenv("TORCH_CUDA_ARCH_LIST")
+    monkeypatch.setattr(cuda_backend, "_extension", None)
+    from defrag import extensions
+
+    monkeypatch.setattr(extensions, "_driver_capabilities", lambda api=None: ([], "no CUDA driver library"))
+    lines = cli._cuda_allocator_lines(True)
+    assert any(ln.startswith("defrag run / install on CUDA: PyTorch's pluggable allocator route") for ln in lines)
+    (build,) = [ln for ln in lines if ln.startswith("  backend build:")]
+    assert build.startswith("  backend build: cannot be built here: no GPU to build for")
+    assert not torch.cuda.is_initialized()
