@@ -149,7 +149,9 @@ def match(pools) -> dict:
     `core` each) at a safe point: the caller runs no operation, and no other thread may be inside one.
     Returns {pool id: OwnerMatch}; pools without a fast path (no PyTorch-made blocks) are left out.
     Changes nothing but the books' owner records."""
-    fasts = [(p.id, p.core.fast) for p in pools if p.core.fast is not None and not p.core.closed]
+    # Only pools PyTorch's allocator was made to use hold PyTorch-made blocks: the others skip the walk.
+    fasts = [(p.id, p.core.fast) for p in pools
+             if p.core in _watched_cores and p.core.fast is not None and not p.core.closed]
     if not fasts:
         return {}
     start = time.perf_counter()
@@ -173,12 +175,15 @@ _patched = False
 
 
 _watched = weakref.WeakSet()  # the pools PyTorch's allocator was made to use (`watch`)
+_watched_cores = weakref.WeakSet()  # their cores: what `match` walks for
 
 
 def watch(pool) -> None:
-    """Exports of PyTorch-made blocks in `pool` are recorded from now on (`defrag.install` calls it)."""
+    """`pool` may hold PyTorch-made blocks from now on (`defrag.install` calls it): safe points match
+    their owners, and exports of their addresses are recorded."""
     patch_exports()
     _watched.add(pool)
+    _watched_cores.add(pool.core)
 
 
 def _mark(address: int, code: int) -> None:
