@@ -42,10 +42,24 @@ def size_arg(value, flag: str, *, at_least: int = 0, at_least_what: str = "") ->
 _DEVICE = re.compile(r"emulated|cuda(:\d+)?")
 
 
-def device_arg(spec, flag: str = "--device", *, torch_cuda: bool = False):
+def gpu_count() -> int:
+    """How many GPUs the CUDA driver reports (0 when it reports none or cannot be asked)."""
+    from .driver.cuda import R, cu
+
+    try:
+        err, count = cu.cuDeviceGetCount()
+    except RuntimeError:  # no CUDA driver library
+        return 0
+    return int(count) if err == R.CUDA_SUCCESS else 0
+
+
+def device_arg(spec, flag: str = "--device", *, torch_cuda: bool = False, local_rank: str | None = None):
     """The `defrag.driver.Driver` a --device value names, or `UsageError` worded for the command line.
 
-    None (or "", "auto"): the GPU if one works, else the emulated device.
+    None (or "", "auto"): the GPU if one works, else the emulated device;
+    with `local_rank` (a launcher's LOCAL_RANK, e.g. torchrun's) the GPU
+    ``cuda:{local_rank}``, so that the ranks of a node each get their own
+    (`UsageError` when the node has no such GPU).
     `torch_cuda`: a CUDA device must also be usable by torch (the benchmarks
     compare against torch's own CUDA allocator).
     """
@@ -55,6 +69,15 @@ def device_arg(spec, flag: str = "--device", *, torch_cuda: bool = False):
     text = None if spec in (None, "", "auto") else str(spec)
     if text is not None and not _DEVICE.fullmatch(text):
         raise UsageError(f"{flag} {text!r} is not a device: use {flag} emulated, {flag} cuda or {flag} cuda:N")
+    if text is None and local_rank is not None and cuda_driver_usable()[0]:
+        count = gpu_count()
+        if not local_rank.isdigit():
+            raise UsageError(f"LOCAL_RANK={local_rank!r} is not a GPU index: give each rank {flag} cuda:N")
+        if int(local_rank) >= count:
+            raise UsageError(f"LOCAL_RANK={local_rank} asks for cuda:{local_rank}, but this machine has {count} "
+                             f"GPU{'' if count == 1 else 's'}: start at most {count} rank{'' if count == 1 else 's'} "
+                             f"per node (torchrun --nproc-per-node {count}), or give {flag} cuda:N")
+        text = f"cuda:{int(local_rank)}"
     if text is not None and text.startswith("cuda"):
         ok, reason = cuda_driver_usable()
         if not ok:

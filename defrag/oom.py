@@ -50,6 +50,18 @@ def set_capacity_option(option: str | None) -> None:
     _capacity_option = option
 
 
+# This process's (rank, world size) when a launcher such as torchrun started it as one of several ranks:
+# `defrag run` sets it here, so that an out-of-memory error inside PyTorch's allocator names the rank.
+_rank: tuple[int, int] | None = None
+
+
+def set_rank(rank: tuple[int, int] | None) -> None:
+    """Name this process's (rank, world size) under torchrun (`defrag run` does), so that an out-of-memory
+    error inside PyTorch's allocator begins "[rank 1/2]"; None: a single process, no rank named."""
+    global _rank
+    _rank = rank
+
+
 def _as_option(nbytes: int) -> str:
     """`nbytes` as a size the user can type back ("3GiB", "1624MiB"), rounded up to a whole MiB."""
     gib, mib = 1 << 30, 1 << 20
@@ -73,6 +85,8 @@ def refused_inside_allocator(error: OutOfMemoryError) -> str:
     f = error.figures
     if "facts" not in f:
         return str(error)
+    if _rank is not None:  # under torchrun: which rank ran out, on the message's first line
+        f = {**f, "facts": (f"[rank {_rank[0]}/{_rank[1]}] {f['facts'][0]}", *f["facts"][1:])}
     fb = format_bytes
     nbytes, capacity, live, stranded = f["requested"], f["capacity"], f["live"], f["stranded"]
     movable, need, device = f["movable"], f["capacity_needed"], f["device_total"]

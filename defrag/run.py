@@ -26,6 +26,13 @@ whatever the exit code. Bad arguments (an unknown option, a missing script or
 module, a capacity the device cannot hold, a report path that cannot be
 written) get one line and exit code 2 before anything runs.
 
+Under torchrun (``torchrun --nproc-per-node N --no-python defrag run ... train.py``:
+torchrun outside, one `defrag run` per worker; the other way round is refused,
+since torchrun's workers would run outside any pool), each rank (RANK,
+WORLD_SIZE > 1) writes its own report and history (``mem.json`` ->
+``mem.rank1.json``), its summary line and out-of-memory message begin with
+``[rank 1/2]``, and without ``--device`` it takes the GPU ``cuda:$LOCAL_RANK``.
+
 What it does not do: it cannot see allocations of child processes started
 with ``spawn`` (they are fresh interpreters, PyTorch's own allocator serves
 them), nor report when the program ends with ``os._exit`` (no summary).
@@ -59,9 +66,11 @@ Run a Python program unmodified with every PyTorch allocation in a defrag pool.
 
 options (before the script or -m):
   --capacity C     pool capacity, e.g. 40GiB (default: the device's free memory)
-  --device D       'emulated' or 'cuda:N' (default: the GPU if one works, else emulated;
-                   on the emulated device the program's CPU tensors live in the pool)
-  --report PATH    write the pool's stats (peaks included) as JSON to PATH at the end
+  --device D       'emulated' or 'cuda:N' (default: the GPU if one works, cuda:$LOCAL_RANK under
+                   torchrun, else emulated; on the emulated device the program's CPU tensors live in
+                   the pool)
+  --report PATH    write the pool's stats (peaks included) as JSON to PATH at the end (under torchrun
+                   one file per rank: mem.json -> mem.rank0.json, mem.rank1.json; --record too)
   --record PATH    record the program's allocation history and write it at the end as a memory
                    snapshot (PyTorch's pickle format): `defrag replay PATH` replays it, PyTorch's
                    memory_viz draws it (the newest 1,000,000 events are kept, about
@@ -77,7 +86,9 @@ options (before the script or -m):
   -m MODULE        run a library module as a script, like python -m
   -h, --help       show this help
 
-Prints one summary line on stderr at the end; exits with the program's exit code."""
+Prints one summary line on stderr at the end; exits with the program's exit code.
+With torchrun, defrag run goes inside it, once per worker:
+  torchrun --nproc-per-node 2 --no-python defrag run [options] train.py [args ...]"""
 
 _VALUED = ("--capacity", "--device", "--report", "--record", "--compact-at", "--compact-min")
 _FLAGS = ("--rescue",)
@@ -150,6 +161,61 @@ def parse(argv: list[str]) -> RunArgs:
     return out
 
 
+# Launchers that start the program's workers as new processes, which PyTorch's own allocator serves:
+# under `defrag run` they would run outside any pool. `defrag run` goes inside them instead.
+_LAUNCHER_MODULES = ("torch.distributed.run", "torch.distributed.launch")
+_LAUNCHER_SCRIPTS = ("torchrun",)
+# torchrun's options that take no value (every other option takes the next token, unless written with =).
+_LAUNCHER_FLAGS = ("--standalone", "--no-python", "--no_python", "-m", "--module", "--run-path", "--run_path",
+                   "--use-env", "--use_env")
+
+
+def _defrag_options(args: RunArgs) -> list[str]:
+    """The `defrag run` options of `args`, as typed."""
+    out = []
+    for name in ("capacity", "device", "report", "record", "compact_at", "compact_min"):
+        if getattr(args, name) is not None:
+            out += [f"--{name.replace('_', '-')}", str(getattr(args, name))]
+    return out + (["--rescue"] if args.rescue else [])
+
+
+def _launcher_refusal(args: RunArgs) -> str | None:
+    """The one line that refuses `defrag run torchrun ...` (or -m torch.distributed.run / launch) and gives
+    the command that works: torchrun outside, `defrag run` in each worker; None for any other program."""
+    import shlex
+
+    if args.module in _LAUNCHER_MODULES:
+        what = f"-m {args.module}"
+    elif args.script is not None and Path(args.script).name in _LAUNCHER_SCRIPTS:
+        what = args.script
+    else:
+        return None
+    launcher, program, module, i = [], [], False, 0
+    rest = list(args.args)
+    while i < len(rest):  # torchrun's own options, up to its program
+        token = rest[i]
+        if not token.startswith("-"):
+            program = rest[i:]
+            break
+        if token in ("-m", "--module"):
+            module = True  # its program is a module: `defrag run -m` runs it
+        elif token in _LAUNCHER_FLAGS or "=" in token:
+            launcher += [token] if token not in ("--no-python", "--no_python") else []
+        else:  # an option with its value
+            launcher += rest[i:i + 2]
+            i += 1
+        i += 1
+    mine = _defrag_options(args)
+    if program:
+        inner = ["defrag", "run", *mine, *(["-m"] if module else []), *program]
+        recipe = "torchrun " + shlex.join([*launcher, "--no-python", *inner])
+    else:
+        recipe = " ".join(["torchrun [its options] --no-python defrag run", *map(shlex.quote, mine), "train.py [args]"])
+    return (f"{what} starts torchrun's workers as new processes, which PyTorch's own allocator would serve "
+            f"outside any pool: run defrag run inside torchrun instead, in each worker: {recipe} (or torchrun "
+            f"... -m defrag run ...; docs/guide.md section 2)")
+
+
 def _checked(args: RunArgs):
     """The driver and capacity `args` name, and the report and record paths (absolute); `UsageError` before
     anything runs."""
@@ -160,6 +226,9 @@ def _checked(args: RunArgs):
                          f"optimizer.step())")
     if args.compact_min is not None and args.compact_at is None:
         raise UsageError("--compact-min needs --compact-at step")
+    refusal = _launcher_refusal(args)
+    if refusal is not None:
+        raise UsageError(refusal)
     if args.script is not None:
         path = Path(args.script)
         if not path.exists():
@@ -181,11 +250,14 @@ def _checked(args: RunArgs):
         if not found:
             raise UsageError(f"-m {args.module}: no module named {top!r}")
     # Absolute now: the program may change its working directory (Hydra does) before they are written.
-    report = out_file_arg(args.report, "--report").absolute() if args.report is not None else None
-    record = out_file_arg(args.record, "--record").absolute() if args.record is not None else None
+    # Under torchrun every rank writes its own file (mem.json -> mem.rank1.json): one path, many writers.
+    rank = launched_rank()
+    report = out_file_arg(_for_rank(args.report, rank), "--report").absolute() if args.report is not None else None
+    record = out_file_arg(_for_rank(args.record, rank), "--record").absolute() if args.record is not None else None
     if record is not None and report is not None and record == report:
         raise UsageError(f"--record and --report name the same file ({args.record}): give each its own")
-    driver = device_arg(args.device, torch_cuda=True)
+    # Without --device, each rank of a node takes the GPU its LOCAL_RANK names (torchrun sets it).
+    driver = device_arg(args.device, torch_cuda=True, local_rank=os.environ.get("LOCAL_RANK"))
     if args.capacity is None:
         free, _ = driver.mem_info()
         capacity = free - free % driver.granularity
@@ -200,13 +272,32 @@ def _checked(args: RunArgs):
     return driver, capacity, report, record
 
 
-def _open_pool(driver, capacity: int, *, record: bool = False):
+def launched_rank() -> tuple[int, int] | None:
+    """(rank, world size) when a launcher such as torchrun started this process as one of several ranks
+    (RANK and WORLD_SIZE set, WORLD_SIZE > 1); None otherwise."""
+    try:
+        rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    except (KeyError, ValueError):
+        return None
+    return (rank, world) if world > 1 and 0 <= rank < world else None
+
+
+def _for_rank(path: str, rank: tuple[int, int] | None) -> str:
+    """`path` as rank r writes it: mem.json -> mem.rank1.json (no rank: `path` itself)."""
+    if rank is None:
+        return path
+    full = Path(os.path.expanduser(path))
+    return str(full.with_name(f"{full.stem}.rank{rank[0]}{full.suffix}"))
+
+
+def _open_pool(driver, capacity: int, *, record: bool = False, rank: tuple[int, int] | None = None):
     """A pool on `driver`, installed as PyTorch's allocator (`record`: recording its history from before
-    the install); `UsageError` when this machine cannot."""
+    the install; `rank`: (rank, world size) under torchrun, named by its OOM messages); `UsageError` when
+    this machine cannot."""
     from . import install
     from .arguments import pool_open_error
     from .errors import CudaError, NotSupportedError
-    from .oom import set_capacity_option
+    from .oom import set_capacity_option, set_rank
     from .pool import Pool
 
     try:
@@ -221,6 +312,7 @@ def _open_pool(driver, capacity: int, *, record: bool = False):
         pool.close()
         raise UsageError(f"cannot install the pool here: {exc}") from None
     set_capacity_option("--capacity")  # an OOM inside PyTorch's allocator names the option, not Pool(capacity=)
+    set_rank(rank)  # and the rank it happened on, under torchrun
     return pool
 
 
@@ -353,14 +445,18 @@ def _allocator_counters(pool) -> dict:
     return {name: getattr(route, name) for name in ("allocs", "frees", "failures", "errors", "foreign_frees")}
 
 
-def summary(pool, exit_code: int, seconds: float) -> dict:
-    """The figures of the summary line and the report: peaks, fragmentation, OOMs, compactions."""
+def summary(pool, exit_code: int, seconds: float, rank: tuple[int, int] | None = None) -> dict:
+    """The figures of the summary line and the report: peaks, fragmentation, OOMs, compactions; `rank`:
+    (rank, world size) under torchrun."""
     from .arguments import device_label
 
     stats = pool.stats()
     peak_live, peak_reserved = stats["allocated_bytes.all.peak"], stats["reserved_bytes.all.peak"]
     return {
         "exit_code": exit_code,
+        # Under torchrun (WORLD_SIZE > 1): which rank this is; None for a single process.
+        "rank": rank[0] if rank else None,
+        "world_size": rank[1] if rank else None,
         "seconds": round(seconds, 3),
         "device": device_label(pool.driver),
         "capacity_bytes": stats["capacity_bytes"],
@@ -408,7 +504,7 @@ def summary_line(figures: dict) -> str:
         over_text = f" (+{format_bytes(reserved - live)} over live, which is under one {format_bytes(page)} page)"
     else:
         over_text = f" (+{(over - 1) * 100:.1f}% over live)" if over else ""
-    return (f"defrag run: exit {figures['exit_code']} in {figures['seconds']:.1f} s on {figures['device']} · "
+    return (f"{_prefix(figures)}: exit {figures['exit_code']} in {figures['seconds']:.1f} s on {figures['device']} · "
             f"peak live {format_bytes(figures['peak_live_bytes'])} · peak reserved "
             f"{format_bytes(figures['peak_reserved_bytes'])}{over_text} of {format_bytes(figures['capacity_bytes'])} · "
             f"{_stranded_text(figures)} · {counted(figures['ooms'], 'OOM')} · "
@@ -475,6 +571,12 @@ def _oom_figures(error, pool, seconds: float) -> dict:
     }
 
 
+def _prefix(figures: dict) -> str:
+    """'defrag run', or under torchrun 'defrag run [rank 1/2]': how this process's lines begin."""
+    rank = (figures["rank"], figures["world_size"]) if figures.get("world_size") else None
+    return f"defrag run [rank {rank[0]}/{rank[1]}]" if rank else "defrag run"
+
+
 def _stranded_text(figures: dict) -> str:
     """What is stranded at exit, in bytes first: "stranded at exit 1.20 MiB (25% of reserved)". A small
     run's few stranded KiB are a large share of its few reserved pages; the bytes say how little that is."""
@@ -523,7 +625,9 @@ def main(argv: list[str]) -> int:
         print(HELP)
         return 0
     driver, capacity, report, record = _checked(args)
-    pool = _open_pool(driver, capacity, record=record is not None)
+    # The rank as the launcher started this process (the program may set RANK or WORLD_SIZE itself later).
+    rank = launched_rank()
+    pool = _open_pool(driver, capacity, record=record is not None, rank=rank)
     if args.rescue:
         from . import rescue
 
@@ -553,17 +657,17 @@ def main(argv: list[str]) -> int:
     # hold its globals) until the collector happens to run: collect now, so that "at exit" is the same
     # figure every run (what the program left live once its own objects are freed).
     gc.collect()
-    figures = summary(pool, code, seconds)
+    figures = summary(pool, code, seconds, rank)
     if report is not None:
         try:
             _write_report(report, figures, pool, args, ooms)
         except OSError as exc:
-            print(f"defrag run: could not write the report {report}: {exc}", file=sys.stderr)
+            print(f"{_prefix(figures)}: could not write the report {report}: {exc}", file=sys.stderr)
     if record is not None:
         try:
             _write_snapshot(record, pool)
         except OSError as exc:
-            print(f"defrag run: could not write the history {record}: {exc}", file=sys.stderr)
-    print(summary_line(figures), file=sys.stderr)
+            print(f"{_prefix(figures)}: could not write the history {record}: {exc}", file=sys.stderr)
+    sys.stderr.write(summary_line(figures) + "\n")  # one write: the ranks under torchrun share a stderr
     sys.stderr.flush()
     return code
