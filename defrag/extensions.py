@@ -165,13 +165,10 @@ _ARCH = re.compile(r"^(\d+)\.(\d+)(a|f)?(\+PTX)?$")
 def _driver_capabilities(api=None) -> tuple[list[tuple[int, int]], str]:
     """Each visible device's compute capability from the CUDA driver through cuda-python (`api`, default
     `cuda.bindings.driver`; never torch.cuda), and the reason when there is none."""
-    if api is None:
-        from cuda.bindings import driver as api
-    attr = api.CUdevice_attribute if hasattr(api, "CUdevice_attribute") else None
-    if attr is None:
-        from cuda.bindings import driver as cu
+    from cuda.bindings import driver as cu
 
-        attr = cu.CUdevice_attribute
+    api = cu if api is None else api
+    attr = cu.CUdevice_attribute
     try:
         err, = api.cuInit(0)
         if int(err):
