@@ -103,7 +103,8 @@ def test_every_tensor_is_the_pools_an_oom_goes_on_and_the_report_says_so(tmp_pat
         kinds = {b["state"] for b in layout["blocks"]}
         shown = ("Allocated memory" in pool.summary() and sum(s["allocated_size"] for s in pool.snapshot()["segments"])
                  == pool.stats()["allocated_bytes.all.current"] and kinds == {"live"}
-                 and all(b["pinned"] for b in layout["blocks"]) and bool(viz.plot_memory_map(layout, sys.argv[1])))
+                 and not any(b["pinned"] for b in layout["blocks"])  # PyTorch's blocks move at safe points
+                 and bool(viz.plot_memory_map(layout, sys.argv[1])))
         print("shown", shown)
     """))
     report = tmp_path / "out" / "report.json"
