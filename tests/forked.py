@@ -187,6 +187,14 @@ def run_python(code: str, *args: str, env: dict | None = None, cwd: str = ROOT, 
     return zygote.run(code, list(args), cwd, timeout, path)
 
 
+def run_module(module: str, *args: str, **kwargs) -> subprocess.CompletedProcess:
+    """What `python -m module args...` returns, from a child of the zygote (`run_python`'s keywords): the
+    module runs as `__main__` through runpy with `sys.argv[0]` its file, as `-m` runs it. Its package is
+    imported already (the zygote's): a scenario about what importing it does must use `subprocess`."""
+    code = f"import runpy\nrunpy.run_module({module!r}, run_name='__main__', alter_sys=True)\n"
+    return run_python(code, *args, **kwargs)
+
+
 def run_clean(code: str, *args: str, ends_with: str | None = None, **kwargs) -> subprocess.CompletedProcess:
     """`run_python`, failing the test unless the process exited 0 without a C++ `terminate` or an exception
     Python ignored (at exit, in a destructor), and, given `ends_with`, its stdout ends with that."""

@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import subprocess
-import sys
-
 import matplotlib.image as mpimg
 import pytest
 
 from defrag import cli
+
+from ..forked import run_module
 
 
 def test_demo_exits_0_and_writes_the_picture(tmp_path, capsys):
@@ -41,13 +40,13 @@ def test_doctor_without_a_gpu_says_briefly_that_no_cuda_route_applies():
     assert len(line) < 120 and "headers" not in line and "pluggable" not in line
 
 
+# `python -m defrag ...`, forked from the test zygote (tests/forked.py; test_forked checks it against a fresh one).
 @pytest.mark.parametrize("command", [[], ["run"], ["demo"], ["doctor"], ["bench"], ["replay"]])
 def test_every_command_has_help(command):
-    result = subprocess.run([sys.executable, "-m", "defrag", *command, "--help"], capture_output=True, text=True,
-                            timeout=120)
+    result = run_module("defrag", *command, "--help", timeout=120)
     assert result.returncode == 0 and "usage: defrag" in result.stdout
 
 
 def test_unknown_command_is_a_usage_error():
-    result = subprocess.run([sys.executable, "-m", "defrag", "frobnicate"], capture_output=True, text=True, timeout=120)
+    result = run_module("defrag", "frobnicate", timeout=120)
     assert result.returncode == 2 and "invalid choice" in result.stderr

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from ..forked import ROOT, checkout_env, run_python
+from ..forked import ROOT, checkout_env, run_module, run_python
 
 SCRIPT = r"""
 import atexit, os, sys
@@ -48,3 +48,13 @@ def test_a_script_file_runs_as_python_file_would(tmp_path):
     forked = run_python(code, "7", path=str(script), cwd=str(tmp_path))
     assert forked.returncode == 1 and forked.stderr == "7\n"  # SystemExit("7"): printed, exit 1, as python does
     assert forked.stdout == f"{[str(script), '7']} True\n"
+
+
+def test_a_module_runs_as_python_m_would():
+    forked = run_module("defrag", "frobnicate")  # a usage error: argparse's prog, message and exit status
+    plain = subprocess.run([sys.executable, "-m", "defrag", "frobnicate"], capture_output=True, text=True,
+                           timeout=120, env=checkout_env(), cwd=ROOT, stdin=subprocess.DEVNULL)
+    assert forked.returncode == plain.returncode == 2
+    assert forked.stdout == plain.stdout and forked.stderr == plain.stderr and "invalid choice" in forked.stderr
+    shown = run_module("defrag", "--help")
+    assert shown.returncode == 0 and shown.stdout.startswith("usage: defrag")
