@@ -559,13 +559,14 @@ def test_memoryless_map_unmap_cost_is_reported_not_asserted(record_property):
 
 def test_the_cost_report_stays_out_of_quiet_output(tmp_path):
     """`pytest -q` shows dots, not the map/unmap costs above (those are for -s and the JUnit properties)."""
-    import subprocess
-    import sys
     from pathlib import Path
 
+    from ..forked import run_module
+
     node = f"{Path(__file__).resolve()}::test_memoryless_map_unmap_cost_is_reported_not_asserted"
-    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", node],
-                          cwd=Path(__file__).resolve().parents[2], capture_output=True, text=True, timeout=300)
+    # `python -m pytest -q ...` in a process of its own, forked from the test zygote (torch imported once)
+    proc = run_module("pytest", "-q", "-p", "no:cacheprovider", node, cwd=str(Path(__file__).resolve().parents[2]),
+                      timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "1 passed" in proc.stdout
     assert "memoryless:" not in proc.stdout + proc.stderr, proc.stdout
