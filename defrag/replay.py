@@ -128,6 +128,9 @@ class ReplayResult:
     # A dry pool's `DryPool.rescue_steps`: which pools' runs this one's was (`_answers_for`); not in
     # `as_dict` either.
     rescue_steps: dict | None = field(default=None, repr=False)
+    # The row whose replay at this capacity was this row's too (`_same_run`): the same run, so the same
+    # figures; None when this row ran its own.
+    same_run_as: str | None = None
 
     @property
     def completed(self) -> bool:
@@ -894,7 +897,7 @@ def torch_baselines(trace: Trace, capacity: int, *,
     if not torch.cuda.is_available():
         reason = (f"no CUDA GPU (torch {torch.__version__}: torch.cuda.is_available() is False); "
                   "PyTorch's allocator only runs on a GPU")
-        return [], [{"allocator": n, "reason": reason} for n, _ in names]
+        return [], [{"allocator": n, "reason": reason, "no_gpu": True} for n, _ in names]
     results, skipped = [], []
     with tempfile.TemporaryDirectory(prefix="defrag-replay-") as tmp:
         path = trace.save(Path(tmp) / "trace.jsonl.gz")
@@ -932,20 +935,29 @@ def torch_baselines(trace: Trace, capacity: int, *,
 
 # ---------------------------------------------------------------------- report
 RECORDED = "PyTorch (recorded)"
+# The recorded row's name by who recorded the snapshot (`SnapshotDevice.recorded_by`): under `defrag run`
+# the pool was PyTorch's allocator, and the curve is that pool's.
+RECORDED_BY = {"PyTorch": RECORDED, "defrag pool": "defrag pool (recorded)", "defrag run": "defrag run (recorded)"}
+
+
+NO_GPU_LINE = ("PyTorch's real allocator replays only on a CUDA GPU (none here): the rows marked (model) are "
+               "a model of it")
 
 
 def format_table(results: list[ReplayResult], skipped: list[dict], recorded=None,
-                 recorded_missing: bool = False) -> str:
-    """A plain-text table of the results (with a "PyTorch (recorded)" row when `recorded`, a
-    `defrag.traces.snapshot.RecordedReserved`, is given, or one saying "not recorded" with
-    `recorded_missing`), then one line per skipped allocator."""
+                 recorded_missing: bool = False, recorded_label: str = RECORDED, no_gpu_line: bool = True) -> str:
+    """A plain-text table of the results (with a "PyTorch (recorded)" row, or `recorded_label`, when
+    `recorded`, a `defrag.traces.snapshot.RecordedReserved`, is given, or one saying "not recorded" with
+    `recorded_missing`), then one line per allocator skipped for a reason of its own; the rows skipped
+    because there is no GPU get `NO_GPU_LINE`, once (``no_gpu_line``; False: none, e.g. after a first
+    device's table said it)."""
     head = ["allocator", "peak live", "peak reserved", "reserved/live", "OOMs", "compactions", "moved",
             "min capacity", "seconds"]
     rows = []
     if recorded is not None:
-        rows.append([RECORDED, "-", format_bytes(recorded.peak_bytes), "-", "-", "-", "-", "-", "-"])
+        rows.append([recorded_label, "-", format_bytes(recorded.peak_bytes), "-", "-", "-", "-", "-", "-"])
     elif recorded_missing:
-        rows.append([RECORDED, "-", "not recorded", "-", "-", "-", "-", "-", "-"])
+        rows.append([recorded_label, "-", "not recorded", "-", "-", "-", "-", "-", "-"])
     for r in results:
         mc = r.min_capacity
         if mc is None:
@@ -973,7 +985,10 @@ def format_table(results: list[ReplayResult], skipped: list[dict], recorded=None
         for note in r.notes:
             lines.append(f"{r.allocator}: {note}")
     for s in skipped:
-        lines.append(f"{s['allocator']}: skipped: {s['reason']}")
+        if not s.get("no_gpu"):
+            lines.append(f"{s['allocator']}: skipped: {s['reason']}")
+    if no_gpu_line and any(s.get("no_gpu") for s in skipped):
+        lines.append(NO_GPU_LINE)
     return "\n".join(lines)
 
 
@@ -996,7 +1011,20 @@ class DeviceReport:
     recorded: object = None
     ooms: list = field(default_factory=list)
     live_series: tuple | None = field(default=None, repr=False)
-    recorded_by_defrag: bool = False  # a defrag pool wrote the snapshot (`defrag run --record`): its reserved bytes
+    # Who recorded it (`SnapshotDevice.recorded_by`): "PyTorch", "defrag pool" or "defrag run" (its pool was
+    # PyTorch's allocator); `rescue`: whether that defrag run had --rescue (None: not known).
+    recorded_by: str = "PyTorch"
+    rescue: bool | None = None
+
+    @property
+    def recorded_by_defrag(self) -> bool:
+        """A defrag pool wrote the snapshot: the recorded curve is its reserved bytes."""
+        return self.recorded_by != "PyTorch"
+
+    @property
+    def recorded_label(self) -> str:
+        """The recorded row's name: "PyTorch (recorded)", "defrag pool (recorded)" or "defrag run (recorded)"."""
+        return RECORDED_BY.get(self.recorded_by, RECORDED)
 
     def result(self, allocator: str) -> ReplayResult | None:
         return next((r for r in self.results if r.allocator == allocator), None)
@@ -1013,6 +1041,7 @@ class DeviceReport:
             "device": self.device, "capacity": self.capacity, "capacity_source": self.capacity_source,
             "trace": {"name": self.trace.name, "stats": self.trace.stats().as_dict(), "meta": self.trace.meta},
             "results": [r.as_dict() for r in self.results], "skipped": self.skipped,
+            "recorded_by": self.recorded_by, "recorded_by_rescue": self.rescue,
             "recorded": None if self.recorded is None else {k: v for k, v in self.recorded.as_dict().items()},
             "recorded_note": None if self.recorded is not None or self.device is None else NO_SEGMENT_ENTRIES,
             "models_over_recorded_peak_reserved": self.recorded_vs_models(),
@@ -1134,15 +1163,12 @@ def _answers_for(r: ReplayResult) -> dict:
     return {name: r.completed and not parted[name] for name in _ANSWERS[r.allocator]}
 
 
-def _same_run(r: ReplayResult, allocator: str, capacity: int) -> ReplayResult:
-    """`r` as the row of `allocator`, whose replay at `capacity` was the same run (`_answers_for`)."""
-    row = ReplayResult(**{**{f: getattr(r, f) for f in r.__dataclass_fields__}, "allocator": allocator,
-                          "notes": [], "min_capacity": None})
-    what = "compaction never ran" if r.rescue_steps["rescues"] == 0 else "meshing never ran"
-    row.notes.append(f"at {format_bytes(capacity)} {what} (no phase markers, and no failed placement went "
-                     f"that far), so this row's replay there is {r.allocator}'s, the same run; its smallest "
-                     f"capacity is its own, searched jointly with the other defrag rows")
-    return row
+def _same_run(r: ReplayResult, allocator: str) -> ReplayResult:
+    """`r` as the row of `allocator`, whose replay at r's capacity was the same run (`_answers_for`): the same
+    figures, marked in `ReplayResult.same_run_as` (the JSON's), with no note in the table: nothing there
+    for a user to act on."""
+    return ReplayResult(**{**{f: getattr(r, f) for f in r.__dataclass_fields__}, "allocator": allocator,
+                           "notes": [], "min_capacity": None, "same_run_as": r.allocator})
 
 
 def _pools_without_phases_job(key, capacity: int, peak_live: int, *, page_size, series: bool, budget_s,
@@ -1169,7 +1195,7 @@ def _pools_without_phases_job(key, capacity: int, peak_live: int, *, page_size, 
     results = {top: r}
     for name in rows:
         if name != top and answers[name] and r.completed:
-            results[name] = _same_run(r, name, capacity)
+            results[name] = _same_run(r, name)
     missing = [name for name in rows if name not in results]
     if missing:
         own = yield [("replay", key, name, capacity, page, series) for name in missing]
@@ -1274,7 +1300,7 @@ def replay_devices(items: list, capacity: int | None = None, *, dry: bool = Fals
                 jobs.append(((2, len(plans)), _oom_job(key, oom, cap, given) if i < OOM_CHECKS
                              else _oom_unchecked(oom, cap if given else None)))
             plans.append((dev, trace, cap, source, recorded, first, n_results, len(ooms),
-                          getattr(item, "pool_capacity", None) is not None))
+                          (getattr(item, "recorded_by", "PyTorch"), getattr(item, "rescue", None))))
         # Real replays run in this process (their devices are not for forked children).
         bar = _work_bar(progress)
         try:
@@ -1286,7 +1312,7 @@ def replay_devices(items: list, capacity: int | None = None, *, dry: bool = Fals
         for item in items:
             _SHARED.pop(id(item.trace if hasattr(item, "trace") else item[1]), None)
     reports = []
-    for dev, trace, cap, source, recorded, first, n, n_ooms, by_defrag in plans:
+    for dev, trace, cap, source, recorded, first, n, n_ooms, (by, rescue) in plans:
         results = [r for job in done[first:first + n] for r in job]
         skipped: list[dict] = []
         if baselines:
@@ -1295,7 +1321,7 @@ def replay_devices(items: list, capacity: int | None = None, *, dry: bool = Fals
         reports.append(DeviceReport(dev, trace, cap, source, results, skipped, recorded,
                                     done[first + n:first + n + n_ooms],
                                     live_series=live_series(trace) if series else None,
-                                    recorded_by_defrag=by_defrag))
+                                    recorded_by=by, rescue=rescue))
     return reports
 
 
@@ -1357,7 +1383,8 @@ def summary_sentence(report: DeviceReport) -> str:
     """
     fb = format_bytes
     live = report.trace.stats().peak_live_bytes
-    who = "the defrag pool" if report.recorded_by_defrag else "PyTorch"
+    who = {"defrag run": "under defrag run, its pool (PyTorch's allocator there)",
+           "defrag pool": "the defrag pool"}.get(report.recorded_by, "PyTorch")
     rec, ooms = report.recorded, report.ooms
     happened = []
     if rec is not None:
@@ -1395,20 +1422,37 @@ def summary_sentence(report: DeviceReport) -> str:
     if checked:
         a = sum(bool(o["defrag_completes"]) for o in checked)
         b = sum(bool(o["expandable_completes"]) for o in checked)
-        if len(checked) == 1:
-            helped.append(("defrag, which moves tensors, would have served the request and run to the end" if a
-                           else "defrag would not have served the request either")
-                          + (" (for tensors in a defrag.Pool: under defrag run PyTorch's own blocks do not move)"
-                             if a and report.recorded_by_defrag else ""))
+        if report.recorded_by == "defrag run":
+            helped.append(_run_verdict(report, a, len(checked)))
+            if len(checked) == 1:
+                helped.append(f"PyTorch with expandable_segments would{'' if b else ' not'} (model)")
+            else:
+                helped.append(f"PyTorch with expandable_segments in {b} (model)")
+        elif len(checked) == 1:
+            helped.append("defrag, which moves tensors, would have served the request and run to the end" if a
+                          else "defrag would not have served the request either")
             helped.append(f"PyTorch with expandable_segments would{'' if b else ' not'} (model)")
         else:
             helped.append(f"with each refused request served, defrag runs to the end in {a} of {len(checked)} "
                           f"cases, PyTorch with expandable_segments in {b} (model)")
     needs = []
-    if _smallest(d):
+    plain = report.result("defrag-no-compaction")
+    if report.recorded_by == "defrag run" and _smallest(plain):
+        # That run's pool moved nothing inside an operation: the pool without compaction is the run as it
+        # ran; the one that compacts at a failed request is what --rescue comes closest to.
+        # (With --rescue on, the run moved at some failed requests: its figure lies between the two.)
+        moving = "a pool that moves every tensor" if report.rescue else "with --rescue"
+        if _smallest(d) and _smallest(d) != _smallest(plain):
+            needs.append(f"defrag run {_smallest(plain)}{' without moves' if report.rescue else ''}, "
+                         f"{moving} {_smallest(d)}")
+        else:
+            needs.append(f"defrag run {_smallest(plain)}")
+    elif _smallest(d):
         needs.append(f"defrag {_smallest(d)}")
     mesh = report.result("defrag-mesh")
-    if (_smallest(mesh) and _smallest(d) and mesh.min_capacity.bytes is not None
+    if report.recorded_by == "defrag run":
+        pass  # no option of defrag run turns meshing on or off: the figures above are its choices
+    elif (_smallest(mesh) and _smallest(d) and mesh.min_capacity.bytes is not None
             and d.min_capacity.bytes is not None and mesh.min_capacity.bytes < d.min_capacity.bytes):
         needs.append(f"defrag with meshing {_smallest(mesh)}")
     models = [f"{words} {_smallest(report.result(name))}"
@@ -1429,13 +1473,32 @@ def summary_sentence(report: DeviceReport) -> str:
     return " ".join(x for x in (sentence(happened), sentence(helped)) if x)
 
 
+def _run_verdict(report: DeviceReport, served: int, checked: int) -> str:
+    """What would have served the refused requests of a run recorded under `defrag run`, in its options'
+    words. Its pool was PyTorch's allocator: PyTorch's tensors move there only at safe points, and a request
+    made inside an operation is served only by `--rescue` (the operation unwinds, the pool compacts with
+    PyTorch's tensors moving, and it runs again). The dry defrag replay moves every tensor at the failed
+    request, which is what --rescue comes closest to."""
+    cases = "the request" if checked == 1 else f"{served} of the {checked} refused requests"
+    if not served:
+        return ("moving tensors would not have served the request either" if checked == 1 else
+                f"moving tensors would have served none of the {checked} refused requests")
+    if report.rescue:
+        return (f"this run had --rescue, which could not serve it (the failed operation's own tensors stay where "
+                f"they are, and one that writes an argument never runs again); a pool that moves every tensor "
+                f"would have served {cases}" + (" and run to the end" if checked == 1 else ""))
+    return (f"defrag run --rescue (an operation that runs out of memory runs again after PyTorch's tensors "
+            f"move) would have served {cases}" + (" and run to the end" if checked == 1 else "")
+            + " (replayed on a pool that moves tensors when a request fails)")
+
+
 def _recorded_line(report: DeviceReport) -> str:
     rec = report.recorded
     if rec is None:
         end = report.trace.meta.get("reserved_bytes_at_snapshot")
-        return (f"{RECORDED}: {NO_SEGMENT_ENTRIES}" + (f"; reserved at the end {format_bytes(end)} (segments)"
+        return (f"{report.recorded_label}: {NO_SEGMENT_ENTRIES}" + (f"; reserved at the end {format_bytes(end)} (segments)"
                                                       if end else ""))
-    text = (f"{RECORDED}: reserved at the start {format_bytes(rec.start_bytes)}, peak {format_bytes(rec.peak_bytes)}, "
+    text = (f"{report.recorded_label}: reserved at the start {format_bytes(rec.start_bytes)}, peak {format_bytes(rec.peak_bytes)}, "
             f"end {format_bytes(rec.end_bytes)} ({len(rec.event) - 1} change{'' if len(rec.event) == 2 else 's'}"
             f"{'' if rec.end_from_segments else '; no segments list: the start is the least level that fits'})")
     ooms = {r.allocator: r.ooms for r in report.results}
@@ -1514,7 +1577,7 @@ def devices_figure(reports: list[DeviceReport]):
             rec = rep.recorded
             xs = list(rec.event) + [len(rep.trace.events)]
             ax.step(xs, [v / unit for v in rec.reserved] + [rec.reserved[-1] / unit], where="post", lw=2.0,
-                    ls=(0, (6, 3)), color="tab:red", zorder=5, label=f"{RECORDED}: reserved")
+                    ls=(0, (6, 3)), color="tab:red", zorder=5, label=f"{rep.recorded_label}: reserved")
         for r in rep.results:
             if r.series is None:
                 continue
@@ -1687,7 +1750,7 @@ def main(args) -> int:
                                  mesh=not getattr(args, "no_mesh", False))
     except ReplayError as exc:
         raise UsageError(str(exc)) from None
-    for rep in reports:
+    for n, rep in enumerate(reports):
         st = rep.trace.stats()
         head = "" if rep.device is None else f"== device {rep.device}: "
         print(f"\n{head}{counted(st.events, 'event')}, {counted(st.allocs, 'allocation')}"
@@ -1695,12 +1758,14 @@ def main(args) -> int:
               + f", peak live {format_bytes(st.peak_live_bytes)}; capacity {format_bytes(rep.capacity)}"
               + ("" if rep.capacity_source == "--capacity" else f" ({rep.capacity_source})"))
         print(summary_sentence(rep))
-        print(format_table(rep.results, rep.skipped, rep.recorded, recorded_missing=rep.device is not None))
+        print(format_table(rep.results, rep.skipped, rep.recorded, recorded_missing=rep.device is not None,
+                           recorded_label=rep.recorded_label, no_gpu_line=n == 0))
         if rep.device is not None:
             print(_recorded_line(rep))
         if rep.ooms:
             print("recorded OOMs (capacity = " + ("--capacity" if rep.capacity_source == "--capacity" else
-                                                   "PyTorch's reserved + the device's free bytes at each") + "):")
+                                                   f"{'PyTorch' if rep.recorded_by == 'PyTorch' else 'the pool'}'s "
+                                                   "reserved + the device's free bytes at each") + "):")
             print("\n".join(_oom_lines(rep)))
         if rep.device is not None:
             m = rep.trace.meta

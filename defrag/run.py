@@ -608,6 +608,17 @@ def _write_snapshot(path: Path, pool) -> None:
 
     snapshot = pool.snapshot()
     pool.record_history(False)
+    # Marks the history as `defrag run`'s (a key PyTorch's tools ignore): `defrag replay` then describes this
+    # run, whose pool was PyTorch's allocator, and says whether --rescue (moves inside a failed operation) ran.
+    rescue = False
+    if "defrag.rescue" in sys.modules:
+        try:
+            from .native import load_module
+
+            rescue = bool(load_module().rescue_counters().get("enabled_here"))
+        except Exception:  # noqa: BLE001 - None: unknown, rather than lose the history
+            rescue = None
+    snapshot["defrag"]["run"] = {"rescue": rescue}
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     with open(tmp, "wb") as f:
         pickle.dump(snapshot, f)

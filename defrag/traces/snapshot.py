@@ -201,6 +201,11 @@ class SnapshotDevice:
     # The capacity of the defrag pool(s) that recorded this device (`defrag run --record`,
     # `pool.snapshot()`): the device's limit, as the GPU's memory is PyTorch's. None for PyTorch's own.
     pool_capacity: int | None = None
+    # Who recorded it: "PyTorch" (its own allocator), "defrag pool" (`pool.snapshot()`) or "defrag run"
+    # (`defrag run --record`, whose pool was PyTorch's allocator); `rescue`: whether that run had --rescue
+    # (None: not a defrag run's, or not known).
+    recorded_by: str = "PyTorch"
+    rescue: bool | None = None
 
 
 def load_snapshot_devices(source, *, device: int | None = None, name: str | None = None,
@@ -279,6 +284,11 @@ class _Parsed:
         # Snapshots a defrag pool wrote carry each pool's capacity: per device, their sum.
         self.pool_capacity: dict[int, int] = {}
         extra = data.get("defrag")
+        # `defrag run --record` marks its histories (defrag.run._write_snapshot); other defrag snapshots are
+        # a pool's (`pool.snapshot()`).
+        run = extra.get("run") if isinstance(extra, dict) else None
+        self.recorded_by = "defrag run" if isinstance(run, dict) else "defrag pool" if isinstance(extra, dict) else "PyTorch"
+        self.rescue = run.get("rescue") if isinstance(run, dict) and isinstance(run.get("rescue"), bool) else None
         for pool in (extra.get("pools") if isinstance(extra, dict) else None) or []:
             cap = _as_int(pool.get("capacity")) if isinstance(pool, dict) else None
             if cap:
@@ -427,7 +437,8 @@ class _Parsed:
                              "live blocks in 'segments' (was _record_memory_history enabled?)")
         trace.validate()
         cap = self.pool_capacity.get(device)
-        return SnapshotDevice(device, trace, recorded, self._ooms(trace, ooms, n0, recorded, cap), cap)
+        return SnapshotDevice(device, trace, recorded, self._ooms(trace, ooms, n0, recorded, cap), cap,
+                              self.recorded_by if cap is not None else "PyTorch", self.rescue)
 
     def _recorded(self, device: int, changes: list, n0: int) -> RecordedReserved | None:
         if not changes:

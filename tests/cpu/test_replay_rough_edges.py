@@ -91,3 +91,159 @@ def test_the_workers_of_a_replay_end_when_its_process_is_killed(tmp_path):
             if _alive(w):
                 os.kill(w, signal.SIGKILL)
         proc.stderr.close()
+
+
+# ---------------------------------------------------------------------- whose history it is
+KiB = 1 << 10
+
+
+def _fragmented_history(defrag: dict | None) -> dict:
+    """A history like `defrag run --capacity 64MiB` of a program that keeps 2 of every 8 blocks of 256 KiB in
+    each 2 MiB page, then asks for 40 MiB (refused: 16 MiB live, 48 MiB stranded); `defrag`: the snapshot's
+    "defrag" key (None: PyTorch's own snapshot)."""
+    base, entries = 0x7F0000000000, []
+    for i in range(32):
+        entries.append({"action": "segment_map", "addr": base + i * 2 * MiB, "size": 2 * MiB, "stream": 0})
+    for i in range(256):
+        entries.append({"action": "alloc", "addr": base + i * 256 * KiB, "size": 256 * KiB, "stream": 0})
+    for i in range(256):
+        if i % 4:
+            for action in ("free_requested", "free_completed"):
+                entries.append({"action": action, "addr": base + i * 256 * KiB, "size": 256 * KiB, "stream": 0})
+    entries.append({"action": "oom", "addr": 0, "size": 40 * MiB, "device_free": 0, "stream": 0})
+    snap = {"device_traces": [entries]}
+    if defrag is not None:
+        snap["defrag"] = defrag
+    return snap
+
+
+def _report(snap: dict):
+    from defrag.replay import replay_devices
+    from defrag.traces.snapshot import load_snapshot_devices
+
+    (item,) = load_snapshot_devices(snap, name="frag")
+    (rep,) = replay_devices([item], dry=True, baselines=False, workers=1)
+    return rep
+
+
+POOL = {"pools": [{"capacity": 64 * MiB, "device_index": 0}]}
+
+
+@pytest.mark.parametrize("defrag,label,who", [
+    (None, "PyTorch (recorded)", "PyTorch reserved up to 64.00 MiB"),
+    (POOL, "defrag pool (recorded)", "The defrag pool reserved up to 64.00 MiB"),
+    ({**POOL, "run": {"rescue": False}}, "defrag run (recorded)",
+     "Under defrag run, its pool (PyTorch's allocator there) reserved up to 64.00 MiB"),
+])
+def test_the_recorded_curve_is_named_for_whoever_recorded_it(defrag, label, who):
+    from defrag.replay import format_table
+
+    rep = _report(_fragmented_history(defrag))
+    assert rep.recorded_label == label
+    assert rep.as_dict()["summary"].startswith(who), rep.as_dict()["summary"]
+    table = format_table(rep.results, rep.skipped, rep.recorded, recorded_label=rep.recorded_label)
+    assert table.splitlines()[2].startswith(label + "  ")
+
+
+def test_a_defrag_run_with_rescue_that_still_ran_out_is_not_told_to_use_rescue():
+    rep = _report(_fragmented_history({**POOL, "run": {"rescue": True}}))
+    summary = rep.as_dict()["summary"]
+    assert rep.rescue is True and "defrag run --rescue (" not in summary
+    assert "This run had --rescue, which could not serve it" in summary
+    assert "a pool that moves every tensor would have served the request and run to the end" in summary
+
+
+def test_a_plain_pool_history_keeps_the_pools_verdict():
+    summary = _report(_fragmented_history(POOL)).as_dict()["summary"]
+    assert "defrag, which moves tensors, would have served the request and run to the end" in summary
+    assert "--rescue" not in summary and "do not move" not in summary
+
+
+# ---------------------------------------------------------------------- lines a user can act on
+def _two_device_snapshot() -> dict:
+    from defrag.traces import llm_serving
+    from defrag.traces.snapshot import to_snapshot
+
+    snap = to_snapshot(llm_serving(steps=60))
+    snap["device_traces"].append(list(snap["device_traces"][0]))
+    return snap
+
+
+def test_replay_prints_no_line_a_user_cannot_act_on(tmp_path, capsys):
+    """Issue 46 item 5: no note that two rows' replays were one run (twice), and the rows skipped for want of
+    a GPU are one line that says what the (model) rows are, once for all devices."""
+    import json
+    import pickle
+
+    import torch
+
+    from defrag import cli
+    from defrag.replay import NO_GPU_LINE
+
+    path = tmp_path / "two.pickle"
+    path.write_bytes(pickle.dumps(_two_device_snapshot()))
+    out = tmp_path / "r.json"
+    assert cli.main(["replay", str(path), "--dry", "--capacity", "512MiB", "--json", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert text.count("== device ") == 2
+    for gone in ("compaction never ran", "meshing never ran", "the same run", "searched jointly", "skipped: no CUDA"):
+        assert gone not in text, gone
+    if not torch.cuda.is_available():
+        assert text.count(NO_GPU_LINE) == 1
+        assert "(model)" in NO_GPU_LINE and "CUDA GPU" in NO_GPU_LINE
+    data = json.loads(out.read_text())
+    for device in data["devices"]:
+        rows = {r["allocator"]: r for r in device["results"]}
+        assert rows["defrag"]["same_run_as"] == "defrag-mesh" and not rows["defrag"]["notes"]
+        if not torch.cuda.is_available():  # the JSON keeps each skipped row with its reason
+            assert {s["allocator"] for s in device["skipped"]} == {"torch", "torch-expandable"}
+
+
+# ---------------------------------------------------------------------- the docs' example sentence
+def _quoted_sentence(doc: str) -> str:
+    import re
+
+    text = " ".join((ROOT / "docs" / doc).read_text().split())
+    (quote,) = re.findall(r'"(PyTorch reserved up to [^"]*?\(model\)\.)"', text)
+    return quote
+
+
+def test_the_docs_example_sentence_is_one_replay_prints():
+    """Guide section 1 and traces.md quote the sentence `defrag replay --dry` prints for cs336_ctx128_fullstep
+    (a 51 GiB training step, /work/shared/snapshots): the same sentence in both, and the very sentence
+    `summary_sentence` writes from the figures it quotes (the pool with meshing named where it needs less)."""
+    import re
+
+    from defrag.replay import DeviceReport, MinCapacity, ReplayResult, summary_sentence
+    from defrag.traces.snapshot import RecordedReserved
+
+    quote = _quoted_sentence("guide.md")
+    assert quote == _quoted_sentence("traces.md")
+    GiB = 1 << 30
+
+    def size(text: str) -> int:
+        return int(float(text) * GiB)
+
+    live, peak = (size(x) for x in re.match(r"PyTorch reserved up to ([\d.]+) GiB for ([\d.]+) GiB", quote).groups()[::-1])
+    needs = dict((name, size(value)) for name, value in re.findall(
+        r"(defrag with meshing|defrag|PyTorch with expandable_segments|PyTorch) ([\d.]+) GiB", quote.split(": ", 1)[1]))
+    rows = {"defrag": needs["defrag"], "defrag-mesh": needs.get("defrag with meshing", needs["defrag"]),
+            "torch-expandable (model)": needs["PyTorch with expandable_segments"], "torch (model)": needs["PyTorch"]}
+    results = [ReplayResult(name, "t", peak, MiB, True, "none", 2, peak_live_bytes=live,
+                            min_capacity=MinCapacity(b, b - 2 * MiB, True, 1)) for name, b in rows.items()]
+    trace = Trace([(ALLOC, 0, live), (FREE, 0)], name="t")
+    recorded = RecordedReserved(0, peak, 0, [0, 1], [peak, 0], True)
+    assert summary_sentence(DeviceReport(0, trace, peak, "", results, [], recorded)) == quote
+
+
+SNAPSHOT = pathlib.Path("/work/shared/snapshots/cs336_ctx128_fullstep.pickle")
+
+
+@pytest.mark.skipif(not SNAPSHOT.is_file(), reason="no /work/shared/snapshots on this machine")
+def test_the_docs_example_sentence_is_what_the_replay_of_that_snapshot_prints():
+    """The figures too: guide section 1 showed defrag 51.19 GiB where the replay prints 51.08 GiB, and no
+    meshing figure (about 6 s on two cores)."""
+    from defrag.replay import load_input, replay_devices, summary_sentence
+
+    (rep,) = replay_devices(load_input(SNAPSHOT)[1], dry=True, baselines=False, progress=False)
+    assert summary_sentence(rep) == _quoted_sentence("guide.md")

@@ -146,8 +146,31 @@ def test_a_recorded_oom_is_judged_at_the_pools_capacity_not_with_its_stranded_sp
     assert oom["verdict"] == "fragmentation" and oom["live_bytes"] == 16 * MiB
     # A pool that moves tensors packs the 16 MiB and serves 40; expandable segments cannot (every page keeps two).
     assert oom["defrag_completes"] is True and oom["expandable_completes"] is False
-    assert device["summary"].startswith("The defrag pool reserved up to 64.00 MiB for 64.00 MiB live and ran out "
-                                        "of memory once with the memory there but fragmented")
+    assert device["summary"].startswith("Under defrag run, its pool (PyTorch's allocator there) reserved up to "
+                                        "64.00 MiB for 64.00 MiB live and ran out of memory once with the memory "
+                                        "there but fragmented")
+
+
+def test_a_defrag_run_history_is_described_as_that_run(recorded_oom, tmp_path, capsys):
+    """Issue 46 item 4: the curve is defrag run's pool's, not PyTorch's; its pool moved nothing inside an
+    operation, so what would have served the request is --rescue, and the capacity it needed as it ran is the
+    pool's without compaction."""
+    assert pickle.loads(recorded_oom.read_bytes())["defrag"]["run"] == {"rescue": False}  # the mark
+    device = _replay_json(recorded_oom, tmp_path)
+    text = capsys.readouterr().out
+    assert RECORDED not in text and "\ndefrag run (recorded)  " in text
+    assert "\ndefrag run (recorded): reserved at the start 0 B, peak 64.00 MiB" in text
+    assert "recorded OOMs (capacity = the pool's reserved + the device's free bytes at each)" in text
+    assert device["recorded_by"] == "defrag run" and device["recorded_by_rescue"] is False
+    summary = device["summary"]
+    assert ("defrag run --rescue (an operation that runs out of memory runs again after PyTorch's tensors move) "
+            "would have served the request and run to the end") in summary, summary
+    assert "do not move" not in summary and "defrag, which moves tensors" not in summary
+    assert "the smallest capacity that runs the trace less the refused requests: defrag run 64.00 MiB, " in summary
+    (item,) = load_input(recorded_oom)[1]
+    (rep,) = replay_devices([item], dry=True, baselines=False, workers=1, series=True)
+    labels = _labels(replay_module.devices_figure([rep]))
+    assert "defrag run (recorded): reserved" in labels and f"{RECORDED}: reserved" not in labels
 
 
 def test_capacity_changes_the_verdict_of_a_recorded_oom(recorded_oom, tmp_path, capsys):
