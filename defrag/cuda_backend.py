@@ -225,11 +225,46 @@ def pool_abi() -> ctypes.CDLL:
         "defrag_pool_memory_fraction": (i32, [i32, ctypes.POINTER(ctypes.c_double)]),
         "defrag_pool_set_memory_fraction": (i32, [i32, ctypes.c_double, ctypes.c_char_p, ctypes.c_size_t]),
         "defrag_pool_record_stream": (i32, [i32, p, p]),
+        "defrag_pool_set_budget": (i32, [i32, ctypes.c_double, ctypes.c_char_p, ctypes.c_size_t]),
+        "defrag_pool_capture": (i32, [i32, p, i32]),
+        "defrag_pool_capture_counts": (i32, [i32, ctypes.POINTER(i64), ctypes.POINTER(i64)]),
     }
     for name, (restype, argtypes) in sigs.items():
         fn = getattr(lib, name)
         fn.restype, fn.argtypes = restype, argtypes
     return lib
+
+
+def set_pool_budget(pool, nbytes: int) -> int:
+    """PyTorch's `set_per_process_memory_fraction` for `pool` (the pool ABI's `defrag_pool_set_budget`, with
+    the GIL): the pool may hold `nbytes` of device memory (whole pages, at least one, at most the device's
+    memory), lower or higher than before. Empty pages beyond it are given back now (`trim`, no meshing);
+    pages holding live blocks stay until they empty (as PyTorch keeps reserved memory), and no page is made
+    beyond the budget. Returns the capacity in force (bytes): the budget, or the pages still held where
+    more than it."""
+    core = pool.core
+    page = core.page_size
+    total = int(getattr(pool.driver, "total_memory", 0) or 0)
+    if total > 0:
+        nbytes = min(int(nbytes), total)
+    pages = max(1, int(nbytes) // page)
+    store = core.space.store
+    pool._budget_pages = pages  # a later emptyCache brings the pool down to it
+    if store.total > pages:
+        pool.trim(mesh=False)
+    held = max(pages, store.total)
+    core.capacity_pages = held
+    core.capacity = held * page
+    core.backing.capacity_pages = held
+    store.max_pages = held
+    return held * page
+
+
+def apply_pool_budget(pool) -> None:
+    """After an emptyCache: a budget below what the pool held when it was set is reached as pages empty."""
+    pages = getattr(pool, "_budget_pages", None)
+    if pages is not None and pool.core.capacity_pages > pages:
+        set_pool_budget(pool, pages * pool.core.page_size)
 
 
 # ------------------------------------------------------------------------------------ compile check

@@ -175,9 +175,15 @@ class EmulatedCuda:
         self._linear: dict[int, int] = {}  # cuMemAlloc base -> size (kernels' tables; outside `capacity`)
         self._modules: dict[int, dict] = {}  # module id -> {name: HostKernel} (see host_kernels)
         self._functions: dict[int, tuple[int, object]] = {}  # function id -> (module id, HostKernel)
-        self._events: dict[int, list] = {}  # event id -> [done, stream recorded on]
+        self._events: dict[int, list] = {}  # event id -> [done, stream recorded on, capture recorded in]
         self._next_id = itertools.count(0x100)
-        self.capturing = False  # tests flip this to emulate CUDA graph capture
+        self.capturing = False  # tests flip this to emulate CUDA graph capture (every stream captures)
+        # Stream capture, as CUDA's rules have it (global mode, PyTorch's default): the streams that
+        # begin_capture (cuStreamBeginCapture) began (stream -> capture id), the captures a forbidden
+        # call invalidated, and each forbidden call tried (name, why): a test fails on any.
+        self._captures: dict[int, int] = {}
+        self._invalidated: set[int] = set()
+        self.capture_violations: list[tuple[str, str]] = []
         self._lock = threading.RLock()
         self._initialized = False
         self._handles: dict[int, _Physical] = {}
@@ -350,6 +356,8 @@ class EmulatedCuda:
         device = self._current_device()
         if device is None:
             return (R.CUDA_ERROR_INVALID_CONTEXT,)
+        if self._captures:  # (the `capturing` flag keeps its old meaning: tests that flip it only ask)
+            return self._forbidden("cuCtxSynchronize", "synchronized the device during a capture")
         return self._run_queued(lambda q: q.device == device)
 
     def cuStreamSynchronize(self, stream):
@@ -358,7 +366,74 @@ class EmulatedCuda:
         if device is None:
             return (R.CUDA_ERROR_INVALID_CONTEXT,)
         stream = int(stream)
+        if self._captures:
+            return self._forbidden("cuStreamSynchronize", "synchronized a stream during a capture")
         return self._run_queued(lambda q: q.device == device and q.stream == stream)
+
+    # ---------------------------------------------------------------- stream capture
+    def _stream_capture(self, stream: int) -> int | None:
+        """The capture `stream` records into: its capture id, -1 for `capturing` (every stream), None."""
+        if self.capturing:
+            return -1
+        return self._captures.get(int(stream))
+
+    def _capture_underway(self) -> bool:
+        return bool(self.capturing or self._captures)
+
+    def _forbidden(self, name: str, why: str, code=None):
+        """A call CUDA refuses during a capture: counted, every capture underway invalidated (as CUDA
+        invalidates the capture the call meets), refused with CUDA's error."""
+        with self._lock:
+            self.capture_violations.append((name, why))
+            self._invalidated.update(self._captures.values())
+        return ((code if code is not None else R.CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED),)
+
+    # cuStreamBeginCapture / cuStreamEndCapture / cuStreamWaitEvent as test aids (named apart from the
+    # driver entry points, whose table is driver/signatures.py): the pool itself never calls them.
+    def begin_capture(self, hStream, mode=0):
+        """cuStreamBeginCapture: `hStream`'s work is recorded, not run, until `end_capture`."""
+        self._count("cuStreamBeginCapture")
+        if self._current_device() is None:
+            return (R.CUDA_ERROR_INVALID_CONTEXT,)
+        stream = int(hStream)
+        with self._lock:
+            if stream == 0 or stream in self._captures:
+                return (R.CUDA_ERROR_ILLEGAL_STATE if hasattr(R, "CUDA_ERROR_ILLEGAL_STATE")
+                        else R.CUDA_ERROR_INVALID_VALUE,)
+            self._captures[stream] = next(self._next_id)
+            return (R.CUDA_SUCCESS,)
+
+    def end_capture(self, hStream):
+        """cuStreamEndCapture: end the capture of `hStream`: (CUDA_SUCCESS, a graph placeholder), or
+        CUDA_ERROR_STREAM_CAPTURE_INVALIDATED when a forbidden call invalidated it."""
+        self._count("cuStreamEndCapture")
+        stream = int(hStream)
+        with self._lock:
+            capture = self._captures.pop(stream, None)
+            if capture is None:
+                return (R.CUDA_ERROR_STREAM_CAPTURE_UNMATCHED, None)
+            if capture in self._invalidated:
+                self._invalidated.discard(capture)
+                return (R.CUDA_ERROR_STREAM_CAPTURE_INVALIDATED, None)
+            return (R.CUDA_SUCCESS, capture)
+
+    def stream_wait_event(self, hStream, hEvent, Flags=0):
+        """cuStreamWaitEvent: `hStream` waits for `hEvent`. A capturing stream may wait only for an event
+        recorded in its own capture (or with CU_EVENT_WAIT_EXTERNAL, 1): else CUDA_ERROR_STREAM_CAPTURE_ISOLATION."""
+        self._count("cuStreamWaitEvent")
+        if self._current_device() is None:
+            return (R.CUDA_ERROR_INVALID_CONTEXT,)
+        stream, flags = int(hStream), int(Flags)
+        with self._lock:
+            event = self._events.get(int(hEvent))
+            if event is None:
+                return (R.CUDA_ERROR_INVALID_HANDLE,)
+            capture = self._stream_capture(stream)
+            recorded_in = event[2] if len(event) > 2 else None
+        if capture is not None and not flags & 1 and (recorded_in is None or recorded_in != capture):
+            return self._forbidden("cuStreamWaitEvent", "a capturing stream waited for an event recorded outside "
+                                   "its capture", R.CUDA_ERROR_STREAM_CAPTURE_ISOLATION)
+        return (R.CUDA_SUCCESS,)
 
     def _run_queued(self, chosen):
         """Run the queued work `chosen` selects, oldest first; CUDA_ERROR_ILLEGAL_ADDRESS if any of it
@@ -402,8 +477,13 @@ class EmulatedCuda:
         if self._current_device() is None:
             return (R.CUDA_ERROR_INVALID_CONTEXT, cu.CUstreamCaptureStatus.CU_STREAM_CAPTURE_STATUS_NONE)
         status = cu.CUstreamCaptureStatus
-        return (R.CUDA_SUCCESS,
-                status.CU_STREAM_CAPTURE_STATUS_ACTIVE if self.capturing else status.CU_STREAM_CAPTURE_STATUS_NONE)
+        with self._lock:
+            capture = self._stream_capture(int(stream))
+            if capture is None:
+                return (R.CUDA_SUCCESS, status.CU_STREAM_CAPTURE_STATUS_NONE)
+            if capture in self._invalidated:
+                return (R.CUDA_SUCCESS, status.CU_STREAM_CAPTURE_STATUS_INVALIDATED)
+        return (R.CUDA_SUCCESS, status.CU_STREAM_CAPTURE_STATUS_ACTIVE)
 
     def cuMemGetInfo(self):
         self._count("cuMemGetInfo")
@@ -879,7 +959,7 @@ class EmulatedCuda:
             return (R.CUDA_ERROR_INVALID_CONTEXT, cu.CUevent(0))
         with self._lock:
             eid = next(self._next_id)
-            self._events[eid] = [True, 0]  # a fresh event counts as complete (cuEventQuery: CUDA_SUCCESS)
+            self._events[eid] = [True, 0, None]  # a fresh event counts as complete (cuEventQuery: CUDA_SUCCESS)
             return (R.CUDA_SUCCESS, cu.CUevent(eid))
 
     def cuEventRecord(self, hEvent, hStream):
@@ -894,6 +974,14 @@ class EmulatedCuda:
             if event is None:
                 return (R.CUDA_ERROR_INVALID_HANDLE,)
             event[1] = int(hStream)
+            capture = self._captures.get(int(hStream))
+            if len(event) > 2:
+                event[2] = capture
+            else:
+                event.append(capture)
+            if capture is not None:  # a node of the capture: nothing runs until the graph is launched
+                event[0] = False
+                return (R.CUDA_SUCCESS,)
             if not self.async_work:
                 event[0] = True
                 return (R.CUDA_SUCCESS,)
@@ -914,6 +1002,11 @@ class EmulatedCuda:
             event = self._events.get(int(hEvent))
             if event is None:
                 return (R.CUDA_ERROR_INVALID_HANDLE,)
+            captured = len(event) > 2 and event[2] is not None
+        if captured or self._captures:
+            return self._forbidden("cuEventSynchronize", "waited for an event during a capture",
+                                   R.CUDA_ERROR_CAPTURED_EVENT if captured else None)
+        with self._lock:
             if event[0]:
                 return (R.CUDA_SUCCESS,)
             stream = event[1]
@@ -926,7 +1019,12 @@ class EmulatedCuda:
             event = self._events.get(int(hEvent))
             if event is None:
                 return (R.CUDA_ERROR_INVALID_HANDLE,)
-            return (R.CUDA_SUCCESS,) if event[0] else (R.CUDA_ERROR_NOT_READY,)
+            captured = len(event) > 2 and event[2] is not None
+            if not captured and not self._captures:
+                return (R.CUDA_SUCCESS,) if event[0] else (R.CUDA_ERROR_NOT_READY,)
+        # CUDA: a captured event cannot be queried; any query during a global-mode capture is unsafe.
+        return self._forbidden("cuEventQuery", "queried an event during a capture",
+                               R.CUDA_ERROR_CAPTURED_EVENT if captured else None)
 
     def cuEventDestroy(self, hEvent):
         self._count("cuEventDestroy")

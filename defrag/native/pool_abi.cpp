@@ -321,6 +321,25 @@ __attribute__((visibility("default"))) int32_t defrag_pool_empty_cache(int32_t d
     const long long bytes = PyLong_Check(done) ? PyLong_AsLongLong(done) : 0;
     Py_DECREF(done);
     if (released != nullptr) *released = bytes;
+    // A budget set below what the pool held (`defrag_pool_set_budget`) is reached as pages empty.
+    if (PyObject_HasAttrString(pool, "_budget_pages")) {
+      PyObject* module = PyImport_ImportModule("defrag.cuda_backend");
+      PyObject* applied = module != nullptr ? PyObject_CallMethod(module, "apply_pool_budget", "O", pool) : nullptr;
+      Py_XDECREF(module);
+      Py_XDECREF(applied);
+      if (applied != nullptr) {
+        int64_t capacity = -1;
+        PyObject* c = PyObject_GetAttrString(pool, "capacity");
+        if (c != nullptr) capacity = PyLong_AsLongLong(c);
+        Py_XDECREF(c);
+        if (capacity > 0) {
+          AbiDevice& d = g_abi_devices[device];
+          std::lock_guard<std::mutex> guard(d.mu);
+          d.capacity = capacity;
+        }
+      }
+      if (PyErr_Occurred()) PyErr_Clear();
+    }
     return DEFRAG_POOL_OK;
   });
 }
@@ -355,6 +374,72 @@ __attribute__((visibility("default"))) int32_t defrag_pool_set_memory_fraction(i
        " ...` or defrag.Pool(capacity=...)")
           .c_str());
   return DEFRAG_POOL_ERROR;
+}
+
+__attribute__((visibility("default"))) int32_t defrag_pool_set_budget(int32_t device, double fraction, char* why,
+                                                                      size_t why_len) {
+  if (!valid_device(device)) return DEFRAG_POOL_NO_POOL;
+  if (!(fraction > 0.0 && fraction <= 1.0)) {
+    say(why, why_len, ("defrag: a memory fraction must be in (0, 1], got " + std::to_string(fraction)).c_str());
+    return DEFRAG_POOL_ERROR;
+  }
+  int64_t capacity = 0, total = 0;
+  int32_t status = geometry(device, capacity, total);
+  if (status != DEFRAG_POOL_OK) return status;
+  const auto wanted = static_cast<long long>(fraction * static_cast<double>(total));
+  std::string failure;
+  long long now = -1;
+  status = ask_the_pool(device, [&](PyObject* pool) {
+    // The pool's capacity lives in its Python side (core, page store): defrag.cuda_backend sets it.
+    PyObject* module = PyImport_ImportModule("defrag.cuda_backend");
+    PyObject* done = module != nullptr ? PyObject_CallMethod(module, "set_pool_budget", "OL", pool, wanted) : nullptr;
+    Py_XDECREF(module);
+    if (done == nullptr) {
+      PyObject *type, *value, *traceback;
+      PyErr_Fetch(&type, &value, &traceback);
+      PyObject* text = value != nullptr ? PyObject_Str(value) : nullptr;
+      const char* utf8 = text != nullptr ? PyUnicode_AsUTF8(text) : nullptr;
+      failure = utf8 != nullptr ? utf8 : "defrag: the pool's budget could not be set";
+      Py_XDECREF(text);
+      Py_XDECREF(type);
+      Py_XDECREF(value);
+      Py_XDECREF(traceback);
+      return DEFRAG_POOL_ERROR;
+    }
+    now = PyLong_Check(done) ? PyLong_AsLongLong(done) : -1;
+    Py_DECREF(done);
+    return now > 0 ? DEFRAG_POOL_OK : DEFRAG_POOL_ERROR;
+  });
+  if (status == DEFRAG_POOL_ERROR) say(why, why_len, failure.empty() ? "defrag: the pool's budget could not be set" : failure.c_str());
+  if (status != DEFRAG_POOL_OK) return status;
+  AbiDevice& d = g_abi_devices[device];
+  std::lock_guard<std::mutex> guard(d.mu);
+  d.capacity = now;
+  return DEFRAG_POOL_OK;
+}
+
+__attribute__((visibility("default"))) int32_t defrag_pool_capture(int32_t device, void* stream, int32_t begin) {
+  if (!valid_device(device)) return DEFRAG_POOL_ERROR;
+  try {
+    if (begin)
+      defrag_native::captures().begin(reinterpret_cast<uintptr_t>(stream));
+    else
+      defrag_native::captures().end(reinterpret_cast<uintptr_t>(stream));
+  } catch (...) {
+    return DEFRAG_POOL_ERROR;
+  }
+  return DEFRAG_POOL_OK;
+}
+
+__attribute__((visibility("default"))) int32_t defrag_pool_capture_counts(int32_t device, int64_t* violations,
+                                                                          int64_t* unordered) {
+  Installed* in = valid_device(device) ? installed_for(device) : nullptr;
+  if (unordered != nullptr) *unordered = defrag_native::captures().unordered_count();
+  if (violations != nullptr) {
+    defrag_native::FakeEventOps* fake = in != nullptr ? in->fast->books().fake_streams() : nullptr;
+    *violations = fake != nullptr ? fake->capture_violations() : -1;
+  }
+  return in != nullptr ? DEFRAG_POOL_OK : DEFRAG_POOL_NO_POOL;
 }
 
 __attribute__((visibility("default"))) int32_t defrag_pool_record_stream(int32_t device, void* ptr, void* stream) {

@@ -120,6 +120,25 @@ int32_t defrag_pool_set_memory_fraction(int32_t device, double fraction, char* w
 // out. Native: the books' mutex, no GIL.
 int32_t defrag_pool_record_stream(int32_t device, void* ptr, void* stream);
 
+// PyTorch's `setMemoryFraction(fraction, device)` (`torch.cuda.set_per_process_memory_fraction`), as
+// PyTorch's own allocator answers it: the pool's budget becomes `fraction` x the device's memory
+// (whole pages, at least one), lower or higher than the capacity it was made with (up to the device).
+// Pages held beyond a lower budget that hold nothing are given back at once (`Pool.trim`, no meshing);
+// pages that hold live blocks stay (as PyTorch keeps reserved memory), new pages are made only within
+// the budget, and each later `defrag_pool_empty_cache` brings the pool down to it. A fraction outside
+// (0, 1] is an ERROR (PyTorch's own check). Asks the pool. Then `defrag_pool_memory_fraction` answers the
+// fraction set. (`defrag_pool_set_memory_fraction`, ABI 2, keeps its meaning: the capacity stays.)
+int32_t defrag_pool_set_budget(int32_t device, double fraction, char* why, size_t why_len);
+
+// A CUDA graph capture on `stream` (a cudaStream_t) begins (`begin` 1) or ends (0): PyTorch's
+// beginAllocateToPool / endAllocateToPool. While any is underway the books query no event and a
+// capturing stream waits for no event recorded outside its capture (streams.h). Native.
+int32_t defrag_pool_capture(int32_t device, void* stream, int32_t begin);
+
+// Calls CUDA forbids during a capture that the fake events of `device`'s books saw (tests; -1 when
+// its books use no fake events), and fences that left a producer unordered during a capture.
+int32_t defrag_pool_capture_counts(int32_t device, int64_t* violations, int64_t* unordered);
+
 #ifdef __cplusplus
 }
 #endif
