@@ -166,25 +166,45 @@ class TensorOwnership:
                 raise ValueError(f"adopt: tensor is on {obj.device}, this pool's tensors are on {device}")
             if obj.is_sparse or obj.layout != torch.strided:
                 raise ValueError(f"adopt: only strided tensors can be adopted, got layout {obj.layout}")
-            return [obj]
+            return _with_storage(obj, "tensor")
         if isinstance(obj, torch.nn.Module):
             found = []
             for name, t in itertools.chain(obj.named_parameters(), obj.named_buffers()):
                 if t.device != device:
                     raise ValueError(f"adopt: {name} is on {t.device}, this pool's tensors are on {device}")
-                found.append(t)
+                found += _with_storage(t, name)
                 if isinstance(t, torch.nn.Parameter) and t.grad is not None:
-                    found.append(t.grad)
+                    found += _with_storage(t.grad, f"{name}.grad")
             return found
         if isinstance(obj, torch.optim.Optimizer):
             found = []
             for state in obj.state.values():
-                for value in state.values():
+                for key, value in state.items():
                     if isinstance(value, torch.Tensor) and value.device == device and value.layout == torch.strided:
-                        found.append(value)
+                        found += _with_storage(value, f"optimizer state {key!r}")
             return found
         if isinstance(obj, (list, tuple, dict)):
             items = obj.values() if isinstance(obj, dict) else obj
             return [t for item in items for t in self.tensors_in(item)]
         raise TypeError(f"adopt takes a tensor, an nn.Module, an optimizer, or a list, tuple or dict of them, "
                         f"got {type(obj).__name__}")
+
+
+def _with_storage(t: torch.Tensor, what: str) -> list[torch.Tensor]:
+    """The tensors whose storages hold `t`'s bytes: `t` itself, or for a wrapper tensor subclass, which has no
+    storage of its own (DTensor, as FSDP2's `fully_shard` and tensor parallelism make them), the tensors it
+    wraps (`__tensor_flatten__`: a DTensor's local shard, `t.to_local()`), which `adopt` moves, the wrapper
+    following them. ValueError naming `what` for any other tensor whose storage cannot be read."""
+    from torch.utils._python_dispatch import is_traceable_wrapper_subclass
+
+    if is_traceable_wrapper_subclass(t):
+        names, _ = t.__tensor_flatten__()  # may name other things too (a DTensor's device_mesh)
+        inner = [(name, getattr(t, name)) for name in names]
+        return [x for name, v in inner if isinstance(v, torch.Tensor) for x in _with_storage(v, f"{what}.{name}")]
+    try:
+        t.untyped_storage().data_ptr()
+    except (RuntimeError, NotImplementedError):
+        raise ValueError(f"adopt: {what} is a {type(t).__name__} whose storage cannot be read (a tensor subclass "
+                         "that wraps others, as DTensor does for FSDP2); adopt the tensors it wraps, e.g. "
+                         "t.to_local() for a DTensor") from None
+    return [t]
