@@ -8,8 +8,10 @@
 // It talks to the pool only through the pool's C ABI (`pool_abi.h`), found with dlsym in the loaded
 // main module (`attach`); PyTorch's questions are answered from the pool:
 // - allocate / the DataPtr's deleter: `defrag_pool_alloc` / `defrag_pool_free` (the books' mutex, no
-//   GIL unless pages must be mapped); the deleter is one function per device (no map lookup here),
-//   and the DataPtr's context is its data pointer (PyTorch's copy-on-write needs that);
+//   GIL unless pages must be mapped); every DataPtr (zero-size ones and graphs' private blocks
+//   included) carries `raw_deleter()`'s deleter, as cudagraph trees require; the DataPtr's context is
+//   its data pointer (PyTorch's copy-on-write needs that); allocations and frees are reported to
+//   PyTorch's profiler (its memory timeline) as PyTorch's allocator reports them;
 // - getDeviceStats / reset*: `defrag_pool_stats` and friends (they take the GIL: see the ABI), plus
 //   the per-pool "small"/"large" split this backend counts itself (PyTorch's 1 MiB threshold);
 // - cacheInfo, emptyCache, get/setMemoryFraction: the ABI;
@@ -161,6 +163,8 @@ struct PoolAbi {
   decltype(&defrag_pool_memory_fraction) memory_fraction = nullptr;
   decltype(&defrag_pool_set_memory_fraction) set_memory_fraction = nullptr;
   decltype(&defrag_pool_record_stream) record_stream = nullptr;
+  decltype(&defrag_pool_set_budget) set_budget = nullptr;
+  decltype(&defrag_pool_capture) capture = nullptr;
 };
 PoolAbi g_abi;                        // filled once by `attach` (with the GIL), read-only afterwards
 std::atomic<bool> g_attached{false};
@@ -192,6 +196,8 @@ void attach(const std::string& path) {
   find(library, "defrag_pool_memory_fraction", abi.memory_fraction);
   find(library, "defrag_pool_set_memory_fraction", abi.set_memory_fraction);
   find(library, "defrag_pool_record_stream", abi.record_stream);
+  find(library, "defrag_pool_set_budget", abi.set_budget);
+  find(library, "defrag_pool_capture", abi.capture);
   g_abi = abi;
   g_attached.store(true);
 }
@@ -233,10 +239,28 @@ struct Segment {
   size_t live = 0;
 };
 
+// A live block of a private pool: its size, segment, the stream it was made for and the other streams
+// that used it (recordStream): its free waits for an event on each (PyTorch's stream_uses).
+struct PrivateBlock {
+  size_t size = 0;
+  Segment* segment = nullptr;
+  cudaStream_t stream = nullptr;
+  std::vector<cudaStream_t> uses;
+};
+
+// A freed private block waiting for its streams: events recorded (`events`), or none yet because a
+// capture was underway when it was freed (recorded once none is, as PyTorch's allocator defers them).
+struct PendingFree {
+  uintptr_t addr = 0;
+  PrivateBlock block;
+  std::vector<cudaEvent_t> events;
+};
+
 struct PrivatePool {
   int use_count = 0;
   std::vector<std::unique_ptr<Segment>> segments;
-  std::unordered_map<uintptr_t, std::pair<size_t, Segment*>> blocks;  // live: address -> (size, segment)
+  std::unordered_map<uintptr_t, PrivateBlock> blocks;  // live
+  std::vector<PendingFree> pending;                     // freed, waiting for other streams
 };
 
 // A checkpoint of a private pool (graph trees): its live blocks.
@@ -265,7 +289,11 @@ struct Device {
   // CUDA graphs and MemPools.
   std::mutex graphs_mu;
   std::atomic<int> capturing{0};  // entries of `captures`: 0 skips the lock on every allocation
-  std::atomic<bool> had_pools{false};  // a private pool was ever made here (raw frees look there first)
+  std::atomic<bool> had_pools{false};  // a private pool was ever made here
+  std::atomic<int64_t> private_live{0};  // live private blocks: frees look in the private pools only then
+  std::atomic<int64_t> frees{0};         // blocks given back to the pool (emptyCache trims only after one)
+  int64_t frees_at_trim = -1;           // `frees` at the last trim (graphs_mu)
+  std::atomic<double> fraction{-1.0};    // setMemoryFraction on a device no pool serves (PyTorch's answer)
   std::vector<std::pair<MempoolId, std::function<bool(cudaStream_t)>>> captures;
   std::map<MempoolId, PrivatePool> pools;
   // The pool's statistics as last answered (used when the pool cannot be asked now).
@@ -380,6 +408,25 @@ void history_free(int device, uintptr_t addr, size_t size, MempoolId pool) noexc
 }
 
 // ---------------------------------------------------------------------------------- release paths
+// What PyTorch's profiler is told of each allocation and free (its memory timeline), as PyTorch's own
+// allocator tells it: the block's size (negative on a free), the bytes allocated and reserved after it.
+void report_to_profiler(int device, uintptr_t addr, int64_t size) noexcept {
+  try {
+    if (!c10::memoryProfilingEnabled()) return;
+    Device& d = g_devices[device];
+    const int64_t allocated = d.small.bytes.load(std::memory_order_relaxed) + d.large.bytes.load(std::memory_order_relaxed);
+    int64_t reserved;
+    {
+      std::lock_guard<std::mutex> guard(d.stats_mu);
+      reserved = std::max(d.last.reserved_bytes, allocated);
+    }
+    c10::reportMemoryUsageToProfiler(reinterpret_cast<void*>(addr), size, static_cast<size_t>(allocated),
+                                     static_cast<size_t>(reserved),
+                                     c10::Device(c10::DeviceType::CUDA, static_cast<c10::DeviceIndex>(device)));
+  } catch (...) {  // a deleter never throws: the report is lost
+  }
+}
+
 // A pool block goes back to the pool (counted, traced). noexcept: runs in deleters.
 void give_back(int device, uintptr_t addr) noexcept {
   int32_t where = device;
@@ -387,22 +434,26 @@ void give_back(int device, uintptr_t addr) noexcept {
   if (size < 0) return;  // not the pool's (counted there as a foreign free)
   Device& d = g_devices[where];
   count_free(tally(d, static_cast<size_t>(size)), size);
+  d.frees.fetch_add(1, std::memory_order_relaxed);
+  report_to_profiler(where, addr, -size);
   history_free(where, addr, static_cast<size_t>(size), MempoolId{0, 0});
 }
 
-template <int D>
-void free_block(void* ptr) noexcept {
-  give_back(D, reinterpret_cast<uintptr_t>(ptr));  // the books wait for the streams it was recorded on
+// Whether `addr` is a live block of one of `d`'s private pools (graphs_mu not held).
+bool is_private(Device& d, uintptr_t addr) {
+  if (d.private_live.load(std::memory_order_acquire) == 0) return false;
+  std::lock_guard<std::mutex> guard(d.graphs_mu);
+  for (auto& entry : d.pools)
+    if (entry.second.blocks.count(addr) > 0) return true;
+  return false;
 }
 
 void free_private(int device, uintptr_t addr) noexcept;
 
-template <int D>
-void free_private_block(void* ptr) noexcept {
-  free_private(D, reinterpret_cast<uintptr_t>(ptr));
-}
-
-// Whatever device: PyTorch's raw_delete and raw_deleter name no device.
+// The one deleter of every DataPtr this backend hands out, and `raw_deleter()` (PyTorch's
+// `_has_Standard_Deleter`, which cudagraph trees require of each output): a graph's private block
+// goes back to its private pool, any other to the pool. A block's device is looked up (private pools
+// only while they hold live blocks; the pool's books find their own blocks on any device).
 void free_any(void* ptr) noexcept {
   if (ptr == nullptr) return;
   const auto addr = reinterpret_cast<uintptr_t>(ptr);
@@ -410,9 +461,9 @@ void free_any(void* ptr) noexcept {
     Device& d = g_devices[dev];
     if (!d.had_pools.load(std::memory_order_acquire)) continue;
     bool mine = false;
-    {
-      std::lock_guard<std::mutex> guard(d.graphs_mu);
-      for (auto& entry : d.pools) mine = mine || entry.second.blocks.count(addr) > 0;
+    try {
+      mine = is_private(d, addr);
+    } catch (...) {
     }
     if (mine) {
       free_private(dev, addr);
@@ -427,20 +478,9 @@ void free_any(void* ptr) noexcept {
   give_back(device, addr);
 }
 
-template <size_t... I>
-constexpr std::array<c10::DeleterFnPtr, kDevices> block_deleters(std::index_sequence<I...>) {
-  return {&free_block<static_cast<int>(I)>...};
-}
-template <size_t... I>
-constexpr std::array<c10::DeleterFnPtr, kDevices> private_deleters(std::index_sequence<I...>) {
-  return {&free_private_block<static_cast<int>(I)>...};
-}
-constexpr auto kBlockDeleters = block_deleters(std::make_index_sequence<kDevices>());
-constexpr auto kPrivateDeleters = private_deleters(std::make_index_sequence<kDevices>());
-
 // ------------------------------------------------------------------------------------ private pools
-// Best fit in `pool`'s segments for `size` (rounded): its address, or 0. graphs_mu held.
-uintptr_t carve(PrivatePool& pool, size_t size) {
+// Best fit in `pool`'s segments for `size` (rounded), for `stream`: its address, or 0. graphs_mu held.
+uintptr_t carve(PrivatePool& pool, size_t size, cudaStream_t stream) {
   Segment* best_seg = nullptr;
   std::map<uintptr_t, size_t>::iterator best;
   for (auto& seg : pool.segments) {
@@ -457,7 +497,11 @@ uintptr_t carve(PrivatePool& pool, size_t size) {
   best_seg->free.erase(best);
   if (left > 0) best_seg->free.emplace(addr + size, left);
   best_seg->live += 1;
-  pool.blocks.emplace(addr, std::make_pair(size, best_seg));
+  PrivateBlock block;
+  block.size = size;
+  block.segment = best_seg;
+  block.stream = stream;
+  pool.blocks.emplace(addr, std::move(block));
   return addr;
 }
 
@@ -473,7 +517,10 @@ bool carve_at(PrivatePool& pool, Segment& seg, uintptr_t addr, size_t size) {
   if (addr > start) seg.free.emplace(start, addr - start);
   if (start + length > addr + size) seg.free.emplace(addr + size, start + length - addr - size);
   seg.live += 1;
-  pool.blocks.emplace(addr, std::make_pair(size, &seg));
+  PrivateBlock block;
+  block.size = size;
+  block.segment = &seg;
+  pool.blocks.emplace(addr, std::move(block));
   return true;
 }
 
@@ -512,6 +559,61 @@ std::vector<uintptr_t> take_empty_segments(PrivatePool& pool, bool only_unused) 
   return out;
 }
 
+// Whether the calling thread's current stream on `device` is capturing a CUDA graph (true where CUDA
+// will not say).
+bool stream_capturing(cudaStream_t stream) noexcept {
+  cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+  if (cudaStreamIsCapturing(stream, &status) != cudaSuccess) {
+    (void)cudaGetLastError();
+    return true;
+  }
+  return status != cudaStreamCaptureStatusNone;
+}
+
+// Freed private blocks whose streams finished go back to their segments (graphs_mu held), as PyTorch's
+// `process_events`: nothing while a capture is underway on this device (no event may be recorded for or
+// queried then); blocks freed during a capture get their events now.
+void settle_private(Device& d, PrivatePool& pool) noexcept {
+  if (pool.pending.empty() || d.capturing.load(std::memory_order_acquire) > 0) return;
+  size_t kept = 0;
+  for (size_t i = 0; i < pool.pending.size(); ++i) {
+    PendingFree& f = pool.pending[i];
+    bool done = true;
+    if (f.events.empty()) {  // freed during a capture: its events are recorded now
+      for (cudaStream_t s : f.block.uses) {
+        cudaEvent_t e = nullptr;
+        if (cudaEventCreateWithFlags(&e, cudaEventDisableTiming) != cudaSuccess ||
+            cudaEventRecord(e, s) != cudaSuccess) {
+          (void)cudaGetLastError();
+          if (e != nullptr) cudaEventDestroy(e);
+          e = nullptr;
+        }
+        if (e != nullptr) f.events.push_back(e);
+      }
+      if (f.events.empty()) f.events.push_back(nullptr);  // none could be recorded: done below
+    }
+    for (cudaEvent_t e : f.events) {
+      if (e == nullptr) continue;
+      const cudaError_t q = cudaEventQuery(e);
+      if (q == cudaErrorNotReady) {
+        (void)cudaGetLastError();
+        done = false;
+        break;
+      }
+      if (q != cudaSuccess) (void)cudaGetLastError();
+    }
+    if (!done) {
+      if (kept != i) pool.pending[kept] = std::move(f);
+      ++kept;
+      continue;
+    }
+    for (cudaEvent_t e : f.events)
+      if (e != nullptr) cudaEventDestroy(e);
+    uncarve(*f.block.segment, f.addr, f.block.size);
+  }
+  pool.pending.resize(kept);
+}
+
 void free_private(int device, uintptr_t addr) noexcept {
   Device& d = g_devices[device];
   std::vector<uintptr_t> back;
@@ -522,10 +624,24 @@ void free_private(int device, uintptr_t addr) noexcept {
     for (auto it = d.pools.begin(); it != d.pools.end(); ++it) {
       auto found = it->second.blocks.find(addr);
       if (found == it->second.blocks.end()) continue;
-      size = found->second.first;
-      Segment* seg = found->second.second;
+      size = found->second.size;
+      PrivateBlock block = std::move(found->second);
       it->second.blocks.erase(found);
-      uncarve(*seg, addr, size);
+      d.private_live.fetch_sub(1, std::memory_order_release);
+      if (block.uses.empty()) {
+        uncarve(*block.segment, addr, size);
+      } else {
+        // Used on other streams (recordStream): reused once an event on each completed (recorded at
+        // once, or after the capture underway, as PyTorch's allocator does).
+        try {
+          PendingFree f;
+          f.addr = addr;
+          f.block = std::move(block);
+          it->second.pending.push_back(std::move(f));
+        } catch (...) {  // no host memory: the range stays carved (a leak, never a double use)
+        }
+        settle_private(d, it->second);
+      }
       id = it->first;
       back = take_empty_segments(it->second, true);
       if (it->second.use_count == 0 && it->second.segments.empty()) d.pools.erase(it);
@@ -534,6 +650,7 @@ void free_private(int device, uintptr_t addr) noexcept {
   }
   if (size == 0) return;
   count_free(tally(d, size), static_cast<int64_t>(size));
+  report_to_profiler(device, addr, -static_cast<int64_t>(size));
   history_free(device, addr, size, id);
   for (uintptr_t seg : back) give_back(device, seg);
 }
@@ -551,12 +668,25 @@ std::string ask_failed(int32_t status, const char* what) {
   }
 }
 
+// Whether a pool serves `d` (defrag.install registered one for its device): PyTorch's answers for a
+// device without one are its defaults (zeros, fraction 1.0), as for a device it never allocated on.
+bool served(const Device& d) { return d.snapshot_source != nullptr; }
+
+cudaStream_t capture_stream(int device) noexcept {
+  try {
+    return c10::cuda::getCurrentCUDAStream(static_cast<c10::DeviceIndex>(device)).stream();
+  } catch (...) {
+    return nullptr;
+  }
+}
+
 class DefragAllocator : public cca::CUDAAllocator {
  public:
   // ------------------------------------------------------------------ allocation
   c10::DataPtr allocate(size_t n) DEFRAG_CHECKED { return allocate_now(n); }
   c10::DataPtr allocate(size_t n) const { return const_cast<DefragAllocator*>(this)->allocate_now(n); }
 
+  // Every DataPtr this backend hands out carries this deleter (cudagraph trees check it).
   c10::DeleterFnPtr raw_deleter() const DEFRAG_CHECKED { return &free_any; }
 
   void* raw_alloc(size_t nbytes) DEFRAG_CHECKED {
@@ -586,8 +716,9 @@ class DefragAllocator : public cca::CUDAAllocator {
   // ------------------------------------------------------------------ statistics
   cca::DeviceStats getDeviceStats(c10::DeviceIndex device) DEFRAG_CHECKED {
     Device& d = device_state(device);
-    DefragPoolStats s = pool_stats(device, d);
     cca::DeviceStats out;
+    if (!served(d)) return out;  // no pool serves this device: nothing allocated there (PyTorch's zeros)
+    DefragPoolStats s = pool_stats(device, d);
     auto set = [](auto& stat, int64_t current, int64_t peak, int64_t allocated, int64_t freed) {
       stat.current = current;
       stat.peak = peak;
@@ -641,6 +772,7 @@ class DefragAllocator : public cca::CUDAAllocator {
     }
     d.retries = 0;
     d.ooms = 0;
+    if (!served(d)) return;
     const int32_t status = g_abi.reset_accumulated(device);
     TORCH_CHECK(status == DEFRAG_POOL_OK || status == DEFRAG_POOL_NO_POOL,
                 ask_failed(status, "resetAccumulatedStats"));
@@ -652,6 +784,7 @@ class DefragAllocator : public cca::CUDAAllocator {
       t->bytes_peak = t->bytes.load();
       t->blocks_peak = t->blocks.load();
     }
+    if (!served(d)) return;
     const int32_t status = g_abi.reset_peaks(device);
     TORCH_CHECK(status == DEFRAG_POOL_OK || status == DEFRAG_POOL_NO_POOL, ask_failed(status, "resetPeakStats"));
     std::lock_guard<std::mutex> guard(d.stats_mu);
@@ -659,27 +792,59 @@ class DefragAllocator : public cca::CUDAAllocator {
     d.requested_peak = d.last.requested_bytes;
   }
 
+  // PyTorch's answer: the larger of the caller's guess (or, when it passes 0, the device's free
+  // memory) and the largest cached block. Here the device's free memory counts only as far as the
+  // pool may still grow (its budget less what it holds), and the largest cached block is the pool's
+  // largest free range in mapped pages. cuDNN sizes its benchmark workspaces by it.
   void cacheInfo(c10::DeviceIndex device, size_t* largestBlock) DEFRAG_CHECKED {
-    int64_t largest = 0;
-    const int32_t status = g_abi.largest_block(device, &largest);
-    if (status == DEFRAG_POOL_OK) {
-      *largestBlock = static_cast<size_t>(largest);
+    Device& d = device_state(device);
+    size_t largest = *largestBlock;
+    if (!served(d)) return;  // no pool: nothing can be placed on this device
+    DefragPoolStats s;
+    std::memset(&s, 0, sizeof s);
+    s.struct_size = sizeof s;
+    if (g_abi.stats(device, &s) == DEFRAG_POOL_OK) {
+      std::lock_guard<std::mutex> guard(d.stats_mu);
+      d.last = s;
     } else {
-      std::lock_guard<std::mutex> guard(device_state(device).stats_mu);
-      *largestBlock = static_cast<size_t>(device_state(device).last.largest_mapped_free);
+      std::lock_guard<std::mutex> guard(d.stats_mu);
+      s = d.last;
     }
+    if (largest == 0) {
+      size_t device_free = 0, device_total = 0;
+      if (cudaMemGetInfo(&device_free, &device_total) != cudaSuccess) (void)cudaGetLastError();
+      const int64_t room = std::max<int64_t>(0, s.capacity_bytes - s.reserved_bytes);
+      largest = std::min(device_free, static_cast<size_t>(room));
+    }
+    *largestBlock = std::max(largest, static_cast<size_t>(std::max<int64_t>(0, s.largest_mapped_free)));
   }
 
+  // The pool's budget as a fraction of the device; on a device no pool serves, what was set there,
+  // else PyTorch's default 1.0.
   double getMemoryFraction(c10::DeviceIndex device) DEFRAG_CHECKED {
+    Device& d = device_state(device);
+    if (!served(d)) {
+      const double set = d.fraction.load();
+      return set > 0 ? set : 1.0;
+    }
     double fraction = 0;
     const int32_t status = g_abi.memory_fraction(device, &fraction);
     TORCH_CHECK(status == DEFRAG_POOL_OK, ask_failed(status, "getMemoryFraction"));
     return fraction;
   }
 
+  // PyTorch's `set_per_process_memory_fraction`: the pool's budget becomes fraction x the device's
+  // memory, lower or higher (up to the device) than its capacity; see `defrag_pool_set_budget`.
   void setMemoryFraction(double fraction, c10::DeviceIndex device) DEFRAG_CHECKED {
+    Device& d = device_state(device);
+    TORCH_CHECK(fraction > 0.0 && fraction <= 1.0, "defrag: invalid fraction ", fraction,
+                "; a memory fraction must be in (0, 1]");
+    if (!served(d)) {
+      d.fraction.store(fraction);
+      return;
+    }
     char why[kWhyLength] = "";
-    const int32_t status = g_abi.set_memory_fraction(device, fraction, why, sizeof why);
+    const int32_t status = g_abi.set_budget(device, fraction, why, sizeof why);
     TORCH_CHECK(status == DEFRAG_POOL_OK, why[0] ? why : ask_failed(status, "setMemoryFraction").c_str());
   }
 
@@ -688,10 +853,25 @@ class DefragAllocator : public cca::CUDAAllocator {
   void emptyCache(MempoolId mempool_id) DEFRAG_CHECKED { empty_cache(mempool_id); }
 
   // ------------------------------------------------------------------ streams
+  // PyTorch's recordStream: the block's free waits for `stream` (the pool's books for a pool block; for
+  // a graph's private block, its private pool, as PyTorch's stream_uses).
   void recordStream(const c10::DataPtr& ptr, c10::cuda::CUDAStream stream) DEFRAG_CHECKED {
     const int index = ptr.device().index();
-    if (ptr.get() == nullptr || index < 0 || index >= kDevices || ptr.get_deleter() != kBlockDeleters[index])
-      return;  // empty, or a graph's private block (its pool is reused only by its own graph)
+    if (ptr.get() == nullptr || index < 0 || index >= kDevices || ptr.get_deleter() != &free_any) return;
+    Device& d = g_devices[index];
+    const auto addr = reinterpret_cast<uintptr_t>(ptr.get());
+    if (d.private_live.load(std::memory_order_acquire) > 0) {
+      std::lock_guard<std::mutex> guard(d.graphs_mu);
+      for (auto& entry : d.pools) {
+        auto found = entry.second.blocks.find(addr);
+        if (found == entry.second.blocks.end()) continue;
+        PrivateBlock& block = found->second;
+        const cudaStream_t s = stream.stream();
+        if (s != block.stream && std::find(block.uses.begin(), block.uses.end(), s) == block.uses.end())
+          block.uses.push_back(s);
+        return;
+      }
+    }
     (void)g_abi.record_stream(index, ptr.get(), stream.stream());
   }
 
@@ -761,6 +941,8 @@ class DefragAllocator : public cca::CUDAAllocator {
     d.had_pools.store(true, std::memory_order_release);
     d.captures.emplace_back(mempool_id, std::move(filter));
     d.capturing.store(static_cast<int>(d.captures.size()), std::memory_order_release);
+    // The pool's books query no event and fence no capturing stream with an outside event meanwhile.
+    (void)g_abi.capture(device, capture_stream(device), 1);
   }
 
   void endAllocateToPool(c10::DeviceIndex device, MempoolId mempool_id) DEFRAG_CHECKED {
@@ -771,6 +953,7 @@ class DefragAllocator : public cca::CUDAAllocator {
     TORCH_CHECK(it != d.captures.end(), "defrag: endAllocateToPool: not allocating to this pool");
     d.captures.erase(it);
     d.capturing.store(static_cast<int>(d.captures.size()), std::memory_order_release);
+    (void)g_abi.capture(device, capture_stream(device), 0);
   }
 
   void releasePool(c10::DeviceIndex device, MempoolId mempool_id) DEFRAG_CHECKED {
@@ -827,7 +1010,7 @@ class DefragAllocator : public cca::CUDAAllocator {
     std::lock_guard<std::mutex> guard(d.graphs_mu);
     auto it = d.pools.find(id);
     TORCH_CHECK(it != d.pools.end(), "defrag: getCheckpointState: no such private pool");
-    for (const auto& [addr, block] : it->second.blocks) state->blocks.emplace_back(addr, block.first);
+    for (const auto& [addr, block] : it->second.blocks) state->blocks.emplace_back(addr, block.size);
     std::sort(state->blocks.begin(), state->blocks.end());
     return state;
   }
@@ -855,8 +1038,12 @@ class DefragAllocator : public cca::CUDAAllocator {
       for (const auto& [addr, size] : state->blocks)
         TORCH_CHECK(segment_of(addr, size) != nullptr,
                     "defrag: setCheckpointPoolState: a checkpointed block lies outside the pool's segments");
-      for (const auto& [addr, block] : pool.blocks) freed.emplace_back(addr, block.first);
+      for (const auto& [addr, block] : pool.blocks) freed.emplace_back(addr, block.size);
       pool.blocks.clear();
+      for (auto& f : pool.pending)
+        for (cudaEvent_t e : f.events)
+          if (e != nullptr) cudaEventDestroy(e);
+      pool.pending.clear();  // the checkpoint says what is live; the rest of its segments is free
       for (auto& seg : pool.segments) {
         seg->free.clear();
         seg->free.emplace(seg->base, seg->size);
@@ -865,8 +1052,7 @@ class DefragAllocator : public cca::CUDAAllocator {
       for (const auto& [addr, size] : state->blocks) {
         const bool carved = carve_at(pool, *segment_of(addr, size), addr, size);
         TORCH_INTERNAL_ASSERT(carved, "defrag: checkpointed blocks overlap");
-        delta.dataptrs_allocd.emplace_back(reinterpret_cast<void*>(addr), reinterpret_cast<void*>(addr),
-                                           kPrivateDeleters[device],
+        delta.dataptrs_allocd.emplace_back(reinterpret_cast<void*>(addr), reinterpret_cast<void*>(addr), &free_any,
                                            c10::Device(c10::DeviceType::CUDA, device));
       }
     }
@@ -875,12 +1061,24 @@ class DefragAllocator : public cca::CUDAAllocator {
       count_free(tally(d, size), static_cast<int64_t>(size));
     }
     for (const auto& [addr, size] : state->blocks) count_alloc(tally(d, size), static_cast<int64_t>(size));
+    d.private_live.fetch_add(static_cast<int64_t>(state->blocks.size()) - static_cast<int64_t>(freed.size()),
+                             std::memory_order_release);
     return delta;
   }
 
   // ------------------------------------------------------------------ peers, copies, settings
-  // The pool maps its pages for its own device only; copies between devices go through the peer copy.
-  void enablePeerAccess(c10::DeviceIndex /*dev*/, c10::DeviceIndex /*dev_to_access*/) DEFRAG_CHECKED {}
+  // As PyTorch's allocator: `dev` may access `dev_to_access`'s memory (cudaDeviceEnablePeerAccess; already
+  // enabled is fine). The pool maps its pages for its own device only: kernels on `dev` reach a pool's
+  // pages on `dev_to_access` only through copies (memcpyAsync's peer copy).
+  void enablePeerAccess(c10::DeviceIndex dev, c10::DeviceIndex dev_to_access) DEFRAG_CHECKED {
+    c10::cuda::CUDAGuard guard(dev);
+    const cudaError_t err = cudaDeviceEnablePeerAccess(dev_to_access, 0);
+    if (err == cudaErrorPeerAccessAlreadyEnabled) {
+      (void)cudaGetLastError();
+      return;
+    }
+    C10_CUDA_CHECK(err);
+  }
 
   cudaError_t memcpyAsync(void* dst, int dstDevice, const void* src, int srcDevice, size_t count,
                           cudaStream_t stream, bool /*p2p_enabled*/) DEFRAG_CHECKED {
@@ -901,7 +1099,7 @@ class DefragAllocator : public cca::CUDAAllocator {
   // ------------------------------------------------------------------ allocation
   c10::DataPtr allocate_now(size_t n) {
     const int device = c10::cuda::current_device();
-    if (n == 0) return c10::DataPtr(nullptr, c10::Device(c10::DeviceType::CUDA, device));
+    if (n == 0) return c10::DataPtr(nullptr, nullptr, &free_any, c10::Device(c10::DeviceType::CUDA, device));
     return place(n, device, c10::cuda::getCurrentCUDAStream(device).stream());
   }
 
@@ -918,8 +1116,9 @@ class DefragAllocator : public cca::CUDAAllocator {
     if (status != DEFRAG_POOL_OK) fail(d, device, n, status, why);
     const size_t size = round_up(n, kAlignment);
     count_alloc(tally(d, size), static_cast<int64_t>(size));
+    report_to_profiler(device, reinterpret_cast<uintptr_t>(ptr), static_cast<int64_t>(size));
     history_alloc(device, reinterpret_cast<uintptr_t>(ptr), size, stream, MempoolId{0, 0});  // as PyTorch: the block's size
-    return c10::DataPtr(ptr, ptr, kBlockDeleters[device], c10::Device(c10::DeviceType::CUDA, device));
+    return c10::DataPtr(ptr, ptr, &free_any, c10::Device(c10::DeviceType::CUDA, device));
   }
 
   // From the private pool of a capture whose filter takes `stream`; an empty DataPtr when none does.
@@ -938,18 +1137,24 @@ class DefragAllocator : public cca::CUDAAllocator {
           }
         }
         if (!found) return c10::DataPtr(nullptr, c10::Device(c10::DeviceType::CUDA, device));
-        addr = carve(d.pools[id], size);
+        PrivatePool& pool = d.pools[id];
+        settle_private(d, pool);
+        addr = carve(pool, size, stream);
+        if (addr != 0) d.private_live.fetch_add(1, std::memory_order_release);
       }
       if (addr != 0) {
         count_alloc(tally(d, size), static_cast<int64_t>(size));
+        report_to_profiler(device, addr, static_cast<int64_t>(size));
         history_alloc(device, addr, size, stream, id);
-        return c10::DataPtr(reinterpret_cast<void*>(addr), reinterpret_cast<void*>(addr), kPrivateDeleters[device],
+        return c10::DataPtr(reinterpret_cast<void*>(addr), reinterpret_cast<void*>(addr), &free_any,
                             c10::Device(c10::DeviceType::CUDA, device));
       }
       if (attempt == 1) break;
       // A new segment for this private pool: a pool block (pinned, never moved), asked for without any
       // lock of ours (the pool may take the GIL). During a capture the thread may map pages, as
-      // PyTorch's own allocator may call cudaMalloc there (relaxed capture mode).
+      // PyTorch's own allocator may call cudaMalloc there (relaxed capture mode); the pool's books then
+      // query no event and make the capturing stream wait for no event recorded outside the capture
+      // (streams.h: the capture was announced by beginAllocateToPool), and nothing synchronizes.
       const size_t segment = size <= kSmallSize    ? kSmallSegment
                              : size < kMediumLimit ? kMediumSegment
                                                    : round_up(size, kSmallSegment);
@@ -1042,10 +1247,22 @@ class DefragAllocator : public cca::CUDAAllocator {
         }
       }
       for (uintptr_t seg : back) give_back(device, seg);
-      if (id == MempoolId{0, 0}) {
-        const int32_t status = g_abi.empty_cache(device, nullptr);
-        TORCH_CHECK(status == DEFRAG_POOL_OK || status == DEFRAG_POOL_BUSY || status == DEFRAG_POOL_NO_POOL,
-                    ask_failed(status, "emptyCache"));
+      if (id != MempoolId{0, 0}) continue;
+      // The pool's trim may synchronize: never during a capture (PyTorch's own emptyCache may not run
+      // then either), and not at all when no block went back to the pool since the last one (nothing
+      // new to give back: `torch.cuda.graph` and some training loops call it every time).
+      if (d.capturing.load(std::memory_order_acquire) > 0 || stream_capturing(capture_stream(device))) continue;
+      const int64_t frees = d.frees.load(std::memory_order_relaxed);
+      {
+        std::lock_guard<std::mutex> guard(d.graphs_mu);
+        if (frees == d.frees_at_trim) continue;
+      }
+      const int32_t status = g_abi.empty_cache(device, nullptr);
+      TORCH_CHECK(status == DEFRAG_POOL_OK || status == DEFRAG_POOL_BUSY || status == DEFRAG_POOL_NO_POOL,
+                  ask_failed(status, "emptyCache"));
+      if (status == DEFRAG_POOL_OK) {
+        std::lock_guard<std::mutex> guard(d.graphs_mu);
+        d.frees_at_trim = frees;
       }
     }
   }
