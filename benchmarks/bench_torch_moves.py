@@ -177,9 +177,13 @@ def _python(code: str, *args: str, defrag_args: tuple | None = None, timeout: fl
         return proc, summary
 
 
-def _emulated_only(device: str) -> None:
+def _emulated_only(device: str, smoke: bool = False, full_only: str = "") -> None:
+    """Skip on a GPU; with `full_only` (what the smoke leaves to the tests), skip in smoke mode too."""
     if device != "emulated":
         raise Skip("runs programs under defrag run on the emulated device (CPU tensors in the pool)")
+    if smoke and full_only:
+        raise Skip(f"a full run only ({full_only}); tests/cpu/test_torch_blocks_move.py checks the same paths on "
+                   f"every run of the tests")
 
 
 def bench_owner_match(device: str, smoke: bool) -> list[dict]:
@@ -225,10 +229,7 @@ def _steps(proc) -> tuple[list[str], list[float]]:
 
 def bench_compact_at_step(device: str, smoke: bool) -> list[dict]:
     """GPT-2 trained plain, under defrag run, and under --compact-at step (see the module docstring)."""
-    _emulated_only(device)
-    if smoke:
-        raise Skip("a full run only (four GPT-2 programs, about a minute); tests/cpu/test_torch_blocks_move.py "
-                   "checks --compact-at step on every run of the tests")
+    _emulated_only(device, smoke, "four GPT-2 programs, about a minute")
     steps = "20"
     sides = {"python": None, "defrag run": (), "--compact-at step": ("--compact-at", "step"),
              "--compact-at step --compact-min 1": ("--compact-at", "step", "--compact-min", "1")}
@@ -272,10 +273,7 @@ def _completes(requests: str, capacity_mib: int, moves: bool):
 
 def bench_serving(device: str, smoke: bool) -> list[dict]:
     """The smallest capacity a serving loop completes at, with PyTorch's tensors moving and without."""
-    _emulated_only(device)
-    if smoke:
-        raise Skip("a full run only (a capacity search of about twenty serving programs); "
-                   "tests/cpu/test_torch_blocks_move.py checks --rescue on every run of the tests")
+    _emulated_only(device, smoke, "a capacity search of about twenty serving programs")
     requests = "24"
     proc, _ = _python(SERVING, requests)
     if proc.returncode:

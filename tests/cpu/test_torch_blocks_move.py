@@ -41,12 +41,17 @@ def run(script: str, *args: str) -> subprocess.CompletedProcess:
     return run_clean(textwrap.dedent(script), *args)
 
 
-def test_an_explicit_compaction_moves_pytorchs_tensors_and_a_large_request_then_fits():
-    proc = run("""
-        import gc, torch, defrag
-        pool = defrag.Pool("emulated", capacity="300MiB")
+def installed(capacity: str, imports: str = "torch, defrag") -> str:
+    """A script's first lines: a pool of `capacity` installed as PyTorch's CPU allocator (as defrag run does)."""
+    return f"""
+        import {imports}
+        pool = defrag.Pool("emulated", capacity="{capacity}")
         defrag.install(pool)
-        """ + FRAGMENT + """
+"""
+
+
+def test_an_explicit_compaction_moves_pytorchs_tensors_and_a_large_request_then_fits():
+    proc = run(installed("300MiB", "gc, torch, defrag") + FRAGMENT + """
         before = [t.data_ptr() for t in keep]
         views = [t[10:20] for t in keep]  # views follow their storage
         try:
@@ -75,10 +80,7 @@ def test_an_explicit_compaction_moves_pytorchs_tensors_and_a_large_request_then_
 
 
 def test_exports_and_shared_storages_never_move_and_say_why():
-    proc = run("""
-        import numpy as np, torch, defrag
-        pool = defrag.Pool("emulated", capacity="64MiB")
-        defrag.install(pool)
+    proc = run(installed("64MiB", "numpy as np, torch, defrag") + """
         from torch.utils.dlpack import to_dlpack  # after install, as under defrag run
         """ + FRAGMENT.replace("256 * 1024", "64 * 1024") + """
         exported = {0: keep[0].numpy(), 1: np.asarray(keep[1]), 2: to_dlpack(keep[2]), 3: np.from_dlpack(keep[3])}
@@ -113,11 +115,7 @@ def test_exports_and_shared_storages_never_move_and_say_why():
 
 
 def test_pins_no_moves_and_a_running_allocating_thread_keep_every_block_in_place():
-    proc = run("""
-        import threading, torch, defrag
-        pool = defrag.Pool("emulated", capacity="64MiB")
-        defrag.install(pool)
-        """ + FRAGMENT.replace("256 * 1024", "64 * 1024") + """
+    proc = run(installed("64MiB", "threading, torch, defrag") + FRAGMENT.replace("256 * 1024", "64 * 1024") + """
         addresses = lambda: [t.data_ptr() for t in keep]
         start = addresses()
         pool.pin(keep[0])
@@ -202,11 +200,8 @@ def test_a_compiled_model_gives_the_same_outputs_across_compactions():
 
 
 def test_the_rescue_retries_a_failed_operation_once_and_never_an_in_place_one():
-    proc = run("""
-        import torch, defrag
+    proc = run(installed("300MiB") + """
         from defrag import rescue
-        pool = defrag.Pool("emulated", capacity="300MiB")
-        defrag.install(pool)
         rescue.enable()
         """ + FRAGMENT + """
         big = torch.zeros(200 << 20, dtype=torch.uint8)  # fails, is rescued, runs again
