@@ -9,9 +9,6 @@ flight on a side stream (`defer_write`).
 from __future__ import annotations
 
 import ctypes
-import os
-import subprocess
-import sys
 import threading
 
 import pytest
@@ -24,6 +21,7 @@ from defrag.driver import Driver, EmulatedCuda
 from defrag.driver import cuda as cuda_driver
 from defrag.errors import CudaError, StaleAccessError
 
+from ..forked import run_python
 from .conftest import check_pattern, fill_pattern
 
 KiB, MiB = 1 << 10, 1 << 20
@@ -215,8 +213,12 @@ def test_a_refused_trial_is_a_cached_no():
 # ---------------------------------------------------------------------- a new user's first hour
 
 def _defrag(*argv, **env):
-    return subprocess.run([sys.executable, "-m", "defrag", *argv], capture_output=True, text=True, timeout=300,
-                          env={**os.environ, **env})
+    """`python -m defrag argv...` with `env` set, forked from the test zygote (tests/forked.py). The variables
+    are set before defrag's command line starts: defrag reads DEFRAG_* when it uses them (settings.py), not
+    at import."""
+    code = (f"import os, runpy\nos.environ.update({env!r})\n"
+            "runpy.run_module('defrag', run_name='__main__', alter_sys=True)\n")
+    return run_python(code, *argv, timeout=300)
 
 
 @pytest.mark.parametrize("name,value,accepts", [
