@@ -14,10 +14,8 @@ message names.
 
 from __future__ import annotations
 
-import os
 import re
 import subprocess
-import sys
 import textwrap
 
 import pytest
@@ -26,9 +24,9 @@ import torch
 import defrag
 from defrag import fastpath, oom
 
+from ..forked import run_module
 from .conftest import KiB, MiB
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 needs_native = pytest.mark.skipif(fastpath.setting() == "off", reason="DEFRAG_FASTPATH=0: no native allocator")
 WRONG_HERE = ("unpin", "retry_on_oom", "create the pool with", "suggestion:")
 
@@ -49,10 +47,10 @@ PROGRAM = textwrap.dedent("""
 
 
 def defrag_run(tmp_path, capacity: str, *args: str) -> subprocess.CompletedProcess:
+    """`python -m defrag run ... prog.py args`, forked from the test zygote (tests/forked.py)."""
     (tmp_path / "prog.py").write_text(PROGRAM)
-    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    return subprocess.run([sys.executable, "-m", "defrag", "run", "--device", "emulated", "--capacity", capacity,
-                           "prog.py", *args], cwd=tmp_path, capture_output=True, text=True, timeout=240, env=env)
+    return run_module("defrag", "run", "--device", "emulated", "--capacity", capacity, "prog.py", *args,
+                      cwd=str(tmp_path), timeout=240)
 
 
 def the_error(proc: subprocess.CompletedProcess) -> str:
