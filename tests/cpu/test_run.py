@@ -1,8 +1,8 @@
 """`defrag run`: an unmodified program with every allocation in a pool (defrag/run.py).
 
-A run is a subprocess (it replaces PyTorch's CPU allocator process-wide); bad
-arguments are checked in-process, since they are refused before anything is
-installed.
+A run is a process of its own (it replaces PyTorch's CPU allocator process-wide),
+forked from the test zygote (tests/forked.py); bad arguments are checked
+in-process, since they are refused before anything is installed.
 """
 
 from __future__ import annotations
@@ -18,6 +18,8 @@ import pytest
 
 from defrag import cli, fastpath
 
+from ..forked import run_python
+
 needs_native = pytest.mark.skipif(fastpath.setting() == "off", reason="DEFRAG_FASTPATH=0: no native allocator")
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -27,13 +29,23 @@ SUMMARY = re.compile(r"^defrag run: exit (\d+) in [\d.]+ s on emulated · peak l
 
 
 def run(argv, cwd, defrag=True):
-    """`defrag run --device emulated ARGV` (or `python ARGV`) in `cwd`: (exit code, stdout, stderr)."""
-    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    cmd = [sys.executable, "-m", "defrag", "run", "--device", "emulated", "--capacity", "256MiB", *argv] if defrag \
-        else [sys.executable, *argv]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240, cwd=cwd, env=env)
+    """`defrag run --device emulated ARGV` (`python -m defrag run`, forked from the test zygote: tests/forked.py)
+    or `python ARGV` (a fresh interpreter) in `cwd`: (exit code, stdout, stderr)."""
+    if defrag:
+        proc = defrag_run("--capacity", "256MiB", *argv, cwd=cwd)
+    else:
+        env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+        proc = subprocess.run([sys.executable, *argv], capture_output=True, text=True, timeout=240, cwd=cwd, env=env)
     assert "terminate called" not in proc.stderr and "Exception ignored" not in proc.stderr, proc.stderr
     return proc.returncode, proc.stdout, proc.stderr
+
+
+def defrag_run(*argv, cwd, unset=()) -> subprocess.CompletedProcess:
+    """`python -m defrag run --device emulated ARGV` in `cwd`, forked from the test zygote, with the variables
+    `unset` removed before the command line starts (defrag reads DEFRAG_* when it uses them)."""
+    code = (f"import os, runpy\nfor name in {tuple(unset)!r}:\n    os.environ.pop(name, None)\n"
+            "runpy.run_module('defrag', run_name='__main__', alter_sys=True)\n")
+    return run_python(code, "run", "--device", "emulated", *argv, cwd=str(cwd), timeout=240)
 
 
 def split_summary(stderr: str):
@@ -166,11 +178,7 @@ def test_the_guide_example_runs_as_written(tmp_path):
     command, expected = console[0], "\n".join(console[1:]) + "\n"
     assert command.startswith("$ defrag run ")
     argv = command[len("$ defrag run "):].split()
-    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    for name in ("DEFRAG_EMULATED_CAPACITY", "DEFRAG_EMULATED_GRANULARITY"):
-        env.pop(name, None)
-    proc = subprocess.run([sys.executable, "-m", "defrag", "run", "--device", "emulated", *argv], cwd=tmp_path,
-                          capture_output=True, text=True, timeout=240, env=env)
+    proc = defrag_run(*argv, cwd=tmp_path, unset=("DEFRAG_EMULATED_CAPACITY", "DEFRAG_EMULATED_GRANULARITY"))
     assert proc.returncode == 0, proc.stderr
     assert matches(expected, proc.stdout + proc.stderr), f"printed:\n{proc.stdout}{proc.stderr}"
     assert json.loads((tmp_path / "mem.json").read_text())["summary"]["peak_live_bytes"] > 0
@@ -226,10 +234,7 @@ def test_a_program_that_fragments_pytorchs_allocator_completes_under_defrag_run(
     is stitched from the pages the program freed; its recorded history replayed shows PyTorch's caching
     allocator (as modelled) running out of memory at the same capacity."""
     (tmp_path / "frag.py").write_text(FRAGMENTER)
-    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    proc = subprocess.run([sys.executable, "-m", "defrag", "run", "--device", "emulated", "--capacity", "1GiB",
-                           "--record", "frag.pickle", "frag.py"], cwd=tmp_path, capture_output=True, text=True,
-                          timeout=240, env=env)
+    proc = defrag_run("--capacity", "1GiB", "--record", "frag.pickle", "frag.py", cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.split() == ["served", str(7 * 512), "True"], proc.stdout
     assert "0 OOMs" in proc.stderr.splitlines()[-1]
