@@ -10,10 +10,8 @@ with its share of the reserved bytes beside them.
 from __future__ import annotations
 
 import json
-import os
 import re
 import subprocess
-import sys
 import textwrap
 
 import pytest
@@ -21,9 +19,9 @@ import pytest
 from defrag import fastpath
 from defrag.run import summary_line
 
+from ..forked import run_module
 from .conftest import MiB
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 needs_native = pytest.mark.skipif(fastpath.setting() == "off", reason="DEFRAG_FASTPATH=0: no native allocator")
 
 BASE = {"exit_code": 0, "seconds": 0.1, "device": "emulated", "capacity_bytes": 1 << 30, "page_size_bytes": 2 << 20,
@@ -62,6 +60,12 @@ OOMS = textwrap.dedent("""
 """)
 
 
+def defrag_run(tmp_path) -> subprocess.CompletedProcess:
+    """`python -m defrag run ... --report mem.json prog.py` in `tmp_path`, forked from the test zygote."""
+    return run_module("defrag", "run", "--device", "emulated", "--capacity", "64MiB", "--report", "mem.json",
+                      "prog.py", cwd=str(tmp_path), timeout=240)
+
+
 def advised(message: str) -> str:
     (value,) = re.findall(r"run with --capacity (\S+) or more", message)
     return value
@@ -70,10 +74,7 @@ def advised(message: str) -> str:
 @needs_native
 def test_the_report_of_a_run_that_ran_out_of_memory_says_what_was_refused_then(tmp_path):
     (tmp_path / "prog.py").write_text(OOMS)
-    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    proc = subprocess.run([sys.executable, "-m", "defrag", "run", "--device", "emulated", "--capacity", "64MiB",
-                           "--report", "mem.json", "prog.py"], cwd=tmp_path, capture_output=True, text=True,
-                          timeout=240, env=env)
+    proc = defrag_run(tmp_path)
     assert proc.returncode == 1, proc.stderr
     data = json.loads((tmp_path / "mem.json").read_text())
     first, last = data["first_oom"], data["last_oom"]
@@ -99,10 +100,7 @@ def test_the_report_of_a_run_that_ran_out_of_memory_says_what_was_refused_then(t
 @needs_native
 def test_a_run_without_an_oom_reports_none(tmp_path):
     (tmp_path / "prog.py").write_text("import torch\nx = torch.ones(1000)\n")
-    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    proc = subprocess.run([sys.executable, "-m", "defrag", "run", "--device", "emulated", "--capacity", "64MiB",
-                           "--report", "mem.json", "prog.py"], cwd=tmp_path, capture_output=True, text=True,
-                          timeout=240, env=env)
+    proc = defrag_run(tmp_path)
     assert proc.returncode == 0, proc.stderr
     data = json.loads((tmp_path / "mem.json").read_text())
     assert data["first_oom"] is None and data["last_oom"] is None and data["summary"]["ooms"] == 0
