@@ -15,7 +15,6 @@ import json
 import os
 import pathlib
 import pickle
-import subprocess
 import sys
 import textwrap
 
@@ -28,6 +27,7 @@ from defrag.traces import checkerboard, llm_serving
 from defrag.traces.format import ALLOC, FREE, Trace
 from defrag.traces.snapshot import to_snapshot
 
+from ..forked import run_module
 from ..terminal import on_a_terminal
 
 MiB = 1 << 20
@@ -122,9 +122,8 @@ def recorded_oom(tmp_path_factory):
         pytest.skip("DEFRAG_FASTPATH=0: no native allocator for defrag run")
     tmp = tmp_path_factory.mktemp("recorded")
     (tmp / "frag.py").write_text(FRAG)
-    proc = subprocess.run([sys.executable, "-m", "defrag", "run", "--device", "emulated", "--capacity", "64MiB",
-                           "--record", "frag.pickle", "frag.py"], cwd=tmp, capture_output=True, text=True,
-                          timeout=240, env=_env())
+    proc = run_module("defrag", "run", "--device", "emulated", "--capacity", "64MiB", "--record", "frag.pickle",
+                      "frag.py", cwd=str(tmp), timeout=240)  # forked from the test zygote (tests/forked.py)
     assert proc.returncode == 1 and "OutOfMemoryError" in proc.stderr, proc.stderr[-2000:]
     return tmp / "frag.pickle"
 
@@ -217,8 +216,7 @@ def test_a_dry_replay_draws_a_progress_bar_on_a_terminal_only(tmp_path):
     argv = ["replay", str(path), "--capacity", "512MiB", "--dry"]
     stderr = _on_a_terminal(argv, tmp_path)
     assert "replays and capacity searches" in stderr and "replays]" in stderr and "ev/s" in stderr
-    piped = subprocess.run([sys.executable, "-m", "defrag", *argv], capture_output=True, text=True, timeout=300,
-                           cwd=tmp_path, env=_env())
+    piped = run_module("defrag", *argv, cwd=str(tmp_path), timeout=300)  # forked from the test zygote
     assert piped.returncode == 0 and "replays and capacity searches" not in piped.stderr + piped.stdout
 
 
