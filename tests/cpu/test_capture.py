@@ -13,7 +13,6 @@ import ctypes
 import gc
 import json
 import logging
-import subprocess
 import sys
 import textwrap
 import threading
@@ -26,6 +25,7 @@ import defrag
 from defrag import allocator_install, capture as cap
 from defrag.driver import Driver
 
+from ..forked import run_python
 from .conftest import KiB, MiB, check_pattern, fill_pattern
 
 PAGE = 64 * KiB  # the cpu fixture's granularity
@@ -464,7 +464,7 @@ THREADS_SCRIPT = textwrap.dedent(r"""
 def test_callbacks_from_several_threads_at_once(tmp_path):
     script = tmp_path / "threads.py"
     script.write_text(THREADS_SCRIPT)
-    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=240)
+    proc = run_python(THREADS_SCRIPT, path=str(script), timeout=240)  # python threads.py, forked from the test zygote
     assert proc.returncode == 0, f"the threads run died (rc {proc.returncode}):\n{proc.stderr[-4000:]}"
     out = json.loads(proc.stdout.strip().splitlines()[-1])
     c = out["counters"]

@@ -17,6 +17,7 @@ import defrag
 from defrag import fastpath
 from defrag.driver import Driver
 
+from ..forked import run_python
 from .conftest import KiB, MiB, check_pattern, fill_pattern
 
 needs_fast_path = pytest.mark.skipif(fastpath.module is None, reason=f"fast path unavailable: {fastpath.status()}")
@@ -342,7 +343,8 @@ print("hits", pool.core.fast.hits, "errors", len(errors))
 
 @needs_fast_path
 def test_threads_allocating_and_compacting_through_the_fast_path_in_a_subprocess():
-    proc = _run(STRESS, PYTHONFAULTHANDLER="1")
+    # Forked from the test zygote; faulthandler as PYTHONFAULTHANDLER=1 would set it: a crash prints every stack.
+    proc = run_python("import faulthandler\nfaulthandler.enable()\n" + STRESS, timeout=300)
     assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout}\n{proc.stderr[-3000:]}"
     words = proc.stdout.split()
     assert words[0] == "hits" and int(words[1]) > 1000 and words[-1] == "0", proc.stdout
