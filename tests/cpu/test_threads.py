@@ -8,9 +8,6 @@ fails the test instead of killing pytest.
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 import threading
 import time
 
@@ -214,8 +211,11 @@ def test_full_and_zeros_are_initialised_before_anyone_can_move_them(make_pool):
 def test_thread_stress_in_a_subprocess(seed):
     """Workers allocate (empty, full, zeros), write and re-check every element while automatic
     and explicit compactions run; the subprocess must exit 0 with no byte error."""
-    cmd = [sys.executable, "-m", "defrag.benchmarks.bench_threads", "--seconds", "2.5", "--seed", str(seed)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env={**os.environ, "PYTHONFAULTHANDLER": "1"})
+    # python -m defrag.benchmarks.bench_threads, forked from the test zygote; faulthandler enabled as
+    # PYTHONFAULTHANDLER=1 would (a crash prints every thread's stack).
+    code = ("import faulthandler, runpy\nfaulthandler.enable()\n"
+            "runpy.run_module('defrag.benchmarks.bench_threads', run_name='__main__', alter_sys=True)\n")
+    proc = run_python(code, "--seconds", "2.5", "--seed", str(seed), timeout=120)
     assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}"
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     assert result["errors"] == []
