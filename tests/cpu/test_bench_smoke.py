@@ -7,7 +7,6 @@ claims a GPU figure where there is no GPU. They never assert on timings.
 
 from __future__ import annotations
 
-import gc
 import json
 import math
 import subprocess
@@ -25,14 +24,7 @@ PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 @pytest.fixture(scope="module")
 def smoke(tmp_path_factory):
     out = tmp_path_factory.mktemp("bench")
-    # Some benchmarks collect garbage between traces (rescue: 36 times). In this process, which holds the
-    # suite's objects, a full collection took 0.2-0.4 s: frozen, they are left out of each collection (what
-    # the benchmarks make, after this, is collected as before).
-    gc.freeze()
-    try:
-        rc = cli.main(["bench", "--smoke", "--device", "emulated", "--out", str(out)])
-    finally:
-        gc.unfreeze()
+    rc = cli.main(["bench", "--smoke", "--device", "emulated", "--out", str(out)])
     return rc, out, json.loads((out / "results.json").read_text())
 
 
