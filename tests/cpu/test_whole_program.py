@@ -34,14 +34,14 @@ def run(script: str, *args: str, root_first: bool = True, cwd: str = ROOT, ok: b
     `root_first` False: the checkout is not put on PYTHONPATH (the script puts it on sys.path itself,
     after what must not be shadowed by the checkout's top-level folders).
     """
-    env = dict(os.environ)
-    paths = [p for p in env.get("PYTHONPATH", "").split(os.pathsep)
-             if p and os.path.realpath(p) != os.path.realpath(ROOT)]
-    env["PYTHONPATH"] = os.pathsep.join(([ROOT] if root_first else []) + paths)
-    env["HF_HUB_OFFLINE"] = "1"  # transformers: never a download
-    if root_first:  # a process of its own, forked from one that imported torch (tests/forked.py)
-        proc = run_python(script, *args, env=env, cwd=cwd, timeout=timeout)
+    if root_first:  # a process of its own, forked from the suite's zygote, which imported torch (tests/forked.py)
+        proc = run_python(script, *args, cwd=cwd, timeout=timeout)
     else:  # the import order is the point: a fresh interpreter
+        env = dict(os.environ)
+        paths = [p for p in env.get("PYTHONPATH", "").split(os.pathsep)
+                 if p and os.path.realpath(p) != os.path.realpath(ROOT)]
+        env["PYTHONPATH"] = os.pathsep.join(paths)
+        env["HF_HUB_OFFLINE"] = "1"  # transformers: never a download
         proc = subprocess.run([sys.executable, "-c", script, *args], capture_output=True, text=True,
                               timeout=timeout, env=env, cwd=cwd)
     return check_clean(proc) if ok else proc
