@@ -23,13 +23,12 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
-import os
 import pathlib
 import re
 
 import pytest
 
-from ..forked import run_python
+from ..forked import checkout_env, run_python
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 GUIDE = ROOT / "docs" / "guide.md"
@@ -122,8 +121,9 @@ RUN = [e for e in EXAMPLES if e.not_run is None]
 def test_guide_example_prints_what_the_guide_shows(example, tmp_path):
     script = tmp_path / "example.py"
     script.write_text(example.code)
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
-           "PYTHONUNBUFFERED": "1"}
+    # The checkout first on PYTHONPATH, as for every forked scenario: where PYTHONUNBUFFERED=1 is set already
+    # and no RESET variable is, this is the suite's zygote (one start fewer).
+    env = checkout_env(PYTHONUNBUFFERED="1")
     for name in RESET:
         env.pop(name, None)
     # `python example.py` in tmp_path, forked from a zygote that imported torch and defrag (tests/forked.py)
