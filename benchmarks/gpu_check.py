@@ -1,18 +1,25 @@
 """The GPU check: one command for a GPU machine, from a bare checkout, installing nothing.
 
-    python3 benchmarks/gpu_check.py [--smoke] [--out DIR]
-    python -m defrag.benchmarks.gpu_check [--smoke] [--out DIR]    # the same, where defrag is installed
+    python3 benchmarks/gpu_check.py [--full] [--out DIR]
+    python -m defrag.benchmarks.gpu_check [--full] [--out DIR]    # the same, where defrag is installed
 
 DIR defaults to ``gpu-report`` under the current directory.
 
 It imports the checkout it lives in (benchmarks/_bare_checkout.py: no pip, no
 network; an installed copy of defrag is ignored) and runs in stages, each a
-subprocess with its own timeout inside one overall budget (``--budget``;
-default 330 s with ``--smoke``, 480 s without: room for the two C++ builds and
-the numba compiles of a machine that never ran defrag), so a hang costs one
-stage, and a stage the budget leaves no time for is reported as
-"skipped: out of time budget", not as a failure:
+subprocess with its own timeout inside one overall budget (``--budget``).
+The default run (``--smoke`` is the same) fits 5 minutes of GPU time: its
+stages' timeouts (``FIVE_MINUTE_PLAN``) sum to 300 s, the benchmarks run at
+smoke sizes, and the slower benchmarks and the model stages are dropped with
+a line in the report that names them; ``--full`` runs everything, at most
+570 s (330 s with ``--full --smoke``). A hang costs one stage, and a stage the
+budget leaves no time for is reported as "skipped: out of time budget", not as
+a failure:
 
+0. ``tests:first``: the CUDA backend's and the move kernel launcher's GPU
+   tests (``FIRST_TESTS`` in tests/gpu), before anything else. Should the env
+   stage then pick another libNVVM and these tests had failed, they run once
+   more with it (the first run reported as superseded).
 1. ``env``: python, torch (its CUDA, ``UntypedStorage._swap_data_ptr_``),
    numba / numba-cuda / cuda-bindings, where defrag, defrag.kernels and
    defrag.benchmarks were imported from, the GPU and the driver's CUDA
@@ -24,16 +31,17 @@ stage, and a stage the budget leaves no time for is reported as
    one, uses it for every later stage (``DEFRAG_LIBNVVM`` + ``CUDA_HOME``);
    so it does when numba finds no libNVVM at all. The env stage is then run
    again with it, and the first one is reported as superseded.
-2. ``tests``: ``pytest tests/gpu`` (JUnit XML, and the figures the tests
-   measured). Without a GPU they skip, or with ``--rehearse`` run as the GPU
-   rehearsal on the emulated device (``DEFRAG_GPU_REHEARSAL=1``).
+2. ``tests``: ``pytest tests/gpu``, less the first stage's files (JUnit
+   XML, and the figures the tests measured). Without a GPU they skip, or with ``--rehearse`` run as the GPU
+   rehearsal on the emulated device (``DEFRAG_GPU_REHEARSAL`` on: 1, true,
+   yes or on, read by defrag.settings' switch parser).
 3. ``bench:NAME``: one stage per GPU benchmark of `defrag bench`
    (``--only`` picks others) on ``cuda:0``; without a GPU, on the emulated
    device. Benchmarks that measure only the emulated device or the host
    (rescue, planner; workloads, whose full run is mostly CPU-bound dry
    replays) are not run unless named in ``--only``.
-4. ``model:native``, ``model:expandable`` (on a GPU only; ``--no-model``
-   skips them): the generators' traces (and, in a full run, an 80 GiB-class
+4. ``model:native``, ``model:expandable`` (``--full`` on a GPU only;
+   ``--no-model`` skips them): the generators' traces (and, in a full run, an 80 GiB-class
    serving trace) replayed on PyTorch's real caching allocator, capped with
    ``set_per_process_memory_fraction``, beside the model of it that dry
    replays use (`defrag.traces.torch_model`), same cap: peak reserved, peak
@@ -99,7 +107,23 @@ ENV_TIMEOUT = 180
 # tests/gpu's full run includes seven `defrag run` programs through the CUDA allocator backend (each a
 # fresh CUDA process; one compiles a reduce-overhead graph): about 90 s more than before them.
 TEST_TIMEOUT = (150, 330)
-DEFAULT_BUDGET = (330, 570)  # a stopped stage may take 10 s more: under 6 and 10 minutes
+DEFAULT_BUDGET = (330, 570)  # --full: a stopped stage may take 10 s more: under 6 and 10 minutes
+# The backend's and the launcher's GPU tests (issue 45): the first stage of every run, before anything else.
+FIRST_TESTS = ("test_first_gpu_run_gpu.py", "test_backend_semantics_gpu.py", "test_torch_blocks_gpu.py",
+               "test_torch_backend_gpu.py", "test_kernels_gpu.py")
+# The default run (and --smoke) fits 5 minutes of GPU time: each stage's timeout in seconds, in the order the
+# stages run; they sum to FIVE_MINUTES, the run's budget. The benchmarks run at smoke sizes; the others
+# (alloc_free, compaction, sleep, install, install_varying, mixed_wave, stitching, batched_launch) and the model
+# stages are dropped, with a line saying so; --full runs them all (DEFAULT_BUDGET[1]).
+FIVE_MINUTES = 300
+FIVE_MINUTE_PLAN = {
+    "tests:first": 75,
+    "env": 60,
+    "tests": 75,
+    "bench:copy_bandwidth": 20,
+    "bench:engine_crossover": 25,
+    "bench:compaction_gpu": 45,
+}
 MIN_STAGE_SECONDS = 10
 OUT_OF_TIME = "skipped: out of time budget"  # a stage's summary when the budget left no time for it
 
@@ -291,6 +315,33 @@ def registered_benchmarks() -> list[str]:
         return re.findall(r'Benchmark\(\s*"(\w+)"', (HERE / "runner.py").read_text())
     except OSError:
         return []
+
+
+def _settings():
+    """defrag/settings.py (and the errors and units modules it imports) loaded on its own, without the defrag
+    package (whose __init__ imports torch: this parent process imports only the standard library)."""
+    import importlib.util
+    import types
+
+    name = "_gpu_check_defrag_settings"
+    if f"{name}.settings" in sys.modules:
+        return sys.modules[f"{name}.settings"]
+    folder = ROOT / "defrag" if IS_CHECKOUT else HERE.parent  # a checkout, or the installed defrag package
+    package = types.ModuleType(name)
+    package.__path__ = [str(folder)]
+    sys.modules[name] = package
+    spec = importlib.util.spec_from_file_location(f"{name}.settings", folder / "settings.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def rehearsal_switch() -> bool:
+    """DEFRAG_GPU_REHEARSAL read by defrag.settings' one switch parser (1/true/yes/on ...); SettingError for a
+    value that is not a switch."""
+    settings = _settings()
+    return settings.parse_switch("DEFRAG_GPU_REHEARSAL", os.environ.get("DEFRAG_GPU_REHEARSAL"))
 
 
 def _tail(text: str, n: int = 4000) -> str:
@@ -641,7 +692,7 @@ class Check:
         self.args = args
         self.out = Path(args.out).resolve()
         self.t0 = time.monotonic()
-        self.budget = float(args.budget if args.budget is not None else DEFAULT_BUDGET[0 if args.smoke else 1])
+        self.budget = float(args.budget if args.budget is not None else DEFAULT_BUDGET[1] if args.full else FIVE_MINUTES)
         self.env = dict(os.environ)
         # Stages decide for themselves (a stray NUMBA_ENABLE_CUDASIM=1 would hide a real GPU from numba).
         self.env.pop("NUMBA_ENABLE_CUDASIM", None)
@@ -727,7 +778,9 @@ class Check:
 
     # ------------------------------------------------------------------ stages
     def do_env(self, label: str = "env") -> None:
-        st = self.run_stage(label, self.child("env"), min(ENV_TIMEOUT, max(60.0, self.left() * 0.5)))
+        timeout = (min(ENV_TIMEOUT, max(60.0, self.left() * 0.5)) if self.args.full
+                   else FIVE_MINUTE_PLAN["env"])
+        st = self.run_stage(label, self.child("env"), timeout)
         data = self.child_data("env")
         if data is None or not data.get("ok"):
             st["summary"] = "the environment probe failed" + (f": {data['error'].strip().splitlines()[-1]}"
@@ -786,34 +839,65 @@ class Check:
             first["summary"] = f"superseded by {label}: " + str(first.get("summary") or "")
             self.write()
 
-    def do_tests(self) -> None:
+    def first_tests(self) -> list[str]:
+        """The backend's and the launcher's test files this checkout has (FIRST_TESTS), as pytest paths."""
+        return [f"tests/gpu/{f}" for f in FIRST_TESTS if (ROOT / "tests" / "gpu" / f).is_file()]
+
+    def do_first_tests(self, label: str = "tests:first") -> None:
+        """Stage 0: the CUDA backend's and the move kernel launcher's GPU tests, before anything else."""
+        files = self.first_tests()
+        if not files:
+            return
+        self.do_tests(label=label, paths=files, key="tests_first", suffix="_first")
+
+    def maybe_rerun_first_tests(self) -> None:
+        """The env stage chose another libNVVM and the first tests failed with the one numba found: once more
+        with the env's choice (the first run is then reported as superseded, as the first env stage is)."""
+        first = next((s for s in self.report["stages"] if s["name"] == "tests:first"), None)
+        if first is None or "nvvm_fix" not in self.report or first["status"] not in ("failed", "timed out"):
+            return
+        label = "tests:first (with DEFRAG_LIBNVVM)"
+        self.do_first_tests(label)
+        rerun = self.report["stages"][-1]
+        if rerun["name"] == label and rerun["status"] != "skipped":
+            first["status"] = "superseded"
+            first["summary"] = f"superseded by {label}: " + str(first.get("summary") or "")
+            self.write()
+
+    def do_tests(self, label: str = "tests", paths: list[str] | None = None, key: str = "tests",
+                 suffix: str = "") -> None:
         args = self.args
         if not (ROOT / "tests" / "gpu").is_dir():
-            self.report["stages"].append({"name": "tests", "status": "skipped", "seconds": 0.0, "returncode": None,
+            self.report["stages"].append({"name": label, "status": "skipped", "seconds": 0.0, "returncode": None,
                                           "log": None, "output_tail": "",
                                           "summary": "tests/gpu not found: run from a source checkout of defrag"})
-            self.report["tests"] = {"ran": False, "reason": "tests/gpu not found: run from a source checkout of defrag"}
+            self.report[key] = {"ran": False, "reason": "tests/gpu not found: run from a source checkout of defrag"}
             self.write()
             return
-        xml = self.out / "gpu_tests.xml"
-        figures = self.out / "gpu_test_figures.jsonl"
+        xml = self.out / f"gpu_tests{suffix}.xml"
+        figures = self.out / f"gpu_test_figures{suffix}.jsonl"
         for f in (xml, figures):
             if f.exists():
                 f.unlink()
         env = dict(self.env, DEFRAG_GPU_FIGURES=str(figures))
         gpu = self.report["probe"]["gpu"]
-        rehearsal = not gpu and (args.rehearse or os.environ.get("DEFRAG_GPU_REHEARSAL") == "1")
+        rehearsal = not gpu and (args.rehearse or rehearsal_switch())
         if rehearsal:
             env["DEFRAG_GPU_REHEARSAL"] = "1"
         else:
             env.pop("DEFRAG_GPU_REHEARSAL", None)
         # -v: one line per test in the log, so a stage killed at its timeout still shows what ran
-        cmd = [sys.executable, str(BOOTSTRAP), "-m", "pytest", "tests/gpu", "-v", "-rfEs", "-p", "no:cacheprovider",
+        if paths is None:  # the rest of tests/gpu: the first stage ran the backend's and the launcher's
+            paths = ["tests/gpu", *(f"--ignore={f}" for f in self.first_tests())]
+        cmd = [sys.executable, str(BOOTSTRAP), "-m", "pytest", *paths, "-v", "-rfEs", "-p", "no:cacheprovider",
                f"--junitxml={xml}"]
-        timeout = args.test_timeout or TEST_TIMEOUT[0 if args.smoke else 1]
-        st = self.run_stage("tests", cmd, timeout, env)
+        if args.full:
+            timeout = args.test_timeout or TEST_TIMEOUT[0 if args.smoke else 1] * (0.4 if key == "tests_first" else 1)
+        else:
+            timeout = args.test_timeout or FIVE_MINUTE_PLAN[label.split(" ")[0]]
+        st = self.run_stage(label, cmd, timeout, env)
         t = {"ran": st["status"] != "skipped", "mode": "cuda" if gpu else ("rehearsal" if rehearsal else "skipped"),
-             "command": "python3 benchmarks/_bare_checkout.py -m pytest tests/gpu" + (
+             "command": "python3 benchmarks/_bare_checkout.py -m pytest " + " ".join(paths) + (
                  " (DEFRAG_GPU_REHEARSAL=1)" if rehearsal else ""),
              "cwd": str(ROOT), "returncode": st["returncode"], "seconds": st["seconds"], "log": st["log"],
              "junit": xml.name}
@@ -828,7 +912,7 @@ class Check:
         t["figures"] = read_jsonl(figures)
         if not t["ran"]:
             t["reason"] = st["summary"]
-        self.report["tests"] = t
+        self.report[key] = t
         if st["status"] == "failed" and st["returncode"] == 5:  # no tests collected
             st["status"] = "passed"
         c = t.get("counts", {})
@@ -841,13 +925,28 @@ class Check:
     def bench_names(self) -> list[str]:
         if self.args.only:
             return [n.strip() for n in self.args.only.split(",") if n.strip()]
+        if not self.args.full:
+            return [n.split(":", 1)[1] for n in FIVE_MINUTE_PLAN if n.startswith("bench:")]
         return [n for n, (smoke, full) in GPU_BENCHMARKS.items() if (smoke if self.args.smoke else full)]
+
+    def dropped(self) -> str | None:
+        """The line that says what the five-minute run leaves out (None for --full or --only)."""
+        if self.args.full or self.args.only:
+            return None
+        kept = set(self.bench_names())
+        names = [n for n in GPU_BENCHMARKS if n not in kept]
+        if not self.args.no_model:
+            names += ["model:native", "model:expandable"]
+        return (f"dropped to fit {FIVE_MINUTES} s of GPU time: {', '.join(names)} (--full runs them, "
+                f"in up to {DEFAULT_BUDGET[1]} s)")
 
     def do_bench(self, name: str) -> None:
         device = self.report["benchmarks"]["device"]
         limits = GPU_BENCHMARKS.get(name, OTHER_BENCH_TIMEOUT)
-        timeout = limits[0 if self.args.smoke else 1] or OTHER_BENCH_TIMEOUT[0 if self.args.smoke else 1]
-        extra = ["--device", device] + (["--smoke"] if self.args.smoke else [])
+        smoke = self.args.smoke or not self.args.full  # the five-minute run: smoke sizes
+        timeout = (FIVE_MINUTE_PLAN.get(f"bench:{name}") if not self.args.full else None) \
+            or limits[0 if smoke else 1] or OTHER_BENCH_TIMEOUT[0 if smoke else 1]
+        extra = ["--device", device] + (["--smoke"] if smoke else [])
         st = self.run_stage(f"bench:{name}", self.child(f"bench:{name}", extra), timeout)
         data = self.child_data(f"bench:{name}")
         b = self.report["benchmarks"]
@@ -1023,6 +1122,7 @@ def render_markdown(r: dict) -> str:
         lines += ["", f"nvidia-smi: `{p['nvidia_smi']}`"]
     lines += ["", f"**Verdict:** {r['verdict']}", "",
               f"Checkout `{r['checkout']}`; `{r['command']}`; {r['seconds']} s of a {r['budget_s']:.0f} s budget.", "",
+              *([f"Not run: {r['dropped']}.", ""] if r.get("dropped") else []),
               "## Stages", "", "| stage | status | seconds | summary |", "|---|---|---|---|"]
     for s in r["stages"]:
         status = s["status"] if s["status"] in ("passed", "skipped", "running", "superseded") else f"**{s['status']}**"
@@ -1069,8 +1169,18 @@ def render_markdown(r: dict) -> str:
             lines.append(f"- **problem**: {x}")
         for x in env.get("warnings", []):
             lines.append(f"- warning: {x}")
+    tf = r.get("tests_first")
+    if tf:
+        lines += ["", "## The CUDA backend's and the move kernel launcher's tests (the first stage)", ""]
+        if not tf.get("ran"):
+            lines.append(f"Not run: {tf.get('reason')}")
+        else:
+            lines.append(f"`{tf['command']}` (exit {tf['returncode']}, {tf['seconds']} s): **{tf.get('summary')}**")
+            for f in tf.get("failures", [])[:20]:
+                lines.append(f"- FAILED `{f['test']}`: {f['message'].splitlines()[0] if f['message'] else ''}")
+            lines.append(f"\nLog: [{tf['log']}]({tf['log']})")
     t = r["tests"]
-    lines += ["", "## tests/gpu", ""]
+    lines += ["", "## tests/gpu" + (" (the rest)" if tf else ""), ""]
     if not t.get("ran"):
         lines.append(f"Not run: {t.get('reason')}")
     else:
@@ -1140,7 +1250,11 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--out", default="gpu-report",
                     help="folder for gpu_report.md/.json, the stage logs and bench/ (default: ./gpu-report, "
                          "under the current directory)")
-    ap.add_argument("--smoke", action="store_true", help="small sizes and fewer benchmarks: under 3 minutes on an H200")
+    ap.add_argument("--smoke", action="store_true",
+                    help=f"small sizes and fewer benchmarks (the default run is one: at most {FIVE_MINUTES} s)")
+    ap.add_argument("--full", action="store_true",
+                    help=f"every GPU benchmark at full size and the model stages (at most {DEFAULT_BUDGET[1]} s; "
+                         f"with --smoke, {DEFAULT_BUDGET[0]} s)")
     ap.add_argument("--only", default=None, help="comma-separated benchmark names (default: the GPU benchmarks)")
     ap.add_argument("--no-tests", action="store_true", help="do not run tests/gpu")
     ap.add_argument("--no-bench", action="store_true", help="do not run benchmarks")
@@ -1149,8 +1263,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--rehearse", action="store_true",
                     help="without a GPU, run tests/gpu as the rehearsal on the emulated device (DEFRAG_GPU_REHEARSAL=1)")
     ap.add_argument("--budget", type=float, default=None,
-                    help=f"seconds for the whole check (default {DEFAULT_BUDGET[0]} with --smoke, {DEFAULT_BUDGET[1]} "
-                         "without); each stage's timeout is cut to what is left")
+                    help=f"seconds for the whole check (default {FIVE_MINUTES}; with --full {DEFAULT_BUDGET[1]}, "
+                         f"or {DEFAULT_BUDGET[0]} with --full --smoke); each stage's timeout is cut to what is left")
     ap.add_argument("--test-timeout", type=float, default=None,
                     help=f"seconds for tests/gpu (default {TEST_TIMEOUT[0]} with --smoke, {TEST_TIMEOUT[1]} without)")
     ap.add_argument("--libnvvm", default=None, help="the libnvvm.so numba must use (sets DEFRAG_LIBNVVM and CUDA_HOME)")
@@ -1193,6 +1307,15 @@ def main(argv=None) -> int:
               f"from an environment that has them (the README's setup line makes one: .venv), or pip install "
               f"them; nothing was run", file=sys.stderr)
         return 2
+    try:
+        rehearsal_switch()
+    except Exception as exc:  # noqa: BLE001 - a SettingError: one line, nothing run
+        print(f"gpu_check: {exc}", file=sys.stderr)
+        return 2
+    if args.full and args.budget is None and args.smoke:
+        args.budget = DEFAULT_BUDGET[0]
+    if not args.full:
+        args.smoke = True  # the five-minute run: the benchmarks at smoke sizes
     Path(args.out).mkdir(parents=True, exist_ok=True)
     check = Check(args)
 
@@ -1206,19 +1329,28 @@ def main(argv=None) -> int:
     print("[gpu_check] " + ("GPU present" if p["gpu"] else f"NO GPU PRESENT ({p['reason']})")
           + f"; checkout {ROOT}; budget {check.budget:.0f} s", flush=True)
     check.write()
+    dropped = check.dropped()
+    if dropped:
+        check.report["dropped"] = dropped
+        print(f"[gpu_check] {dropped}", flush=True)
+    if not args.no_tests:  # the backend's and the launcher's tests first, before anything else
+        check.do_first_tests()
+        print(f"[gpu_check] backend and launcher tests: {check.report.get('tests_first', {}).get('summary')}",
+              flush=True)
     check.do_env()
     check.maybe_fix_nvvm()
     p = check.report["probe"]
     print("[gpu_check] " + (f"GPU: {p.get('device_name')}" if p["gpu"] else f"NO GPU PRESENT ({p['reason']})"),
           flush=True)
     if not args.no_tests:
+        check.maybe_rerun_first_tests()
         check.do_tests()
         print(f"[gpu_check] tests/gpu: {check.report['tests'].get('summary')}", flush=True)
     if not args.no_bench:
         for name in check.bench_names():
             check.do_bench(name)
             print(f"[gpu_check] bench {name}: {check.report['stages'][-1]['summary']}", flush=True)
-    if not args.no_model:
+    if not args.no_model and args.full:
         check.do_model()
         print("[gpu_check] PyTorch's allocator vs its model: "
               + (check.report.get("model_vs_real_skipped") or check.report["stages"][-1]["summary"]), flush=True)

@@ -250,7 +250,11 @@ def test_gpu_check_from_a_bare_copy_without_a_gpu(bare, tmp_path):
     report = json.loads((out / "gpu_report.json").read_text())
     assert report["complete"] and report["probe"]["gpu"] is False and report["probe"]["reason"]
     assert [(s["name"], s["status"]) for s in report["stages"]] == [
-        ("env", "passed"), ("tests", "passed"), ("bench:stitching", "passed")]
+        ("tests:first", "passed"), ("env", "passed"), ("tests", "passed"), ("bench:stitching", "passed")]
+    first = report["tests_first"]  # the backend's and the launcher's tests, before anything else
+    assert first["ran"] and first["returncode"] == 0 and all(f"tests/gpu/{f}" in first["command"]
+                                                             for f in gpu_check.FIRST_TESTS)
+    assert "--ignore=tests/gpu/test_kernels_gpu.py" in _tests_command(out)
     assert all(Path(f).resolve().is_relative_to(bare.resolve()) for f in report["env"]["imported_from"].values())
     tests = report["tests"]
     assert tests["ran"] and tests["returncode"] == 0 and tests["mode"] == "skipped"
@@ -259,6 +263,54 @@ def test_gpu_check_from_a_bare_copy_without_a_gpu(bare, tmp_path):
     assert report["benchmarks"]["results"]["stitching"]["status"] == "ok"
     assert (out / "bench" / "results.json").exists() and (out / "stage-tests.log").exists()
     assert "NO GPU PRESENT" in (out / "gpu_report.md").read_text().splitlines()[2]
+
+
+def _tests_command(out: Path) -> str:
+    return (out / "stage-tests.log").read_text().splitlines()[0]
+
+
+def test_the_backend_and_launcher_tests_exist_and_run_first(tmp_path, monkeypatch):
+    """Issue 45: the CUDA backend's and the launcher's GPU tests are the first stage, before env."""
+    assert all((ROOT / "tests" / "gpu" / f).is_file() for f in gpu_check.FIRST_TESTS)
+    assert next(iter(gpu_check.FIVE_MINUTE_PLAN)) == "tests:first"
+    ran = []
+    monkeypatch.setattr(gpu_check.Check, "run_stage", lambda self, name, cmd, timeout, env=None: (
+        ran.append((name, cmd, timeout)) or self.report["stages"].append(
+            {"name": name, "status": "passed", "seconds": 0.0, "timeout_s": timeout, "returncode": 0,
+             "log": f"stage-{name}.log", "summary": "", "output_tail": ""}) or self.report["stages"][-1]))
+    monkeypatch.setattr(gpu_check, "quick_gpu_probe", lambda: (False, "test"))
+    monkeypatch.setattr(gpu_check, "missing_packages", lambda: [])
+    gpu_check.main(["--out", str(tmp_path)])  # the stub stages write no data: the env stage fails
+    names = [n for n, _c, _t in ran]
+    assert names[:2] == ["tests:first", "env"] and names[2] == "tests", names
+    first_cmd = ran[0][1]
+    assert [a for a in first_cmd if a.startswith("tests/gpu")] == [f"tests/gpu/{f}" for f in gpu_check.FIRST_TESTS]
+    assert "model:native" not in names and "dropped to fit 300 s" in (tmp_path / "gpu_report.md").read_text()
+    # every stage of the default run within the five-minute plan, and the plan within 5 minutes
+    plan = gpu_check.FIVE_MINUTE_PLAN
+    assert sum(plan.values()) <= 300 and gpu_check.FIVE_MINUTES <= 300
+    assert names == list(plan), names
+    assert all(t <= plan[n] for n, _c, t in ran)
+
+
+def test_the_default_budget_is_five_minutes():
+    args = gpu_check.build_parser().parse_args([])
+    assert not args.full
+    assert sum(gpu_check.FIVE_MINUTE_PLAN.values()) <= gpu_check.FIVE_MINUTES <= 300
+
+
+@pytest.mark.parametrize("raw,on", [("1", True), ("yes", True), ("TRUE", True), ("on", True), ("0", False),
+                                     ("no", False), ("", False)])
+def test_the_rehearsal_switch_uses_defrags_switch_parser(monkeypatch, raw, on):
+    monkeypatch.setenv("DEFRAG_GPU_REHEARSAL", raw)
+    assert gpu_check.rehearsal_switch() is on
+
+
+def test_a_bad_rehearsal_switch_is_a_usage_error(monkeypatch, tmp_path, capsys):
+    monkeypatch.setenv("DEFRAG_GPU_REHEARSAL", "maybe")
+    monkeypatch.setattr(gpu_check, "missing_packages", lambda: [])
+    assert gpu_check.main(["--out", str(tmp_path / "r")]) == 2
+    assert "DEFRAG_GPU_REHEARSAL='maybe'" in capsys.readouterr().err and not (tmp_path / "r").exists()
 
 
 def test_the_numba_cuda_floor_has_the_types_the_kernels_use():
