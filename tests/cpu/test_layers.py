@@ -10,6 +10,7 @@
 from __future__ import annotations
 
 import ast
+import functools
 import pathlib
 
 import pytest
@@ -31,6 +32,12 @@ def _modules() -> dict[str, pathlib.Path]:
 MODULES = _modules()
 
 
+@functools.cache
+def _tree(module: str) -> ast.Module:
+    """`module`'s syntax tree, parsed once for every rule (read only)."""
+    return ast.parse(MODULES[module].read_text())
+
+
 def _is_package(name: str) -> bool:
     return MODULES[name].name == "__init__.py"
 
@@ -45,7 +52,7 @@ def _resolve(module: str, node: ast.ImportFrom) -> str:
 
 def _imports(module: str) -> list[tuple[str, str | None, int]]:
     """(imported module, imported name or None, line) for every import in `module`, nested ones too."""
-    tree = ast.parse(MODULES[module].read_text())
+    tree = _tree(module)
     out = []
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
@@ -95,9 +102,10 @@ def test_the_import_graph_has_no_cycle():
             visit(m)
 
 
-def _class_privates(module: str) -> set[str]:
+@functools.cache
+def _class_privates(module: str) -> frozenset[str]:
     """Private methods and attributes that `module`'s classes define (`def _x`, `self._x = ...`)."""
-    tree = ast.parse(MODULES[module].read_text())
+    tree = _tree(module)
     names = set()
     for cls in (n for n in ast.walk(tree) if isinstance(n, ast.ClassDef)):
         for node in ast.walk(cls):
@@ -107,7 +115,7 @@ def _class_privates(module: str) -> set[str]:
                 names.add(node.attr)
             elif isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
                 names.add(node.target.id)  # dataclass fields
-    return {n for n in names if n.startswith("_") and not n.startswith("__")}
+    return frozenset(n for n in names if n.startswith("_") and not n.startswith("__"))
 
 
 def test_no_module_reaches_into_another_modules_private_names():
@@ -121,7 +129,7 @@ def test_no_module_reaches_into_another_modules_private_names():
         for target, name, line in _imports(module):
             if name and name.startswith("_") and not name.startswith("__") and target.startswith("defrag"):
                 problems.append(f"{path.name}:{line} imports {target}.{name}")
-        tree = ast.parse(path.read_text())
+        tree = _tree(module)
         for node in ast.walk(tree):  # names bound to defrag modules: `from . import tensors as tz`
             if isinstance(node, ast.ImportFrom):
                 for alias in node.names:
