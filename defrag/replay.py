@@ -276,25 +276,29 @@ class _Run:
         if reserved is not None:
             return self._drive_sampled(trace, alloc, free, compact, bar, stop_at_first_oom, reserved)
         failed: set = set()
-        for self.i, ev in enumerate(trace.events):
-            op = ev[0]
-            if op == ALLOC:
-                if not alloc(ev[1], ev[2]):
-                    self.ooms += 1
-                    self.failed_bytes += ev[2]
-                    failed.add(ev[1])
-                    if stop_at_first_oom:
-                        break
-            elif op == FREE:
-                if failed and ev[1] in failed:
-                    failed.discard(ev[1])
-                else:
-                    free(ev[1])
-            elif compact is not None:
-                compact()
-            if bar is not None and self.i % 4096 == 0:
-                bar.n = self.i
-                bar.refresh()
+        i = 0
+        try:  # `i` kept in a local (the loop runs once per event), `self.i` set once it stops
+            for i, ev in enumerate(trace.events):
+                op = ev[0]
+                if op == ALLOC:
+                    if not alloc(ev[1], ev[2]):
+                        self.ooms += 1
+                        self.failed_bytes += ev[2]
+                        failed.add(ev[1])
+                        if stop_at_first_oom:
+                            break
+                elif op == FREE:
+                    if failed and ev[1] in failed:
+                        failed.discard(ev[1])
+                    else:
+                        free(ev[1])
+                elif compact is not None:
+                    compact()
+                if bar is not None and i % 4096 == 0:
+                    bar.n = i
+                    bar.refresh()
+        finally:
+            self.i = i
 
     def _drive_sampled(self, trace, alloc, free, compact, bar, stop_at_first_oom, reserved) -> None:
         """`drive`, reading ``reserved()`` after every event into `self.reserved` (one int64 per event).
@@ -714,18 +718,24 @@ class _Workers:
     def run(self, jobs: list, bar=None) -> list:
         """`jobs`: (priority, generator) pairs; returns each generator's return value, in order.
 
-        `bar` (a tqdm bar, or None): advanced by each task's trace length when the task is done; its
-        total grows as tasks are queued (a search queues its next round when the last one answers).
+        A round a job yields may be a `_Round`: once some of its answers are in, the tasks its next round
+        is sure to hold (`_Round.preview`) run early on a core the round leaves idle, and the next round
+        takes their answers. Probes ("probe", "ladder": answers that are plain values) asked for twice
+        run once. `bar` (a tqdm bar, or None): advanced by each task's trace length when the task is
+        done; its total grows as tasks are queued.
         """
         import heapq
         import itertools
         from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
 
         out = [None] * len(jobs)
-        queue: list = []
-        waiting: dict = {}
+        queue: list = []  # (priority, order, task id)
+        tasks: dict = {}  # task id -> [spec, waiters [(job, slot)], done, value]
+        shared: dict = {}  # spec -> task id, for specs whose answers any job may take
+        waiting: dict = {}  # job -> [answers, how many are missing, the round]
         order = itertools.count()
         tally = {"queued": 0, "done": 0}
+        preview = self.n > 1  # inline, a task run early would only run in another order
 
         def counted(spec, queueing: bool) -> None:
             if bar is None:
@@ -740,6 +750,21 @@ class _Workers:
             bar.set_postfix_str(f"{tally['done']}/{tally['queued']} replays", refresh=False)
             bar.refresh()
 
+        def task_for(spec, priority, waiter):
+            """The task answering `spec`: one already queued, running or done where its answer is a plain
+            value any job may take (`waiter` added to it), else a new one in the queue."""
+            tid = shared.get(spec) if spec[0] in ("probe", "ladder") else None
+            if tid is None:
+                tid = next(order)
+                tasks[tid] = [spec, [], False, None]
+                if spec[0] in ("probe", "ladder"):
+                    shared[spec] = tid
+                counted(spec, True)
+                heapq.heappush(queue, (priority, tid, tid))
+            if waiter is not None:
+                tasks[tid][1].append(waiter)
+            return tasks[tid]
+
         def advance(j: int, answers) -> None:
             gen = jobs[j][1]
             try:
@@ -747,38 +772,54 @@ class _Workers:
             except StopIteration as stop:
                 out[j] = stop.value
                 return
-            waiting[j] = [[None] * len(specs), len(specs)]
+            waiting[j] = [[None] * len(specs), len(specs), specs, set()]
+            ready = []
             for slot, spec in enumerate(specs):
-                counted(spec, True)
-                heapq.heappush(queue, (jobs[j][0], next(order), j, slot, spec))
+                task = task_for(spec, jobs[j][0], (j, slot))
+                if task[2]:
+                    ready.append((slot, task[3]))
+            for slot, value in ready:
+                deliver(j, slot, value)
 
-        def deliver(j: int, slot: int, value, spec) -> None:
-            counted(spec, False)
+        def deliver(j: int, slot: int, value) -> None:
             w = waiting[j]
             w[0][slot] = value
             w[1] -= 1
+            w[3].add(slot)
             if w[1] == 0:
                 del waiting[j]
                 advance(j, w[0])
+            elif preview and isinstance(w[2], _Round):
+                for spec in w[2].preview({i: w[0][i] for i in w[3]}):
+                    task_for(spec, jobs[j][0], None)
+
+        def finish(tid: int, value) -> None:
+            task = tasks[tid]
+            counted(task[0], False)
+            task[2], task[3] = True, value
+            waiters, task[1] = task[1], []
+            if task[0][0] not in ("probe", "ladder"):
+                del tasks[tid]
+            for j, slot in waiters:
+                deliver(j, slot, value)
 
         for j in range(len(jobs)):
             advance(j, None)
         if self.n == 1:
             while queue:
-                _, _, j, slot, spec = heapq.heappop(queue)
-                deliver(j, slot, _task(spec), spec)
+                tid = heapq.heappop(queue)[2]
+                finish(tid, _task(tasks[tid][0]))
             return out
         with ProcessPoolExecutor(self.n, mp_context=self.context, initializer=_end_with_parent,
                                  initargs=(os.getpid(),)) as pool:
             running: dict = {}
             while queue or running:
                 while queue and len(running) < self.n:
-                    _, _, j, slot, spec = heapq.heappop(queue)
-                    running[pool.submit(_task, spec)] = (j, slot, spec)
+                    tid = heapq.heappop(queue)[2]
+                    running[pool.submit(_task, tasks[tid][0])] = tid
                 done, _ = wait(running, return_when=FIRST_COMPLETED)
                 for fut in done:
-                    j, slot, spec = running.pop(fut)
-                    deliver(j, slot, fut.result(), spec)
+                    finish(running.pop(fut), fut.result())
         return out
 
 
@@ -1215,33 +1256,84 @@ def _pools_without_phases_job(key, capacity: int, peak_live: int, *, page_size, 
         useful = hint is not None and lo < hint and (hi is None or hint < hi)
         brackets[name] = _Bracket(lo, hi, hint if useful else None, useful, floor)
     deadline = None if budget_s is None else time.perf_counter() + budget_s * len(rows)
-    steps = 0
-    while steps < MIN_CAPACITY_MAX_STEPS * len(rows) and (deadline is None or time.perf_counter() <= deadline):
-        open_ = sorted((b for b in brackets.values() if b.open(0.0)),
-                       key=lambda b: -(math.inf if b.hi is None else b.hi - b.lo))
-        points: list[int] = []
-        for b in open_ * split:  # widest first, one each, until the round is full
-            if len(points) >= split:
-                break
-            points += b.propose(1, points)
+    steps, most = 0, MIN_CAPACITY_MAX_STEPS * len(rows)
+    while steps < most and (deadline is None or time.perf_counter() <= deadline):
+        points, specs = _joint_round(brackets, rows, key, page, split)
         if not points:
             break
-        points.sort()
-        # Each probe runs the weakest pool whose run answers every bracket that still needs that
-        # capacity (the others ignore it): no compaction stops at the first rescue, no meshing at the
-        # first rescue that would mesh, and neither pays for what comes after.
-        specs = []
-        for q in points:
-            needs = {name for name, b in brackets.items() if b.needs(q)}
-            pool = next(name for name in _WEAKEST_FIRST if needs <= _ANSWERS[name] and name in rows)
-            specs.append(("ladder", key, pool, q * page, page))
-        said = yield specs
+        said = yield _Round(specs, _next_round_preview(brackets, rows, key, page, split, points, specs,
+                                                       steps + len(points) < most))
         steps += len(points)
         for name, b in brackets.items():
             b.learn(points, [a.get(name) for a in said])
     for name in rows:
         results[name].min_capacity = brackets[name].result(page, steps)
     return [results[name] for name in rows]
+
+
+def _joint_round(brackets: dict, rows: list, key, page: int, split: int) -> tuple[list[int], list[tuple]]:
+    """The joint search's next round: its capacities in pages, ascending, and a ladder task for each
+    (`_pools_without_phases_job`). Proposing changes the brackets (a gallop's step, the hint's turn)."""
+    open_ = sorted((b for b in brackets.values() if b.open(0.0)),
+                   key=lambda b: -(math.inf if b.hi is None else b.hi - b.lo))
+    points: list[int] = []
+    for b in open_ * split:  # widest first, one each, until the round is full
+        if len(points) >= split:
+            break
+        points += b.propose(1, points)
+    points.sort()
+    # Each probe runs the weakest pool whose run answers every bracket that still needs that
+    # capacity (the others ignore it): no compaction stops at the first rescue, no meshing at the
+    # first rescue that would mesh, and neither pays for what comes after.
+    specs = []
+    for q in points:
+        needs = {name for name, b in brackets.items() if b.needs(q)}
+        pool = next(name for name in _WEAKEST_FIRST if needs <= _ANSWERS[name] and name in rows)
+        specs.append(("ladder", key, pool, q * page, page))
+    return points, specs
+
+
+def _next_round_preview(brackets: dict, rows: list, key, page: int, split: int, points: list, specs: list,
+                        more: bool):
+    """For a round of the joint search under way: given the answers known so far ({slot: answer}), the
+    ladder tasks the next round holds whatever the others answer, so that a core the round leaves idle
+    can run them early (`_Workers`). The next round is computed, not guessed: on copies of the brackets,
+    once for every answer the tasks still running could give; a task is early only where every one of
+    them proposes it. So the search, its probes and its answers are the same as without the preview.
+    `more`: whether the search's step limit allows another round at all."""
+    import copy
+    import itertools
+
+    def preview(known: dict) -> list:
+        if not more:
+            return []
+        open_slots = [i for i in range(len(specs)) if i not in known]
+        choices = []
+        for i in open_slots:
+            names = sorted(_ANSWERS[specs[i][2]])
+            choices.append([dict(zip(names, bits)) for bits in itertools.product((False, True), repeat=len(names))])
+        common = None
+        for outcome in itertools.product(*choices):
+            said = [known[i] if i in known else outcome[open_slots.index(i)] for i in range(len(specs))]
+            trial = copy.deepcopy(brackets)
+            for name, b in trial.items():
+                b.learn(points, [a.get(name) for a in said])
+            nxt = set(_joint_round(trial, rows, key, page, split)[1])
+            common = nxt if common is None else common & nxt
+            if not common:
+                return []
+        return sorted(common or ())
+
+    return preview
+
+
+class _Round(list):
+    """A round of tasks a job yields to `_Workers`, with `preview(known)`: the tasks its next round is sure
+    to hold given the answers `known` so far ({slot: answer}), which may run before the round is over."""
+
+    def __init__(self, specs, preview):
+        super().__init__(specs)
+        self.preview = preview
 
 
 def replay_devices(items: list, capacity: int | None = None, *, dry: bool = False, device=None, page_size=None,

@@ -247,3 +247,88 @@ def test_the_docs_example_sentence_is_what_the_replay_of_that_snapshot_prints():
 
     (rep,) = replay_devices(load_input(SNAPSHOT)[1], dry=True, baselines=False, progress=False)
     assert summary_sentence(rep) == _quoted_sentence("guide.md")
+
+
+# ---------------------------------------------------------------------- the joint search, pipelined
+class _Log:
+    """A progress bar that keeps what `_Workers` tells it: ("queued" | "done", spec) in order."""
+
+    def __init__(self):
+        self.total, self.events = 0, []
+        self._queued = 0
+
+    def update(self, n):
+        pass
+
+    def set_postfix_str(self, text, refresh=False):
+        done, queued = (int(x) for x in text.split()[0].split("/"))
+        self.events.append("queued" if queued > self._queued else "done")
+        self._queued = queued
+
+    def refresh(self):
+        pass
+
+
+def _joint_search(trace, workers: int):
+    from defrag import replay as R
+
+    key = R._share(trace)
+    try:
+        job = R._pools_without_phases_job(key, 2 * trace.stats().peak_live_bytes, trace.stats().peak_live_bytes,
+                                          page_size=None, series=False, budget_s=None, mesh=True)
+        log = _Log()
+        (rows,) = R._Workers(workers).run([(0, job)], bar=log)
+        return [(r.allocator, r.min_capacity, r.peak_reserved_bytes) for r in rows], log.events
+    finally:
+        R._SHARED.pop(key, None)
+
+
+def test_the_next_round_of_the_joint_search_starts_on_a_core_the_round_leaves_idle():
+    """Item 13: once one probe of a round has answered, the probes the next round holds whatever the other
+    answers run at once; the probes, and so every answer, are those of the search one round after the other,
+    and no probe runs that the search does not use."""
+    from defrag.traces import llm_serving
+    from defrag.traces.snapshot import load_snapshot, to_snapshot
+
+    trace = load_snapshot(to_snapshot(llm_serving(steps=300)))
+    inline, inline_log = _joint_search(trace, 1)
+    both, log = _joint_search(trace, 2)
+    assert both == inline
+    assert log.count("queued") == inline_log.count("queued")  # nothing run that the search did not ask for
+    # Inline, a round is queued once the one before it is done (nothing outstanding); on two cores a probe is
+    # queued right after an answer while the rest of its round is still out.
+    def early(events):
+        return sum(1 for i, e in enumerate(events) if e == "queued" and i and events[i - 1] == "done"
+                   and events[:i].count("done") < events[:i].count("queued"))
+    assert early(inline_log) == 0 and early(log) > 0
+
+
+def test_the_preview_of_a_round_is_in_the_next_round():
+    """What `_Round.preview` gives, with the answers in so far, is in the round the search then asks for:
+    a probe run early is never wasted."""
+    from defrag import replay as R
+    from defrag.traces import llm_serving
+    from defrag.traces.snapshot import load_snapshot, to_snapshot
+
+    trace = load_snapshot(to_snapshot(llm_serving(steps=300)))
+    key = R._share(trace)
+    try:
+        job = R._pools_without_phases_job(key, 2 * trace.stats().peak_live_bytes, trace.stats().peak_live_bytes,
+                                          page_size=None, series=False, budget_s=None, mesh=True)
+        rnd = next(job)
+        previewed = 0
+        while True:
+            answers = [R._task(spec) for spec in rnd]
+            previews = ([set(rnd.preview({slot: answers[slot]})) for slot in range(len(rnd))]
+                        if isinstance(rnd, R._Round) else [])
+            try:
+                rnd = job.send(answers)
+            except StopIteration:
+                assert not any(previews)
+                break
+            for p in previews:
+                assert p <= set(rnd)
+                previewed += len(p)
+        assert previewed > 0
+    finally:
+        R._SHARED.pop(key, None)
