@@ -11,6 +11,7 @@ collective and checks that the others raise within the subgroup's timeout.
 
 from __future__ import annotations
 
+import concurrent.futures
 import datetime
 import json
 import os
@@ -351,10 +352,29 @@ def run_world(world: int, tmp: pathlib.Path) -> list[dict]:
     return [json.loads((tmp / f"rank{r}.json").read_text()) for r in range(world)]
 
 
-# 3 ranks: a first, a middle and a last rank (4 gave nothing more, and on 2 cores took half a minute).
-@pytest.fixture(scope="module", params=[2, 3], ids=lambda w: f"{w}ranks")
-def ranks(request, tmp_path_factory):
-    return run_world(request.param, tmp_path_factory.mktemp(f"world{request.param}"))
+WORLDS = (2, 3)  # 3: a first, a middle and a last rank (4 gave nothing more, and on 2 cores took half a minute)
+
+
+@pytest.fixture(scope="module")
+def worlds(tmp_path_factory) -> dict:
+    """Every world, spawned at the same time: one's imports and waits (gloo's, the timeout scenario's
+    seconds) overlap the other's work. {world size: its ranks' results, or what failed}."""
+    def one(world):
+        try:
+            return run_world(world, tmp_path_factory.mktemp(f"world{world}"))
+        except BaseException as exc:  # noqa: BLE001 - re-raised by the tests of that world only
+            return exc
+
+    with concurrent.futures.ThreadPoolExecutor(len(WORLDS)) as pool:
+        return dict(zip(WORLDS, pool.map(one, WORLDS)))
+
+
+@pytest.fixture(params=WORLDS, ids=lambda w: f"{w}ranks")
+def ranks(request, worlds):
+    got = worlds[request.param]
+    if isinstance(got, BaseException):
+        raise got
+    return got
 
 
 def test_every_rank_makes_the_same_decision_and_it_follows_the_rule(ranks):
