@@ -62,7 +62,7 @@ def set_rank(rank: tuple[int, int] | None) -> None:
     _rank = rank
 
 
-def _as_option(nbytes: int) -> str:
+def capacity_option_value(nbytes: int) -> str:
     """`nbytes` as a size the user can type back ("3GiB", "1624MiB"), rounded up to a whole MiB."""
     gib, mib = 1 << 30, 1 << 20
     return f"{nbytes // gib}GiB" if nbytes % gib == 0 else f"{-(-nbytes // mib)}MiB"
@@ -92,8 +92,8 @@ def refused_inside_allocator(error: OutOfMemoryError) -> str:
     movable, need, device = f["movable"], f["capacity_needed"], f["device_total"]
     unmovable = max(live - movable, 0)
     enough = "enough free pages for this request with this layout; later requests may need more"
-    knob = (f"run with {_capacity_option} {_as_option(need)} or more ({enough})" if _capacity_option
-            else f"make the installed pool with defrag.Pool(capacity={_as_option(need)!r}) or more ({enough})")
+    knob = (f"run with {_capacity_option} {capacity_option_value(need)} or more ({enough})" if _capacity_option
+            else f"make the installed pool with defrag.Pool(capacity={capacity_option_value(need)!r}) or more ({enough})")
     where = "defrag run" if _capacity_option else "defrag.install"
     why = (f"  why: under {where} the pool is PyTorch's allocator, and this request came from inside an operation, "
            f"which holds its tensors' raw addresses: nothing moves there ({fb(unmovable)} of PyTorch's blocks live)")

@@ -533,15 +533,15 @@ def _advised_capacity(figures: dict) -> str | None:
     """The capacity the out-of-memory message advises ("run with --capacity X or more"), as it is typed
     there; None where it advises none (the device is the limit, or the request needs more than it has).
     The same cases as `defrag.oom.refused_inside_allocator`."""
-    from .oom import _as_option
+    from .oom import capacity_option_value
 
     if "facts" not in figures or figures["device_full"]:
         return None
     nbytes, capacity, need, device = (figures["requested"], figures["capacity"], figures["capacity_needed"],
                                       figures["device_total"])
     if nbytes > capacity:
-        return _as_option(need) if nbytes <= device else None
-    return _as_option(need) if need <= device else None
+        return capacity_option_value(need) if nbytes <= device else None
+    return capacity_option_value(need) if need <= device else None
 
 
 def _oom_figures(error, pool, seconds: float) -> dict:
