@@ -7,6 +7,8 @@ working CUDA driver the variable is left alone and kernels run for real.
 
 import os
 
+import pytest
+
 from defrag.driver import cuda_driver_usable
 
 if "NUMBA_ENABLE_CUDASIM" not in os.environ and not cuda_driver_usable()[0]:
@@ -30,3 +32,24 @@ def pytest_collection_finish(session):
 
     gc.collect()
     gc.freeze()
+
+
+def pytest_collection_modifyitems(session, config, items):
+    """The tests of a module that starts programs early (`start_early`, tests/forked.py) run last, so
+    those programs run beside the rest of the suite, not while the suite waits for them."""
+    early = [item for item in items if hasattr(getattr(item, "module", None), "start_early")]
+    if early:
+        chosen = set(map(id, early))
+        items[:] = [item for item in items if id(item) not in chosen] + early
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtestloop(session):
+    """Each module that defines `start_early(items)` gets its selected tests, before the first test runs."""
+    modules: dict = {}
+    for item in session.items:
+        module = getattr(item, "module", None)
+        if hasattr(module, "start_early"):
+            modules.setdefault(module, []).append(item)
+    for module, items in modules.items():
+        module.start_early(items)

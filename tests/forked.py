@@ -24,6 +24,7 @@ instead of 1-3 s), and `gc.get_objects()` lists only those.
 from __future__ import annotations
 
 import atexit
+import concurrent.futures
 import json
 import os
 import select
@@ -31,6 +32,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -215,3 +217,36 @@ def check_clean(proc: subprocess.CompletedProcess, *, ends_with: str | None = No
     if ends_with is not None:
         assert proc.stdout.rstrip().endswith(ends_with), proc.stdout
     return proc
+
+
+# ---------------------------------------------------------------------- programs started early
+# The suite runs on one core; a 2-core machine has the other mostly idle. A test module whose checks wait
+# for whole programs that run half a minute or more (the benchmark smoke run, the gloo worlds) defines
+# `start_early(items)`: tests/conftest.py calls it as the run starts (with its tests that were selected),
+# it hands those programs to `start_early`, and its tests run last, reading the results with `early`.
+# A background job runs in a thread of this process: it may start processes (subprocess), never use
+# `run_python` (a zygote serves one call at a time). NO_EARLY_START=1 runs each when its test asks.
+_early: dict[str, concurrent.futures.Future] = {}
+
+
+def start_early(key: str, fn, *args) -> None:
+    """Start `fn(*args)` in a thread of its own now, unless NO_EARLY_START=1; `early(key, fn, *args)`
+    returns what it returned (or raises what it raised)."""
+    if os.environ.get("NO_EARLY_START") == "1" or key in _early:
+        return
+    done: concurrent.futures.Future = concurrent.futures.Future()
+
+    def job():
+        try:
+            done.set_result(fn(*args))
+        except BaseException as exc:  # noqa: BLE001 - raised again in the test that reads it
+            done.set_exception(exc)
+
+    threading.Thread(target=job, name=f"early {key}", daemon=True).start()
+    _early[key] = done
+
+
+def early(key: str, fn, *args):
+    """What `start_early(key, ...)` started, once it is done; `fn(*args)` run now if nothing was started."""
+    done = _early.pop(key, None)
+    return done.result() if done is not None else fn(*args)

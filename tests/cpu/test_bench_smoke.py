@@ -7,10 +7,14 @@ claims a GPU figure where there is no GPU. They never assert on timings.
 
 from __future__ import annotations
 
+import atexit
 import json
 import math
+import shutil
 import subprocess
 import sys
+import tempfile
+from pathlib import Path
 
 import pytest
 
@@ -18,14 +22,31 @@ from defrag import cli
 from defrag.benchmarks import runner
 from defrag.driver import cuda_driver_usable
 
+from .. import forked
+
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def _smoke_run(out: Path):
+    """`defrag bench --smoke --device emulated --out OUT`, a program of its own: (exit code, OUT, results)."""
+    proc = subprocess.run([sys.executable, "-m", "defrag", "bench", "--smoke", "--device", "emulated", "--out", str(out)],
+                          capture_output=True, text=True, timeout=900, env=forked.checkout_env())
+    results = out / "results.json"
+    assert results.is_file(), f"exit {proc.returncode}, no results.json:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    return proc.returncode, out, json.loads(results.read_text())
+
+
+def start_early(items):
+    """The smoke run (about a minute) starts with the session, beside the other tests (tests/forked.py)."""
+    if any("smoke" in item.fixturenames for item in items):
+        out = Path(tempfile.mkdtemp(prefix="defrag-bench-smoke-"))
+        atexit.register(shutil.rmtree, out, True)
+        forked.start_early("bench --smoke", _smoke_run, out)
 
 
 @pytest.fixture(scope="module")
 def smoke(tmp_path_factory):
-    out = tmp_path_factory.mktemp("bench")
-    rc = cli.main(["bench", "--smoke", "--device", "emulated", "--out", str(out)])
-    return rc, out, json.loads((out / "results.json").read_text())
+    return forked.early("bench --smoke", _smoke_run, tmp_path_factory.mktemp("bench"))
 
 
 def test_every_registered_benchmark_has_rows_or_a_reason(smoke):

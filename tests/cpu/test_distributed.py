@@ -11,14 +11,17 @@ collective and checks that the others raise within the subgroup's timeout.
 
 from __future__ import annotations
 
+import atexit
 import concurrent.futures
 import datetime
 import json
 import os
 import pathlib
 import re
+import shutil
 import subprocess
 import sys
+import tempfile
 import time
 import traceback
 import warnings
@@ -29,6 +32,8 @@ import torch
 import defrag
 import defrag.distributed as ddist
 from defrag.driver import Driver
+
+from .. import forked
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 KiB, MiB = 1 << 10, 1 << 20
@@ -355,18 +360,31 @@ def run_world(world: int, tmp: pathlib.Path) -> list[dict]:
 WORLDS = (2, 3)  # 3: a first, a middle and a last rank (4 gave nothing more, and on 2 cores took half a minute)
 
 
-@pytest.fixture(scope="module")
-def worlds(tmp_path_factory) -> dict:
+def _spawn_worlds(folder: pathlib.Path) -> dict:
     """Every world, spawned at the same time: one's imports and waits (gloo's, the timeout scenario's
     seconds) overlap the other's work. {world size: its ranks' results, or what failed}."""
     def one(world):
         try:
-            return run_world(world, tmp_path_factory.mktemp(f"world{world}"))
+            (folder / f"world{world}").mkdir(parents=True, exist_ok=True)
+            return run_world(world, folder / f"world{world}")
         except BaseException as exc:  # noqa: BLE001 - re-raised by the tests of that world only
             return exc
 
     with concurrent.futures.ThreadPoolExecutor(len(WORLDS)) as pool:
         return dict(zip(WORLDS, pool.map(one, WORLDS)))
+
+
+def start_early(items):
+    """The worlds (half a minute) start with the session, beside the other tests (tests/forked.py)."""
+    if any("ranks" in item.fixturenames for item in items):
+        folder = pathlib.Path(tempfile.mkdtemp(prefix="defrag-worlds-"))
+        atexit.register(shutil.rmtree, folder, True)
+        forked.start_early("gloo worlds", _spawn_worlds, folder)
+
+
+@pytest.fixture(scope="module")
+def worlds(tmp_path_factory) -> dict:
+    return forked.early("gloo worlds", _spawn_worlds, tmp_path_factory.mktemp("worlds"))
 
 
 @pytest.fixture(params=WORLDS, ids=lambda w: f"{w}ranks")
