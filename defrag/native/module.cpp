@@ -615,8 +615,14 @@ class FastPath {
       c10::StorageImpl* impl = t.storage().unsafeGetStorageImpl();
       if (impl != nullptr) claims.push_back(impl);
     };
-    for (py::handle o : objects) {
-      PyObject* obj = o.ptr();
+    // The objects lie scattered in memory: each one's header is fetched a few objects ahead (the
+    // walk is bound by those loads, not by the work on them).
+    constexpr Py_ssize_t kAhead = 12;
+    PyObject** items = PySequence_Fast_ITEMS(objects.ptr());
+    const Py_ssize_t count = PyList_GET_SIZE(objects.ptr());
+    for (Py_ssize_t i = 0; i < count; ++i) {
+      if (i + kAhead < count) __builtin_prefetch(items[i + kAhead]);
+      PyObject* obj = items[i];
       PyTypeObject* type = Py_TYPE(obj);
       if (type != last_type) {
         auto known = is_tensor_type.find(type);
