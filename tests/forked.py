@@ -27,6 +27,7 @@ import atexit
 import concurrent.futures
 import json
 import os
+import queue
 import select
 import signal
 import subprocess
@@ -221,32 +222,45 @@ def check_clean(proc: subprocess.CompletedProcess, *, ends_with: str | None = No
 
 # ---------------------------------------------------------------------- programs started early
 # The suite runs on one core; a 2-core machine has the other mostly idle. A test module whose checks wait
-# for whole programs that run half a minute or more (the benchmark smoke run, the gloo worlds) defines
-# `start_early(items)`: tests/conftest.py calls it as the run starts (with its tests that were selected),
-# it hands those programs to `start_early`, and its tests run last, reading the results with `early`.
-# A background job runs in a thread of this process: it may start processes (subprocess), never use
-# `run_python` (a zygote serves one call at a time). NO_EARLY_START=1 runs each when its test asks.
+# for whole programs that run a quarter of a minute or more (the benchmark smoke run, the gloo worlds, the
+# GPU check) defines `start_early(items)`: tests/conftest.py calls it as the run starts (with its tests
+# that were selected), it hands those programs to `start_early`, and its tests run last, reading the
+# results with `early`. The programs run one after another, in one thread of this process: a program may
+# start processes (subprocess), never use `run_python` (a zygote serves one call at a time).
+# NO_EARLY_START=1 runs each when its test asks.
 _early: dict[str, concurrent.futures.Future] = {}
+_queue: queue.SimpleQueue = queue.SimpleQueue()
+_worker: list[threading.Thread] = []
+
+
+def _work() -> None:
+    while True:
+        done, fn, args = _queue.get()
+        if done.set_running_or_notify_cancel():
+            try:
+                done.set_result(fn(*args))
+            except BaseException as exc:  # noqa: BLE001 - raised again in the test that reads it
+                done.set_exception(exc)
 
 
 def start_early(key: str, fn, *args) -> None:
-    """Start `fn(*args)` in a thread of its own now, unless NO_EARLY_START=1; `early(key, fn, *args)`
+    """Queue `fn(*args)` to run beside the tests now, unless NO_EARLY_START=1; `early(key, fn, *args)`
     returns what it returned (or raises what it raised)."""
     if os.environ.get("NO_EARLY_START") == "1" or key in _early:
         return
     done: concurrent.futures.Future = concurrent.futures.Future()
-
-    def job():
-        try:
-            done.set_result(fn(*args))
-        except BaseException as exc:  # noqa: BLE001 - raised again in the test that reads it
-            done.set_exception(exc)
-
-    threading.Thread(target=job, name=f"early {key}", daemon=True).start()
     _early[key] = done
+    _queue.put((done, fn, args))
+    if not _worker:
+        _worker.append(threading.Thread(target=_work, name="programs started early", daemon=True))
+        _worker[0].start()
 
 
 def early(key: str, fn, *args):
-    """What `start_early(key, ...)` started, once it is done; `fn(*args)` run now if nothing was started."""
+    """What `start_early(key, ...)` queued, once it is done; `fn(*args)` run now if nothing was queued."""
     done = _early.pop(key, None)
-    return done.result() if done is not None else fn(*args)
+    if done is None:
+        return fn(*args)
+    if done.cancel():  # not started yet: run it here rather than wait for the queue
+        return fn(*args)
+    return done.result()

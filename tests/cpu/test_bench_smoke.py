@@ -36,12 +36,20 @@ def _smoke_run(out: Path):
     return proc.returncode, out, json.loads(results.read_text())
 
 
+def _folder(prefix: str) -> Path:
+    out = Path(tempfile.mkdtemp(prefix=prefix))
+    atexit.register(shutil.rmtree, out, True)
+    return out
+
+
 def start_early(items):
-    """The smoke run (about a minute) starts with the session, beside the other tests (tests/forked.py)."""
+    """The smoke run (about a minute) and the GPU check's start with the session, beside the other tests
+    (tests/forked.py)."""
     if any("smoke" in item.fixturenames for item in items):
-        out = Path(tempfile.mkdtemp(prefix="defrag-bench-smoke-"))
-        atexit.register(shutil.rmtree, out, True)
-        forked.start_early("bench --smoke", _smoke_run, out)
+        forked.start_early("bench --smoke", _smoke_run, _folder("defrag-bench-smoke-"))
+    if any(item.name == "test_gpu_check_on_a_cpu_says_no_gpu_and_exits_0" for item in items):
+        out = _folder("defrag-gpu-check-")
+        forked.start_early("gpu_check installed", lambda: (_gpu_check_installed(out), out))
 
 
 @pytest.fixture(scope="module")
@@ -179,20 +187,24 @@ def test_asking_for_a_gpu_without_one_is_a_clear_error(tmp_path, capsys):
 
 
 @pytest.mark.skipif(cuda_driver_usable()[0], reason="a GPU is present: this checks the no-GPU behaviour")
+def _gpu_check_installed(out: Path) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "defrag.benchmarks.gpu_check", "--out", str(out), "--smoke",
+                           "--only", "stitching", "--no-tests"], capture_output=True, text=True, timeout=300)
+
+
 def test_gpu_check_on_a_cpu_says_no_gpu_and_exits_0(tmp_path):
     """The installed module's route; its tests stage (pytest tests/gpu, all skipped here) is the same code as
     the bare copy's, which test_gpu_check.py::test_gpu_check_from_a_bare_copy_without_a_gpu runs."""
-    proc = subprocess.run([sys.executable, "-m", "defrag.benchmarks.gpu_check", "--out", str(tmp_path), "--smoke",
-                           "--only", "stitching", "--no-tests"], capture_output=True, text=True, timeout=300)
+    proc, out = forked.early("gpu_check installed", lambda out: (_gpu_check_installed(out), out), tmp_path)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "NO GPU PRESENT" in proc.stdout
-    md = (tmp_path / "gpu_report.md").read_text()
+    md = (out / "gpu_report.md").read_text()
     assert "NO GPU PRESENT" in md.splitlines()[2]
-    report = json.loads((tmp_path / "gpu_report.json").read_text())
+    report = json.loads((out / "gpu_report.json").read_text())
     assert report["complete"] and report["probe"]["gpu"] is False and report["probe"]["reason"]
     assert [(s["name"], s["status"]) for s in report["stages"]] == [("env", "passed"), ("bench:stitching", "passed")]
     assert report["benchmarks"]["device"] == "emulated"
-    assert (tmp_path / "bench" / "results.json").exists()
+    assert (out / "bench" / "results.json").exists()
 
 
 def test_the_summary_prints_each_goal_once(smoke):

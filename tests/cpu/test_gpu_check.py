@@ -8,10 +8,12 @@ plainly when there is no GPU.
 
 from __future__ import annotations
 
+import atexit
 import json
 import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -19,20 +21,45 @@ import pytest
 from defrag.benchmarks import _bare_checkout, gpu_check
 from defrag.driver import cuda_driver_usable
 
+from .. import forked
+
 ROOT = Path(__file__).resolve().parents[2]
 NO_GPU = pytest.mark.skipif(cuda_driver_usable()[0], reason="a GPU is present: this checks the no-GPU behaviour")
 
 
-@pytest.fixture(scope="module")
-def bare(tmp_path_factory) -> Path:
-    """A bare copy of the checkout (what `git archive` would give), outside any installed path."""
-    dest = tmp_path_factory.mktemp("bare") / "defrag-checkout"
+def _bare_copy(dest: Path) -> Path:
+    """A bare copy of the checkout (what `git archive` would give) at `dest`, outside any installed path."""
     ignore = shutil.ignore_patterns("__pycache__", "*.pyc", ".pytest_cache")
     for folder in ("defrag", "kernels", "benchmarks", "tests"):
         shutil.copytree(ROOT / folder, dest / folder, ignore=ignore)
     for f in ("pyproject.toml", "README.md"):
         shutil.copy(ROOT / f, dest / f)
     return dest
+
+
+@pytest.fixture(scope="module")
+def bare(tmp_path_factory) -> Path:
+    return _bare_copy(tmp_path_factory.mktemp("bare") / "defrag-checkout")
+
+
+def _bare_gpu_check(folder: Path):
+    """The documented command, typed without --out, from a bare copy made in `folder`, run in `folder`/run:
+    (the copy, the folder it ran in, the process)."""
+    bare = _bare_copy(folder / "defrag-checkout")
+    cwd = folder / "run"
+    cwd.mkdir()
+    proc = subprocess.run([sys.executable, str(bare / "benchmarks" / "gpu_check.py"), "--smoke", "--only", "stitching"],
+                          cwd=cwd, capture_output=True, text=True, timeout=300)
+    return bare, cwd, proc
+
+
+def start_early(items):
+    """The bare copy's GPU check (15 s or more) starts with the session, beside the other tests (tests/forked.py)."""
+    if not cuda_driver_usable()[0] and any(item.name == "test_gpu_check_from_a_bare_copy_without_a_gpu"
+                                           for item in items):
+        folder = Path(tempfile.mkdtemp(prefix="defrag-gpu-check-bare-"))
+        atexit.register(shutil.rmtree, folder, True)
+        forked.start_early("gpu_check bare", _bare_gpu_check, folder)
 
 
 def test_ptx_limits_of_driver_versions():
@@ -229,15 +256,14 @@ def test_the_libnvvm_probe_reports_the_ptx_version():
 
 
 @NO_GPU
-def test_gpu_check_from_a_bare_copy_without_a_gpu(bare, tmp_path):
+def test_gpu_check_from_a_bare_copy_without_a_gpu(tmp_path):
     """The documented command, typed without --out: the report goes to ./gpu-report, exit 0, NO GPU PRESENT,
     every stage passes from the bare copy's own files. (--out and --no-tests, on the same code: the installed
     route's run, test_bench_smoke.py::test_gpu_check_on_a_cpu_says_no_gpu_and_exits_0.)"""
-    proc = subprocess.run([sys.executable, str(bare / "benchmarks" / "gpu_check.py"), "--smoke", "--only", "stitching"],
-                          cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    bare, cwd, proc = forked.early("gpu_check bare", _bare_gpu_check, tmp_path)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "NO GPU PRESENT" in proc.stdout
-    out = tmp_path / "gpu-report"
+    out = cwd / "gpu-report"
     assert str(out / "gpu_report.md") in proc.stdout
     report = json.loads((out / "gpu_report.json").read_text())
     assert report["complete"] and report["probe"]["gpu"] is False and report["probe"]["reason"]
