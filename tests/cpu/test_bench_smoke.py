@@ -43,13 +43,17 @@ def _folder(prefix: str) -> Path:
 
 
 def start_early(items):
-    """The smoke run (about a minute) and the GPU check's start with the session, beside the other tests
-    (tests/forked.py)."""
+    """The smoke run (about a minute), the GPU check's and the GPU install rows' children start with the
+    session, beside the other tests (tests/forked.py)."""
     if any("smoke" in item.fixturenames for item in items):
         forked.start_early("bench --smoke", _smoke_run, _folder("defrag-bench-smoke-"))
     if any(item.name == "test_gpu_check_on_a_cpu_says_no_gpu_and_exits_0" for item in items):
         out = _folder("defrag-gpu-check-")
         forked.start_early("gpu_check installed", lambda: (_gpu_check_installed(out), out))
+    if any(item.name == "test_the_gpu_install_rows_code_runs_rehearsed_on_the_cpu" for item in items):
+        from defrag.benchmarks import bench_install  # its children do the work; this thread waits for them
+
+        forked.start_early("gpu install rows", bench_install._bench_separate, "emulated", True)
 
 
 @pytest.fixture(scope="module")
@@ -247,7 +251,7 @@ def test_the_gpu_install_rows_code_runs_rehearsed_on_the_cpu():
     code the GPU check runs, its rows shaped as on a GPU, the installed side's allocations in its pool."""
     from defrag.benchmarks import bench_install
 
-    step, alloc = bench_install._bench_separate("emulated", smoke=True)
+    step, alloc = forked.early("gpu install rows", bench_install._bench_separate, "emulated", True)
     assert step["pool_allocs"] > 0 and step["ms"] > 0 and step["baseline_ms"] > 0 and step["ratio_x"] > 0
     assert "emulated rehearsal" in step["workload"] and alloc["calls"] == bench_install.SEPARATE_SMOKE["calls"]
     assert alloc["ns_per_op"] > 0 and alloc["baseline_ns_per_op"] > 0
