@@ -730,11 +730,14 @@ class FastPath {
           continue;
         auto* impl = static_cast<c10::StorageImpl*>(r->storage);
         c10::raw::weak_intrusive_ptr::incref(impl);
-        auto weak = c10::weak_intrusive_ptr<c10::StorageImpl>::reclaim(impl);
-        auto locked = weak.lock();
-        if (locked && reinterpret_cast<uintptr_t>(locked->data_ptr().get()) == static_cast<uintptr_t>(r->address))
-          strong[i] = std::move(locked);
+        strong[i] = c10::weak_intrusive_ptr<c10::StorageImpl>::reclaim(impl).lock();
       }
+    }
+    // Checked and dropped outside the mutex: a strong reference dropped here may be a storage's last,
+    // whose deleter takes the books' mutex.
+    for (size_t i = 0; i < addresses.size(); ++i) {
+      if (strong[i] && reinterpret_cast<uintptr_t>(strong[i]->data_ptr().get()) != static_cast<uintptr_t>(addresses[i]))
+        strong[i].reset();
     }
     py::list out(addresses.size());
     for (size_t i = 0; i < addresses.size(); ++i) {
