@@ -68,23 +68,22 @@ def counters() -> dict:
     return out
 
 
-def _rescue(addresses: list) -> bool:
+def _rescue(arguments: list) -> bool:
     """Called by the fallback, with the GIL, after an operation ran out of memory: compact at this safe
-    point with the operation's arguments (`addresses`, their storages') pinned.
+    point with the operation's tensor `arguments` pinned (`retry.arguments_pinned`, as `retry_on_oom`).
     True when the compaction ran (the operation runs again, once, even if nothing was freed: its second
     failure's message then says what the rescue did); False when it failed. Never raises (it is called
     across the C boundary)."""
     global last_note
     try:
         from .pool import open_pools, safe_point
+        from .retry import arguments_pinned
 
         pools = [p for p in open_pools() if not p.closed]
         moved, stuck = 0, Counter()
-        with safe_point(pools):
+        with safe_point(pools), arguments_pinned(pools, arguments):
             for pool in pools:
-                with _pinned(pool, addresses):
-                    report = pool.compact()
-                moved += report.moved_bytes
+                moved += pool.compact().moved_bytes
         for pool in pools:  # a safe point of its own: the owners as they are after the moves
             for t in pool.live_tensors():
                 if not t.movable:
@@ -96,27 +95,4 @@ def _rescue(addresses: list) -> bool:
         return True
     except Exception:
         _log.error("defrag: the rescue of an operation that ran out of memory failed\n%s", traceback.format_exc())
-        return False
-
-
-class _pinned:
-    """With-block: the blocks of `pool` at `addresses` pinned (each once), unpinned after."""
-
-    def __init__(self, pool, addresses):
-        self.pool, self.addresses, self.blocks = pool, addresses, []
-
-    def __enter__(self):
-        core = self.pool.core
-        with core.gate:
-            for address in set(self.addresses):
-                block = core.block_at(address)
-                if block is not None:
-                    block.pins += 1
-                    self.blocks.append(block)
-        return self
-
-    def __exit__(self, *exc):
-        with self.pool.core.gate:
-            for block in self.blocks:
-                block.pins -= 1
         return False

@@ -27,11 +27,31 @@ whole program.
 
 from __future__ import annotations
 
+from contextlib import contextmanager
+
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from .pool import Pool, open_pools
+
+
+@contextmanager
+def arguments_pinned(pools, tensors):
+    """With-block: each of `tensors` (a failed operation's arguments) that lives in one of `pools` pinned
+    there, since the operation may already have handed its address to a kernel; unpinned after, also
+    when the block raises."""
+    pinned = []
+    try:
+        for t in tensors:
+            for pool in pools:
+                if pool.owns(t):
+                    pool.pin(t)
+                    pinned.append((pool, t))
+        yield
+    finally:
+        for pool, t in pinned:
+            pool.unpin(t)
 
 
 class retry_on_oom(TorchDispatchMode):
@@ -63,19 +83,10 @@ class retry_on_oom(TorchDispatchMode):
                 raise
             self.retries += 1
             tensors = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
-            pinned = []
-            try:
-                for t in tensors:
-                    for pool in pools:
-                        if pool.owns(t):
-                            pool.pin(t)
-                            pinned.append((pool, t))
+            with arguments_pinned(pools, tensors):
                 for pool in pools:
                     pool.compact()
                     pool.trim()
-            finally:
-                for pool, t in pinned:
-                    pool.unpin(t)
         result = func(*args, **kwargs)  # a second OOM propagates to the caller
         self.rescues += 1
         return result

@@ -23,6 +23,7 @@
 #include <c10/util/Exception.h>
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
+#include <torch/csrc/autograd/python_variable.h>
 #include <torch/library.h>
 
 #include <atomic>
@@ -43,25 +44,23 @@ std::atomic<int64_t> g_ops_mutating{0};  // OOMs of operations that write an arg
 thread_local int t_rescuing = 0;         // inside Python's rescue on this thread
 thread_local int t_retrying = 0;         // running an operation again after a rescue, on this thread
 
-// The storage addresses of every tensor among `args` (tensors, lists of them, optional tensors).
-void tensor_addresses(const c10::IValue& v, std::vector<int64_t>& out) {
-  auto add = [&out](const at::Tensor& t) {
-    if (t.defined() && t.has_storage() && t.storage().data() != nullptr)
-      out.push_back(static_cast<int64_t>(reinterpret_cast<uintptr_t>(t.storage().data())));
-  };
+// Every tensor among an operation's arguments (tensors, lists and tuples of them, optional tensors).
+void tensors_in(const c10::IValue& v, std::vector<at::Tensor>& out) {
   if (v.isTensor()) {
-    add(v.toTensor());
+    if (v.toTensor().defined()) out.push_back(v.toTensor());
   } else if (v.isTensorList()) {
-    for (const at::Tensor& t : v.toTensorVector()) add(t);
+    for (const at::Tensor& t : v.toTensorVector())
+      if (t.defined()) out.push_back(t);
   } else if (v.isList()) {
-    for (const c10::IValue& item : v.toListRef()) tensor_addresses(item, out);
+    for (const c10::IValue& item : v.toListRef()) tensors_in(item, out);
   } else if (v.isTuple()) {
-    for (const c10::IValue& item : v.toTupleRef().elements()) tensor_addresses(item, out);
+    for (const c10::IValue& item : v.toTupleRef().elements()) tensors_in(item, out);
   }
 }
 
-// Python's rescue with the GIL: true when it made room (the operation may run again). Never throws.
-bool ask_python(const std::vector<int64_t>& pinned) noexcept {
+// Python's rescue with the GIL, handed the failed operation's tensor arguments (to pin): true when it
+// compacted (the operation may run again). Never throws.
+bool ask_python(const c10::SmallVector<c10::IValue, 8>& args) noexcept {
   if (g_rescue == nullptr || t_rescuing > 0 || !Py_IsInitialized()) return false;
   t_rescuing += 1;
   bool made_room = false;
@@ -69,9 +68,11 @@ bool ask_python(const std::vector<int64_t>& pinned) noexcept {
   try {
     PyObject *type, *value, *traceback;
     PyErr_Fetch(&type, &value, &traceback);
-    py::list addresses;
-    for (int64_t a : pinned) addresses.append(a);
-    PyObject* said = PyObject_CallOneArg(g_rescue, addresses.ptr());
+    std::vector<at::Tensor> tensors;
+    for (const c10::IValue& v : args) tensors_in(v, tensors);
+    py::list wrapped;
+    for (const at::Tensor& t : tensors) wrapped.append(py::reinterpret_steal<py::object>(THPVariable_Wrap(t)));
+    PyObject* said = PyObject_CallOneArg(g_rescue, wrapped.ptr());
     if (said == nullptr) {
       PyErr_WriteUnraisable(g_rescue);  // logged by Python's hook; the OOM propagates
     } else {
@@ -81,12 +82,19 @@ bool ask_python(const std::vector<int64_t>& pinned) noexcept {
     PyErr_Clear();
     PyErr_Restore(type, value, traceback);
   } catch (...) {
+    PyErr_Clear();  // a wrap that failed: the OOM propagates
     made_room = false;
   }
   PyGILState_Release(gil);
   t_rescuing -= 1;
   return made_room;
 }
+
+// While an operation runs again after a rescue (`rescue_retrying`).
+struct Retrying {
+  Retrying() { t_retrying += 1; }
+  ~Retrying() { t_retrying -= 1; }
+};
 
 void rescue_fallback(const c10::OperatorHandle& op, c10::DispatchKeySet, torch::jit::Stack* stack) {
   c10::impl::ExcludeDispatchKeyGuard below(kRescueKey);  // what the operation calls runs without us
@@ -110,27 +118,20 @@ void rescue_fallback(const c10::OperatorHandle& op, c10::DispatchKeySet, torch::
     op.callBoxed(stack);
     return;
   } catch (const c10::OutOfMemoryError&) {
-    std::vector<int64_t> pinned;
-    for (const c10::IValue& v : saved) tensor_addresses(v, pinned);
-    if (!ask_python(pinned)) {
+    if (!ask_python(saved)) {
       g_ops_failed += 1;
       throw;
     }
   }
   if (stack->size() > base) stack->erase(stack->begin() + static_cast<std::ptrdiff_t>(base), stack->end());
   for (c10::IValue& v : saved) stack->push_back(std::move(v));
-  t_retrying += 1;  // the OOM message of a second failure says what the rescue did (rescue.last_note)
+  Retrying again;  // the OOM message of a second failure says what the rescue did (rescue.last_note)
   try {
     op.callBoxed(stack);
   } catch (const c10::OutOfMemoryError&) {
-    t_retrying -= 1;
     g_ops_failed += 1;
     throw;
-  } catch (...) {
-    t_retrying -= 1;
-    throw;
   }
-  t_retrying -= 1;
   g_ops_rescued += 1;
 }
 
