@@ -59,7 +59,6 @@ import logging
 import math
 import traceback
 import weakref
-from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -77,6 +76,7 @@ from .errors import PoolAsleepError, PoolClosedError, StaleAccessError
 from .mesher import MeshReport
 from .oom import OutOfMemoryError, refused_inside_allocator
 from .pool_context import PoolContext, TensorInfo
+from .pool_context import safe_point as contexts_safe_point
 from .pool_meshing import PoolMeshing
 from .pool_observability import PoolObservability
 from .pool_ownership import TensorOwnership
@@ -157,24 +157,11 @@ def compact(*, verify: bool = False, progress: bool | None = None, engine: str |
                 for p in pools]
 
 
-@contextmanager
 def safe_point(pools):
     """With-block: a safe point for `pools` (the caller runs no torch operation, and no other thread may be
-    in the middle of one): the owners of their PyTorch-made blocks are matched once for all of them
-    (`defrag.owners.match`), and compactions inside may move those blocks. Nested safe points reuse the
-    outer match. Yields {pool id: OwnerMatch}."""
-    contexts = [p._context for p in pools if p._context.owners is None]
-    if not contexts:
-        yield {}
-        return
-    found = owners.match([p for p in pools if p._context.owners is None])
-    for context in contexts:
-        context.owners = found.get(context.id)
-    try:
-        yield found
-    finally:
-        for context in contexts:
-            context.owners = None
+    in the middle of one): the owners of their PyTorch-made blocks are matched once for all of them, and
+    compactions inside may move those blocks (`defrag.pool_context.safe_point`)."""
+    return contexts_safe_point([p._context for p in pools])
 
 
 ALLOCATOR_ORIGIN = 2  # books.h Origin kAllocator: placed for PyTorch's allocator entries

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import logging
 import traceback
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
@@ -193,14 +194,9 @@ class PoolContext:
 
     def _rescue(self, nbytes: int, tried: list[str]) -> Block | None:
         # The automatic trigger of a Python caller (pool.empty and the like): a safe point for PyTorch's
-        # blocks too, when no outer one matched their owners already.
-        if self.owners is not None or self.fast is None:
+        # blocks too.
+        with safe_point([self]):
             return rescue(self.core, self.mover, nbytes, tried, self.on_compact)
-        self.owners = owners_.match([self]).get(self.id)
-        try:
-            return rescue(self.core, self.mover, nbytes, tried, self.on_compact)
-        finally:
-            self.owners = None
 
     def _describe(self, block: Block) -> str:
         info = block.info
@@ -256,6 +252,24 @@ class PoolContext:
         return self.core.block_at(tensor.untyped_storage().data_ptr())
 
 
+@contextmanager
+def safe_point(contexts):
+    """With-block: a safe point for the pools of `contexts` (the caller runs no torch operation, and no
+    other thread may be in the middle of one): the owners of their PyTorch-made blocks are matched once
+    for all of them (`defrag.owners.match`; pools PyTorch's allocator never used are skipped there) and
+    held on each context's `owners` for the compactions inside. A context already inside a safe point
+    keeps its match."""
+    fresh = [context for context in contexts if context.owners is None]
+    found = owners_.match(fresh) if fresh else {}
+    for context in fresh:
+        context.owners = found.get(context.id)
+    try:
+        yield
+    finally:
+        for context in fresh:
+            context.owners = None
+
+
 class _TorchMover:
     """The compaction's callbacks for torch storages (see `defrag.compactor.Mover`), over a pool's context."""
 
@@ -271,25 +285,14 @@ class _TorchMover:
             return "a segment of PyTorch's allocator (capture): PyTorch sub-allocates inside it, so it never moves"
         if owners_.moves_forbidden():
             return owners_.NO_MOVES_REASON
-        if info is not None and info.origin == "allocator":
-            return self._torch_made_verdict(block)
+        if self._torch_made(block):
+            return self._torch_made_verdicts([block])[0]
         if info is None or info.storage_ref is None or info.storage_ref.expired():
             return "its storage is being released"
         if not self.context.can_swap and self.rebindable(block) is None:
             return ("torch < 2.12 lacks UntypedStorage._swap_data_ptr_ (and the storage-swap extension could not "
                     "be built), and views or other references to this storage exist that the pool cannot rewrite")
         return ""
-
-    def _torch_made_verdict(self, block: Block) -> str:
-        # A PyTorch-made block moves only where the safe point's match found its one owner, which the
-        # compaction rewrites in place (`FastPath.rebase`), and with no raw copy of its address known.
-        owners = self.context.owners
-        if owners is None:
-            return owners_.NOT_MATCHED
-        if not self.context.can_swap:
-            return ("made by PyTorch's allocator, and torch < 2.12 lacks UntypedStorage._swap_data_ptr_ (and the "
-                    "storage-swap extension could not be built)")
-        return owners.verdict(block.address)
 
     @staticmethod
     def _torch_made(block: Block) -> bool:
@@ -320,17 +323,19 @@ class _TorchMover:
                 for i, block in enumerate(blocks)]
 
     def _torch_made_verdicts(self, blocks: list) -> dict:
-        """{index: `_torch_made_verdict`} for the PyTorch-made blocks among `blocks`, in one call to the books."""
+        """{index: why it may not move ("" when it may)} for the PyTorch-made blocks among `blocks`, in one
+        call to the books. Such a block moves only where the safe point's match found its one owner (which
+        the compaction rewrites in place, `FastPath.rebase`) and no raw copy of its address is known."""
         made = [i for i, block in enumerate(blocks) if self._torch_made(block)]
         if not made:
             return {}
-        owners, why = self.context.owners, None
+        owners = self.context.owners
         if owners is None:
-            why = owners_.NOT_MATCHED
-        elif not self.context.can_swap:
-            why = self._torch_made_verdict(blocks[made[0]])
-        if why is not None:
-            return dict.fromkeys(made, why)
+            return dict.fromkeys(made, owners_.NOT_MATCHED)
+        if not self.context.can_swap:
+            return dict.fromkeys(made, "made by PyTorch's allocator, and torch < 2.12 lacks "
+                                       "UntypedStorage._swap_data_ptr_ (and the storage-swap extension could "
+                                       "not be built)")
         return dict(zip(made, owners.verdicts([blocks[i].address for i in made])))
 
     def grip_all(self, blocks: list) -> list:
@@ -348,7 +353,7 @@ class _TorchMover:
             owned = {i: storage for i, storage in zip(made, found) if storage is not None}
         grips = []
         for index, block in enumerate(blocks):
-            if self._torch_made(block):
+            if index in verdicts:  # PyTorch-made
                 storage = owned.get(index)
                 grips.append(None if storage is None or not swap else (storage, None))
                 continue
