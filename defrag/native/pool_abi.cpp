@@ -344,6 +344,18 @@ __attribute__((visibility("default"))) int32_t defrag_pool_empty_cache(int32_t d
   });
 }
 
+// What both fraction entries check first: a pool on `device`, a fraction in (0, 1] (else `why` says so),
+// and the pool's capacity and the device's total memory.
+static int32_t fraction_geometry(int32_t device, double fraction, char* why, size_t why_len, int64_t& capacity,
+                          int64_t& total) {
+  if (!valid_device(device)) return DEFRAG_POOL_NO_POOL;
+  if (!(fraction > 0.0 && fraction <= 1.0)) {
+    say(why, why_len, ("defrag: a memory fraction must be in (0, 1], got " + std::to_string(fraction)).c_str());
+    return DEFRAG_POOL_ERROR;
+  }
+  return geometry(device, capacity, total);
+}
+
 __attribute__((visibility("default"))) int32_t defrag_pool_memory_fraction(int32_t device, double* out) {
   if (out == nullptr) return DEFRAG_POOL_ERROR;
   if (!valid_device(device)) return DEFRAG_POOL_NO_POOL;
@@ -355,13 +367,8 @@ __attribute__((visibility("default"))) int32_t defrag_pool_memory_fraction(int32
 
 __attribute__((visibility("default"))) int32_t defrag_pool_set_memory_fraction(int32_t device, double fraction,
                                                                                char* why, size_t why_len) {
-  if (!valid_device(device)) return DEFRAG_POOL_NO_POOL;
-  if (!(fraction > 0.0 && fraction <= 1.0)) {
-    say(why, why_len, ("defrag: a memory fraction must be in (0, 1], got " + std::to_string(fraction)).c_str());
-    return DEFRAG_POOL_ERROR;
-  }
   int64_t capacity = 0, total = 0;
-  int32_t status = geometry(device, capacity, total);
+  int32_t status = fraction_geometry(device, fraction, why, why_len, capacity, total);
   if (status != DEFRAG_POOL_OK) return status;
   const double allowed = fraction * static_cast<double>(total);
   if (allowed + 0.5 >= static_cast<double>(capacity)) return DEFRAG_POOL_OK;  // the capacity stays the limit
@@ -378,13 +385,8 @@ __attribute__((visibility("default"))) int32_t defrag_pool_set_memory_fraction(i
 
 __attribute__((visibility("default"))) int32_t defrag_pool_set_budget(int32_t device, double fraction, char* why,
                                                                       size_t why_len) {
-  if (!valid_device(device)) return DEFRAG_POOL_NO_POOL;
-  if (!(fraction > 0.0 && fraction <= 1.0)) {
-    say(why, why_len, ("defrag: a memory fraction must be in (0, 1], got " + std::to_string(fraction)).c_str());
-    return DEFRAG_POOL_ERROR;
-  }
   int64_t capacity = 0, total = 0;
-  int32_t status = geometry(device, capacity, total);
+  int32_t status = fraction_geometry(device, fraction, why, why_len, capacity, total);
   if (status != DEFRAG_POOL_OK) return status;
   const auto wanted = static_cast<long long>(fraction * static_cast<double>(total));
   std::string failure;

@@ -21,6 +21,7 @@ from defrag.driver import Driver
 from defrag.driver.emulated import EmulatedCuda, R
 
 from ..forked import run_clean
+from .test_pool_abi import PRELUDE as ABI_PRELUDE
 
 PAGE = 64 * 1024
 A, B = 0x1000, 0x2000
@@ -174,22 +175,12 @@ def test_pending_frees_are_not_queried_during_a_capture():
 
 
 # --------------------------------------------------------------------- the budget (setMemoryFraction)
-PRELUDE = r"""
-import ctypes, torch, defrag
-from defrag import allocator_install as cap, cuda_backend as cb
-MiB = 1 << 20
-OK, OOM, ERROR, NO_POOL, BUSY = range(5)
-pool = defrag.Pool("emulated", capacity="64MiB", auto_compact=False)
-P = pool.page_size
-lib = cb.pool_abi()
-cap.register_native(pool, device=0)
+# test_pool_abi's prelude (a registered 64 MiB pool, `lib`, `alloc`, `free`, `stats`), with the device's total
+# memory and a buffer for the refusals.
+PRELUDE = ABI_PRELUDE + r"""
+register()
 total = pool.driver.total_memory
 why = ctypes.create_string_buffer(4096)
-
-def alloc(n):
-    out = ctypes.c_void_p()
-    status = lib.defrag_pool_alloc(0, n, None, ctypes.byref(out), why, len(why))
-    return status, out.value
 
 def fraction():
     f = ctypes.c_double(-1)
@@ -208,15 +199,15 @@ assert lib.defrag_pool_set_budget(9, 0.5, why, len(why)) == NO_POOL
 low = 16 * MiB / total
 assert lib.defrag_pool_set_budget(0, low, why, len(why)) == OK, why.value
 assert pool.capacity == 16 * MiB and abs(fraction() - low) < 1e-9
-status, p1 = alloc(12 * MiB)
+status, p1, _ = alloc(12 * MiB)
 assert status == OK
-status, p2 = alloc(12 * MiB)
+status, p2, _ = alloc(12 * MiB)
 assert status == OOM, status  # beyond the budget
 # Higher than it was made with (up to the device).
 high = 48 * MiB / total
 assert lib.defrag_pool_set_budget(0, high, why, len(why)) == OK, why.value
 assert pool.capacity == 48 * MiB
-status, p2 = alloc(12 * MiB)
+status, p2, _ = alloc(12 * MiB)
 assert status == OK
 # Lower than what is held: live pages stay, the budget is reached as they empty (emptyCache).
 assert lib.defrag_pool_set_budget(0, 8 * MiB / total, why, len(why)) == OK, why.value
